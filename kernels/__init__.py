@@ -1,0 +1,1 @@
+"""CUDA kernel sources, shipped as package data for the run-time compiler."""

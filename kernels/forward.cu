@@ -1,0 +1,302 @@
+// SageBwd forward: S = Q̂K̂ᵀ (INT8 mma m16n8k32), online softmax in exp2, P̂ quantized per row
+// with the free scale exp2(rowmax - m_new)/127 and kept in registers, O += P̂V̂ (INT8), FP32
+// accumulation, output in the input dtype, base-2 LSE saved. Numerics: sagebwd_cp/numerics.py.
+//
+// Compile-time parameters:
+//   SB_DP       padded head dim (64 or 128)           SB_BF16    output dtype bf16 (else fp16)
+//   SB_CAUSAL   bottom-right aligned causal mask       SB_BIAS    Q-smoothing bias add-back
+//   SB_WARPS    warps per CTA                          SB_MT      16-row m-tiles per warp
+#include "common.cuh"
+#include "mma.cuh"
+#include "ldmatrix.cuh"
+#include "cp_async.cuh"
+#include "swizzle.cuh"
+#include "convert.cuh"
+#include "exp2.cuh"
+
+#ifndef SB_DP
+#define SB_DP 128
+#endif
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+#ifndef SB_CAUSAL
+#define SB_CAUSAL 0
+#endif
+#ifndef SB_BIAS
+#define SB_BIAS 0
+#endif
+#ifndef SB_WARPS
+#define SB_WARPS 8
+#endif
+#ifndef SB_MT
+#define SB_MT 1
+#endif
+
+constexpr int DP = SB_DP;
+constexpr int BKV = SB_BLOCK_KV;             // keys per tile (= K/V scale block)
+constexpr int THREADS = SB_WARPS * 32;
+constexpr int CTA_Q = SB_WARPS * 16 * SB_MT;  // query rows per CTA
+constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
+constexpr int NT_KV = BKV / 8;                // n-tiles of S over the key tile
+constexpr int NT_D = DP / 8;                  // n-tiles of O over the head dim
+constexpr int Q_BYTES = CTA_Q * DP;
+constexpr int K_BYTES = BKV * DP;
+constexpr int V_BYTES = DP * BKV;
+constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q scale");
+static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
+
+// Copy `rows` rows of ROW_BYTES from global (row stride gstride bytes) into a swizzled tile.
+template <int ROW_BYTES>
+SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
+    constexpr int CHUNKS = ROW_BYTES / 16;
+    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
+    }
+}
+
+// ldmatrix.x4 of B fragments for two n-tiles (rows n0..n0+15 of a k-contiguous tile) at k-step ks.
+template <int ROW_BYTES>
+SB_DEVICE void load_b_pair(u32 (&r)[4], u32 tile, int n0, int ks, int lane) {
+    const int m = lane >> 3;
+    const int row = n0 + ((m >> 1) << 3) + (lane & 7);
+    ldmatrix_x4(r, tile + swizzled_offset<ROW_BYTES>(row, 2 * ks + (m & 1)));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
+                  const i8* __restrict__ k8, const float* __restrict__ k_scale,
+                  const i8* __restrict__ vt8, const float* __restrict__ v_scale,
+                  const float* __restrict__ bias, u16* __restrict__ out, i64 ob, i64 oh, i64 on,
+                  float* __restrict__ lse2, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad,
+                  int Nk_pad) {
+    SB_REQUIRE_SM80();
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    // Later query blocks have more work under the causal mask: start them first.
+    const int qb = SB_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    const int q0 = qb * CTA_Q;
+    const i64 bhq = static_cast<i64>(b) * Hq + h, bhk = static_cast<i64>(b) * Hkv + hk;
+
+    const u32 sQ = smem_u32(smem);
+    const u32 sKV = sQ + Q_BYTES;
+    const i8* kg = k8 + bhk * Nk_pad * DP;
+    const i8* vg = vt8 + bhk * DP * Nk_pad;
+
+    int n_tiles = (Lk + BKV - 1) / BKV;
+    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
+    if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
+
+    load_tile<DP>(sQ, q8 + (bhq * Nq_pad + q0) * DP, CTA_Q, DP);
+    if (n_tiles > 0) {
+        load_tile<DP>(sKV, kg, BKV, DP);
+        load_tile<BKV>(sKV + K_BYTES, vg, DP, Nk_pad);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Q̂ fragments stay in registers for the whole key loop.
+    u32 qf[SB_MT][KSTEPS_D][4];
+    float qs[SB_MT];
+#pragma unroll
+    for (int mt = 0; mt < SB_MT; ++mt) {
+        const int r0 = (warp * SB_MT + mt) * 16;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_D; ++ks) {
+            const int m = lane >> 3;
+            ldmatrix_x4(qf[mt][ks], sQ + swizzled_offset<DP>(r0 + ((m & 1) << 3) + (lane & 7), 2 * ks + (m >> 1)));
+        }
+        qs[mt] = q_scale[bhq * (Nq_pad / SB_BLOCK_Q) + (q0 + r0) / SB_BLOCK_Q];
+    }
+
+    float o[SB_MT][NT_D][4];
+    float m_run[SB_MT][2], l_run[SB_MT][2];
+#pragma unroll
+    for (int mt = 0; mt < SB_MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < NT_D; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = -__int_as_float(0x7f800000);
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const u32 sK = sKV + (j & 1) * STAGE_BYTES;
+        const u32 sV = sK + K_BYTES;
+        // Prefetch the next tile into the other stage (its readers finished before the barrier
+        // at the end of the previous iteration).
+        if (j + 1 < n_tiles) {
+            const u32 nK = sKV + ((j + 1) & 1) * STAGE_BYTES;
+            load_tile<DP>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, BKV, DP);
+            load_tile<BKV>(nK + K_BYTES, vg + (j + 1) * BKV, DP, Nk_pad);
+        }
+        cp_async_commit();
+
+        // S = Q̂ K̂ᵀ (exact int32).
+        int s[SB_MT][NT_KV][4];
+#pragma unroll
+        for (int mt = 0; mt < SB_MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_D; ++ks) {
+#pragma unroll
+            for (int n = 0; n < NT_KV; n += 2) {
+                u32 bf[4];
+                load_b_pair<DP>(bf, sK, n * 8, ks, lane);
+                const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mt = 0; mt < SB_MT; ++mt) {
+                    mma_s8_16832(s[mt][n], qf[mt][ks], b0);
+                    mma_s8_16832(s[mt][n + 1], qf[mt][ks], b1);
+                }
+            }
+        }
+
+        const float ks_j = k_scale[bhk * (Nk_pad / BKV) + j];
+        const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / 127.f);
+        const bool need_mask = (j + 1) * BKV > Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + Lk - Lq);
+
+        u32 pf[SB_MT][2][4];  // P̂ as A fragments for the two 32-key k-steps
+        float pv_factor[SB_MT][2], alpha[SB_MT][2];
+#pragma unroll
+        for (int mt = 0; mt < SB_MT; ++mt) {
+            const float qk = qs[mt] * ks_j;
+            const int rbase = q0 + (warp * SB_MT + mt) * 16 + g;
+            float e[NT_KV][4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = rbase + 8 * half;
+                // Row max over the tile (integer max: the scale is positive, so it commutes).
+                float sf[NT_KV][2];
+                float rmax;
+                if (SB_BIAS) {
+                    const float* bp = bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (row - g - 8 * half) / SB_BLOCK_Q) * Nk_pad + j * BKV;
+                    rmax = -__int_as_float(0x7f800000);
+#pragma unroll
+                    for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int key = j * BKV + n * 8 + 2 * t + c;
+                            bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
+                            sf[n][c] = ok ? fmaf(static_cast<float>(s[mt][n][2 * half + c]), qk, bp[n * 8 + 2 * t + c])
+                                          : -__int_as_float(0x7f800000);
+                            rmax = fmaxf(rmax, sf[n][c]);
+                        }
+                    rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
+                    rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
+                } else {
+                    int imax = -2147483647 - 1;
+#pragma unroll
+                    for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int key = j * BKV + n * 8 + 2 * t + c;
+                            bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
+                            if (!ok) s[mt][n][2 * half + c] = -2147483647 - 1;
+                            imax = max(imax, s[mt][n][2 * half + c]);
+                        }
+                    imax = max(imax, __shfl_xor_sync(0xffffffffu, imax, 1));
+                    imax = max(imax, __shfl_xor_sync(0xffffffffu, imax, 2));
+                    rmax = imax == -2147483647 - 1 ? -__int_as_float(0x7f800000) : static_cast<float>(imax) * qk;
+                }
+                const float m_old = m_run[mt][half];
+                const float m_new = fmaxf(m_old, rmax);
+                const float m_use = m_new == -__int_as_float(0x7f800000) ? 0.f : m_new;
+                const float a = exp2_approx(m_old - m_use);
+                const float beta = exp2_approx(rmax - m_use);
+                float rsum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        float x;
+                        if (SB_BIAS) x = exp2_approx(sf[n][c] - rmax);
+                        else {
+                            const int si = s[mt][n][2 * half + c];
+                            x = si == -2147483647 - 1 ? 0.f : exp2_approx(fmaf(static_cast<float>(si), qk, -rmax));
+                        }
+                        e[n][2 * half + c] = x;
+                        rsum += x;
+                    }
+                l_run[mt][half] = a * l_run[mt][half] + beta * rsum;
+                m_run[mt][half] = m_new;
+                alpha[mt][half] = a;
+                pv_factor[mt][half] = beta * pv_scale;
+            }
+            // P̂ = rint(127 e), packed in the A-fragment order that V̂ᵀ's key permutation matches.
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                const int n = 4 * kk;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    pf[mt][kk][half] = pack4_magic(round_magic(e[n][2 * half], 127.f), round_magic(e[n][2 * half + 1], 127.f),
+                                                   round_magic(e[n + 1][2 * half], 127.f), round_magic(e[n + 1][2 * half + 1], 127.f));
+                    pf[mt][kk][2 + half] = pack4_magic(round_magic(e[n + 2][2 * half], 127.f), round_magic(e[n + 2][2 * half + 1], 127.f),
+                                                       round_magic(e[n + 3][2 * half], 127.f), round_magic(e[n + 3][2 * half + 1], 127.f));
+                }
+            }
+        }
+
+        // O = α·O + (P̂ V̂)·(β/127)·s_V, two d n-tiles at a time.
+#pragma unroll
+        for (int nd = 0; nd < NT_D; nd += 2) {
+            int pv[SB_MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < SB_MT; ++mt)
+#pragma unroll
+                for (int x = 0; x < 2; ++x) pv[mt][x][0] = pv[mt][x][1] = pv[mt][x][2] = pv[mt][x][3] = 0;
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                u32 bf[4];
+                load_b_pair<BKV>(bf, sV, nd * 8, kk, lane);
+                const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mt = 0; mt < SB_MT; ++mt) {
+                    mma_s8_16832(pv[mt][0], pf[mt][kk], b0);
+                    mma_s8_16832(pv[mt][1], pf[mt][kk], b1);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < SB_MT; ++mt)
+#pragma unroll
+                for (int x = 0; x < 2; ++x)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1],
+                                                o[mt][nd + x][c] * alpha[mt][c >> 1]);
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
+    // O = acc / l, stored in the input dtype; base-2 LSE (+inf for rows that saw no key).
+#pragma unroll
+    for (int mt = 0; mt < SB_MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float l = l_run[mt][half];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            if (row < Lq) {
+                u16* orow = out + b * ob + h * oh + row * on;
+#pragma unroll
+                for (int n = 0; n < NT_D; ++n) {
+                    const int col = n * 8 + 2 * t;
+                    if (col < D)
+                        *reinterpret_cast<u32*>(orow + col) =
+                            pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
+                }
+                if (lse2 && t == 0)
+                    lse2[bhq * Nq_pad + row] = l > 0.f ? m_run[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+            }
+        }
+    }
+}

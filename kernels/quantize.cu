@@ -1,0 +1,152 @@
+// Per-block symmetric INT8 quantization (ψ of numerics.py) of Q, K, V and dO, writing every
+// layout the later products read: row-major [B][H][N_pad][D_pad] (reduction over d) and/or the
+// transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
+// each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
+//
+// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per scale block).
+#include "common.cuh"
+#include "convert.cuh"
+
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+#define QBLOCK 64
+#define QTHREADS 256
+#define MAX_DPAD 128
+
+static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
+
+// Stored position p (within 16) holds token KEY_PERMUTATION_16[p].
+SB_DEVICE int permuted_token(int p) {
+    const int q = p & 15, t = q >> 2, e = q & 3;
+    return (p & ~15) + 2 * t + (e & 1) + 8 * (e >> 1);
+}
+
+SB_DEVICE float block_max(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    float m = red[0];
+    for (int w = 1; w < QTHREADS / 32; ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    return m;
+}
+
+// One CTA quantizes one block of 64 rows of one (batch, head).
+// x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
+// prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
+// mean_in (optional, [B][H][D_pad]): subtracted after the prescale (K-smoothing).
+// block_mean_out (optional, [B][H][N_pad/64][D_pad]): subtract and store the block's own mean
+//   over its valid rows (Q-smoothing).
+// rows_out / t_out (optional): the two layouts; permute_t selects the fragment token order.
+extern "C" __global__ void __launch_bounds__(QTHREADS)
+quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
+                int N_pad, float prescale, const float* __restrict__ mean_in,
+                float* __restrict__ block_mean_out, i8* __restrict__ rows_out, i8* __restrict__ t_out,
+                int permute_t, float* __restrict__ scale_out) {
+    SB_REQUIRE_SM80();
+    __shared__ float tile[QBLOCK][MAX_DPAD + 1];
+    __shared__ double colsum[QTHREADS];
+    __shared__ float red[QTHREADS / 32];
+    const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int row0 = blk * QBLOCK;
+    const int nvalid = max(0, min(QBLOCK, N - row0));
+    const u16* xs = x + b * sb + h * sh;
+    const i64 bh = static_cast<i64>(b) * H + h;
+    const float* mu = mean_in ? mean_in + bh * D_pad : nullptr;
+
+    // Load (prescaled, mean-subtracted) values; padding rows and columns are 0.
+    for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
+        const int r = i / D_pad, c = i % D_pad;
+        float v = 0.f;
+        if (r < nvalid && c < D) {
+            v = mul_rn(to_f32<SB_BF16>(xs[static_cast<i64>(row0 + r) * sn + c]), prescale);
+            if (mu) v = sub_rn(v, mu[c]);
+        }
+        tile[r][c] = v;
+    }
+    __syncthreads();
+
+    if (block_mean_out) {
+        // Column means over the valid rows in float64 (exact for realistic ranges, so the
+        // emulator's order of summation gives the same float32 mean).
+        const int per_col = QTHREADS / D_pad;
+        const int c = threadIdx.x % D_pad, part = threadIdx.x / D_pad;
+        double s = 0.0;
+        for (int r = part; r < nvalid; r += per_col) s += static_cast<double>(tile[r][c]);
+        colsum[threadIdx.x] = s;
+        __syncthreads();
+        if (threadIdx.x < D_pad) {
+            double t = 0.0;
+            for (int p = 0; p < per_col; ++p) t += colsum[p * D_pad + threadIdx.x];
+            const float m = (c < D && nvalid > 0) ? static_cast<float>(t / static_cast<double>(nvalid)) : 0.f;
+            block_mean_out[(bh * (N_pad / QBLOCK) + blk) * D_pad + threadIdx.x] = m;
+            colsum[threadIdx.x] = m;  // reused as the float32 mean
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
+            const int r = i / D_pad, c = i % D_pad;
+            if (r < nvalid && c < D) tile[r][c] = sub_rn(tile[r][c], static_cast<float>(colsum[c]));
+        }
+        __syncthreads();
+    }
+
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
+    amax = block_max(amax, red);
+    const float scale = amax == 0.f ? 1.f : div_rn(amax, 127.f);
+    const float inv = amax == 0.f ? 1.f : div_rn(127.f, amax);
+    if (threadIdx.x == 0) scale_out[bh * (N_pad / QBLOCK) + blk] = scale;
+
+    // Round and write, four bytes per store.
+    if (rows_out) {
+        i8* out = rows_out + (bh * N_pad + row0) * D_pad;
+        for (int i = threadIdx.x; i < QBLOCK * D_pad / 4; i += QTHREADS) {
+            const int r = (4 * i) / D_pad, c = (4 * i) % D_pad;
+            u32 w = 0;
+            for (int e = 0; e < 4; ++e) {
+                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c + e], inv))));
+                w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
+            }
+            reinterpret_cast<u32*>(out)[i] = w;
+        }
+    }
+    if (t_out) {
+        i8* out = t_out + bh * D_pad * N_pad + row0;
+        for (int i = threadIdx.x; i < D_pad * QBLOCK / 4; i += QTHREADS) {
+            const int c = (4 * i) / QBLOCK, p = (4 * i) % QBLOCK;
+            u32 w = 0;
+            for (int e = 0; e < 4; ++e) {
+                const int r = permute_t ? permuted_token(p + e) : p + e;
+                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c], inv))));
+                w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
+            }
+            *reinterpret_cast<u32*>(out + static_cast<i64>(c) * N_pad + p) = w;
+        }
+    }
+}
+
+// μ over tokens per (batch, head) and column: float64 sum (exact for realistic ranges, hence
+// independent of order) / N in float64, rounded to float32. Columns >= D get 0.
+extern "C" __global__ void __launch_bounds__(QTHREADS)
+token_mean(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
+           float* __restrict__ mean_out) {
+    SB_REQUIRE_SM80();
+    __shared__ double part[QTHREADS];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const u16* xs = x + b * sb + h * sh;
+    const int per_col = QTHREADS / D_pad;
+    const int c = threadIdx.x % D_pad, slice = threadIdx.x / D_pad;
+    double s = 0.0;
+    if (c < D)
+        for (int n = slice; n < N; n += per_col) s += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c]));
+    part[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x < D_pad) {
+        double t = 0.0;
+        for (int p = 0; p < per_col; ++p) t += part[p * D_pad + threadIdx.x];
+        mean_out[(static_cast<i64>(b) * H + h) * D_pad + threadIdx.x] =
+            (c < D && N > 0) ? static_cast<float>(t / static_cast<double>(N)) : 0.f;
+    }
+}

@@ -1,0 +1,23 @@
+// Types and guards shared by every kernel. No CUDA headers are included: NVRTC compiles these
+// sources as they are, so 16-bit values travel as raw bits and convert through PTX.
+#pragma once
+
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define SB_DEVICE __device__ __forceinline__
+
+// The INT8 mma.sync, ldmatrix and cp.async paths need sm_80 or newer; trap rather than compute
+// garbage if a cubin is ever run on an older device.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 800)
+#define SB_REQUIRE_SM80() asm volatile("trap;")
+#else
+#define SB_REQUIRE_SM80()
+#endif
+
+SB_DEVICE u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}

@@ -1,0 +1,58 @@
+// Conversions: 16-bit floats as raw bits <-> f32, correctly rounded f32 arithmetic that the
+// compiler may not contract, INT8 rounding on the FMA pipe and byte packing.
+#pragma once
+#include "common.cuh"
+
+// cvt.f32.f16 / bf16 -> f32 (a shift: bf16 is the top half of an f32).
+template <bool BF16>
+SB_DEVICE float to_f32(u16 x) {
+    if (BF16) return __uint_as_float(static_cast<u32>(x) << 16);
+    float f;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
+    return f;
+}
+
+// cvt.rn.f16.f32 / cvt.rn.bf16.f32: f32 -> 16 bits, round to nearest even.
+template <bool BF16>
+SB_DEVICE u16 from_f32(float f) {
+    u16 x;
+    if (BF16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    else asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(x) : "f"(f));
+    return x;
+}
+
+// cvt.rn.{f16x2,bf16x2}.f32: two f32 -> packed pair, `lo` in the low half.
+template <bool BF16>
+SB_DEVICE u32 pack2_f32(float lo, float hi) {
+    u32 r;
+    if (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// mul.rn.f32 / sub.rn.f32 / div.rn.f32: IEEE results, never fused into an FMA, so the
+// quantizer matches the NumPy emulator bit for bit.
+SB_DEVICE float mul_rn(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+SB_DEVICE float sub_rn(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+SB_DEVICE float div_rn(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+
+// cvt.rni.s32.f32: round to nearest even.
+SB_DEVICE int rint_s32(float f) { int r; asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(f)); return r; }
+
+// x * inv rounded to an integer on the FMA pipe: adding 1.5*2^23 leaves round-to-nearest-even
+// of |x*inv| < 2^22 in the low mantissa bits (the SFU's cvt is a scarcer unit). Returns the
+// float whose low byte is the two's-complement INT8 value.
+SB_DEVICE float round_magic(float x, float inv) { return fmaf(x, inv, 12582912.0f); }
+
+// prmt.b32: bytes 0 of four words -> one word (a in byte 0 ... d in byte 3).
+SB_DEVICE u32 pack4_low_bytes(u32 a, u32 b, u32 c, u32 d) {
+    u32 lo, hi, r;
+    asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(lo) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(hi) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
+    return r;
+}
+
+SB_DEVICE u32 pack4_magic(float a, float b, float c, float d) {
+    return pack4_low_bytes(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d));
+}

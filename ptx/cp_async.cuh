@@ -1,0 +1,14 @@
+// Asynchronous global->shared copies (cp.async, sm_80+).
+#pragma once
+#include "common.cuh"
+
+// cp.async.cg.shared.global 16 bytes; src_bytes < 16 zero-fills the rest (0 = all zeros).
+SB_DEVICE void cp_async_16(u32 dst, const void* src, int src_bytes = 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+SB_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// cp.async.wait_group N: wait until at most N committed groups are still in flight.
+template <int N>
+SB_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -1,0 +1,16 @@
+// ex2.approx.ftz.f32: 2^x on the special-function unit (2 ulp; exp2(-inf) = 0).
+#pragma once
+#include "common.cuh"
+
+SB_DEVICE float exp2_approx(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// lg2.approx.ftz.f32
+SB_DEVICE float log2_approx(float x) {
+    float r;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}

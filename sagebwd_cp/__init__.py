@@ -1,0 +1,12 @@
+"""sagebwd_cp: trainable INT8 attention (SageBwd).
+
+``attention`` for inference, ``attention_forward`` / ``attention_backward`` for training, on any
+DLPack array (CuPy, PyTorch, JAX; NumPy arrays run the emulator).  ``import sagebwd_cp.torch`` for
+the PyTorch adapter.
+"""
+from .api import AttentionSaved, attention, attention_backward, attention_forward
+from .arrays import ArrayDesc, describe, set_allocator
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_forward", "attention_backward", "AttentionSaved", "ArrayDesc", "describe",
+           "set_allocator", "__version__"]

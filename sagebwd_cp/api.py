@@ -1,0 +1,108 @@
+"""The public functions: inference, training forward and backward, on any DLPack array.
+
+CUDA arrays run the INT8 kernels on the caller's current stream; host arrays (NumPy, or anything
+NumPy can read through DLPack) run the NumPy emulator of the same quantized algorithm.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import emulator
+from .arrays import ArrayDesc, describe
+from .problem import AttentionProblem, check_granularity, check_output, make_problem
+
+
+@dataclasses.dataclass
+class AttentionSaved:
+    """What the backward needs from one training forward: the INT8 tensors and their scales,
+    the base-2 LSE, the 16-bit output and V, and the options."""
+
+    problem: AttentionProblem
+    out: object
+    state: object  # forward.Quantized plus lse2 on the GPU; the emulator's dict on the host
+    lse2: object = None
+
+
+def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
+    x = desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj[0] if isinstance(desc.obj, tuple) else desc.obj)
+    x = np.asarray(x, dtype=np.float32)
+    return x if layout == "HND" else x.transpose(0, 2, 1, 3)
+
+
+def _to_layout(x: np.ndarray, layout: str, dtype: str) -> np.ndarray:
+    x = x if layout == "HND" else x.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(x.astype(np.float16 if dtype == "float16" else np.float32))
+
+
+def _emulator_dtype(dtype: str) -> str:
+    return dtype if dtype in ("float16", "bfloat16") else "float32"
+
+
+def _forward(q, k, v, *, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse):
+    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                        smooth_q=smooth_q, layout=layout)
+    if prob.on_gpu:
+        from .forward import forward_gpu
+
+        out_desc = check_output(out, prob) if out is not None else None
+        out_desc, qz, lse2, lse = forward_gpu(prob, out_desc, training, return_lse)
+        saved = AttentionSaved(prob, out_desc, qz, lse2) if training else None
+        return out_desc.obj, (lse.obj if lse is not None else None), saved
+    if prob.dtype == "bfloat16":
+        raise TypeError("q: bfloat16 host arrays are not supported by NumPy; pass float32 values or a CUDA array")
+    qh, kh, vh = (_host_array(d, layout) for d in (prob.q, prob.k, prob.v))
+    o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
+                                             smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
+                                             dtype=_emulator_dtype(prob.dtype))
+    o = _to_layout(o, layout, prob.dtype)
+    if out is not None:
+        od = check_output(out, prob)
+        np.copyto(od.obj, o)
+        o = od.obj
+    saved = AttentionSaved(prob, o, state) if training else None
+    return o, (lse.astype(np.float32) if return_lse else None), saved
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
+              out=None, return_lse=False):
+    """Inference attention (saves nothing for a backward).
+
+    q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
+    (Hq a multiple of Hkv: GQA/MQA) and Lk tokens.  fp16 or bf16 on CUDA; causal masking is
+    bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
+    that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
+    natural-log logsumexp, shape (B, Hq, Lq), float32.
+    """
+    o, lse, _ = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                         layout=layout, out=out, training=False, return_lse=return_lse)
+    return (o, lse) if return_lse else o
+
+
+def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
+                      out=None, return_lse=False):
+    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
+    o, lse, saved = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                             smooth_q=smooth_q, layout=layout, out=out, training=True, return_lse=return_lse)
+    return (o, lse, saved) if return_lse else (o, saved)
+
+
+def attention_backward(saved: AttentionSaved, do, *, granularity="fine", deterministic=False):
+    """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO."""
+    check_granularity(granularity)
+    if not isinstance(saved, AttentionSaved):
+        raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
+    prob = saved.problem
+    dd = describe(do, "do")
+    expected = prob.shape(prob.heads_q, prob.len_q)
+    if tuple(dd.shape) != expected:
+        raise ValueError(f"do: expected shape {expected}, got {tuple(dd.shape)}")
+    if dd.dtype != prob.dtype:
+        raise TypeError(f"do: expected dtype {prob.dtype}, got {dd.dtype}")
+    if (dd.device_type, dd.device_id) != (prob.q.device_type, prob.q.device_id):
+        raise ValueError(f"do: expected an array on {prob.q.device_type}:{prob.q.device_id}, got {dd.device_type}:{dd.device_id}")
+    if prob.on_gpu:
+        raise NotImplementedError("attention_backward: the GPU backward kernels are not available in this version")
+    dq, dk, dv = emulator.emulate_backward(saved.state, _host_array(dd, prob.layout), granularity=granularity)
+    return tuple(_to_layout(g, prob.layout, prob.dtype) for g in (dq, dk, dv))

@@ -1,0 +1,237 @@
+"""Run-time kernel compiler: NVRTC (through CuPy's bindings), an in-process and an on-disk cache.
+
+A kernel specialization (``KernelSpec``) is one ``kernels/*.cu`` file plus compile-time defines,
+named by a readable key such as ``forward.hd128.float16.causal``.  Its source is flattened: every
+``#include "x.cuh"`` of ours is inlined once, so the hash of the flattened text covers every
+header (CuPy's own cache does not hash ``-I`` headers).  The cache key also covers the options,
+the target arch and the NVRTC version.  NVRTC needs no GPU, so every specialization can be
+compiled for any ``sm_XX`` on a CPU-only machine; loading the cubin needs the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+
+from . import numerics
+
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message carries NVRTC's log."""
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"cannot locate the kernel sources (package {name!r} is missing)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def source_dirs() -> tuple:
+    """Where the kernel sources live: ``kernels/`` first, then ``ptx/``."""
+    return (_package_dir("sagebwd_cp.kernels"), _package_dir("sagebwd_cp.ptx"))
+
+
+def flatten_source(filename: str, dirs=None) -> str:
+    """The kernel file with each of our headers inlined once (``#pragma once`` semantics)."""
+    dirs = tuple(dirs or source_dirs())
+    seen = set()
+
+    def find(name):
+        for d in dirs:
+            p = Path(d) / name
+            if p.is_file():
+                return p
+        raise FileNotFoundError(f"kernel source {name!r} not found in {[str(d) for d in dirs]}")
+
+    def expand(name):
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = find(name).read_text()
+        text = text.replace("#pragma once", "")
+        body = _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        return f"// ---- {name} ----\n{body}\n"
+
+    return expand(filename)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One specialization: a source file, its defines and the kernels it exports."""
+
+    key: str
+    filename: str
+    defines: tuple  # ((name, value), ...), sorted
+    entries: tuple  # extern "C" kernel names
+
+    def options(self, arch: str) -> tuple:
+        defs = dict(numerics.compile_defines())
+        defs.update(dict(self.defines))
+        flags = [f"--gpu-architecture={arch}", *_BASE_OPTIONS]
+        flags += [f"-D{k}={v}" for k, v in sorted(defs.items())]
+        return tuple(flags)
+
+
+def make_spec(key: str, filename: str, entries, **defines) -> KernelSpec:
+    return KernelSpec(key, filename, tuple(sorted(defines.items())), tuple(entries))
+
+
+def nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def cache_key(spec: KernelSpec, arch: str, source: str | None = None) -> str:
+    src = flatten_source(spec.filename) if source is None else source
+    h = hashlib.sha256()
+    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries)):
+        h.update(part.encode())
+        h.update(b"\1")
+    return h.hexdigest()[:32]
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("SAGEBWD_CP_CACHE_DIR")
+    path = Path(d) if d else Path.home() / ".cache" / "sagebwd_cp"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclasses.dataclass
+class ResourceReport:
+    """ptxas's report for one kernel entry."""
+
+    name: str
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    shared_bytes: int = 0
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+def parse_ptxas_report(log: str) -> dict:
+    """Per-entry registers, stack frame, spills and static shared memory from ``-Xptxas=-v``."""
+    reports = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?([A-Za-z_]\w*)'?", line)
+        if m:
+            current = reports.setdefault(m.group(1), ResourceReport(m.group(1)))
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            current.registers = int(m.group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m:
+            current.shared_bytes = int(m.group(1))
+    return reports
+
+
+@dataclasses.dataclass
+class CompiledKernel:
+    spec: KernelSpec
+    arch: str
+    key: str
+    cubin_path: Path
+    log: str
+    reports: dict
+
+
+_memory_cache: dict = {}
+_lock = threading.Lock()
+
+
+def compile_spec(spec: KernelSpec, arch: str, *, use_disk_cache: bool = True) -> CompiledKernel:
+    """Compile ``spec`` for ``arch`` (no GPU needed); cached in memory and on disk."""
+    if arch not in SUPPORTED_ARCHS and not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
+    source = flatten_source(spec.filename)
+    key = cache_key(spec, arch, source)
+    with _lock:
+        hit = _memory_cache.get(key)
+    if hit is not None:
+        return hit
+    directory = cache_dir()
+    cubin_path = directory / f"{spec.key}.{arch}.{key}.cubin"
+    log_path = cubin_path.with_suffix(".log")
+    if use_disk_cache and cubin_path.is_file() and log_path.is_file():
+        log = log_path.read_text()
+    else:
+        cubin, log = _nvrtc_compile(source, spec, arch)
+        _atomic_write(cubin_path, cubin)
+        _atomic_write(log_path, log.encode())
+    result = CompiledKernel(spec, arch, key, cubin_path, log, parse_ptxas_report(log))
+    with _lock:
+        _memory_cache[key] = result
+    return result
+
+
+def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, f"{spec.key}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(spec.options(arch)))
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC failed on {spec.key} for {arch}: {exc}\n{log}") from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, log
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def device_arch(device_id: int) -> str:
+    import cupy
+
+    return f"sm_{cupy.cuda.Device(device_id).compute_capability}"
+
+
+_modules: dict = {}
+
+
+def get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int = 0):
+    """The loaded kernel ``entry`` of ``spec`` on ``device_id`` (compiled on first use)."""
+    mkey = (spec, entry, device_id)
+    fn = _modules.get(mkey)
+    if fn is not None:
+        return fn
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        compiled = compile_spec(spec, device_arch(device_id))
+        module = cupy.RawModule(path=str(compiled.cubin_path))
+        fn = module.get_function(entry)
+        if dynamic_smem > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = dynamic_smem
+    _modules[mkey] = fn
+    return fn

@@ -1,0 +1,105 @@
+"""The numerics of SageBwd, defined once.
+
+Every constant and rounding rule that the CUDA kernels use is defined here and handed to them as
+compile-time defines (see ``compiler.numerics_defines``); the NumPy emulator calls the functions
+below.  Change a rule here and both sides change together.
+
+Conventions
+-----------
+* Quantization blocks: Q and dO are quantized per ``BLOCK_Q`` rows (per batch, head); K and V per
+  ``BLOCK_KV`` rows.  The forward's key tile and the backward's (key, query) tile have the same
+  sizes, so every integer product is dequantized once per tile.
+* ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
+  inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
+  nearest even), clamped to [-127, 127].  An all-zero block gets scale 1 and x̂ = 0.
+* Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
+  integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.
+* K-smoothing subtracts μ_K, the token mean of K per (batch, KV head), computed as the float64
+  sum of the 16-bit values (exact for realistic ranges, so independent of summation order)
+  divided by the token count in float64 and rounded to float32; then k - μ_K in float32.
+* Forward P quantization (per row of a key tile, the "free" scale): with rmax the tile's row max of
+  S and m_new the running max, e = exp2(S - rmax), P̂ = rint(127 * e), l = α·l + β·Σe and
+  acc = α·acc + (P̂V̂)·(β/127)·s_V with β = exp2(rmax - m_new), α = exp2(m - m_new).
+* The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
+  LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+BLOCK_Q = 64  # rows per quantization block of Q and dO; the backward's query tile
+BLOCK_KV = 64  # rows per quantization block of K and V; the forward's and backward's key tile
+INT8_MAX = 127
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# The forward keeps P̂ in registers as the A operand of mma m16n8k32; the S accumulator's
+# (row g, columns 2t, 2t+1 of each n8 tile) order differs from the A fragment's (row g, columns
+# 4t..4t+3), so V̂ᵀ stores its keys in the order the A fragment sees them (a contraction does
+# not care about order).  Within every group of 16 keys, stored position p holds key
+# KEY_PERMUTATION_16[p].
+KEY_PERMUTATION_16 = tuple((p // 4) * 2 + (p % 4 & 1) + 8 * ((p % 4) >> 1) for p in range(16))
+
+
+def qk_prescale(softmax_scale: float) -> np.float32:
+    """The factor folded into Q before quantization: c·log2(e), rounded once to float32."""
+    return np.float32(softmax_scale * LOG2E)
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def quantize_block(x: np.ndarray, axis=None):
+    """ψ: symmetric INT8 quantization of float32 ``x`` with one scale per reduction over ``axis``.
+
+    ``axis=None`` gives one scale for the whole array; otherwise the max is taken over ``axis``
+    (kept as a size-1 dimension in the returned scale).  Returns (int8 values, float32 scale).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
+    zero = amax == 0
+    safe = np.where(zero, np.float32(1), amax).astype(np.float32)
+    scale = np.where(zero, np.float32(1), safe / np.float32(INT8_MAX)).astype(np.float32)
+    inv = np.where(zero, np.float32(1), np.float32(INT8_MAX) / safe).astype(np.float32)
+    q = np.rint((x * inv).astype(np.float32))
+    q = np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
+
+
+def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:
+    """μ over tokens as the kernels compute it: float64 sum / count, rounded to float32."""
+    x = np.asarray(x16).astype(np.float64)
+    n = x.shape[axis]
+    return (np.sum(x, axis=axis) / np.float64(max(n, 1))).astype(np.float32)
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (ties to even), returned as float32."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(nan, np.float32(np.nan), out).astype(np.float32)
+
+
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round to the 16-bit storage dtype ('float16' or 'bfloat16'); float32 values come back."""
+    if dtype == "float16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return round_to_bfloat16(x)
+    if dtype in ("float32", "float64"):
+        return np.asarray(x, dtype=np.float32)
+    raise ValueError(f"dtype: expected 'float16' or 'bfloat16', got {dtype!r}")
+
+
+def compile_defines() -> dict:
+    """The constants above as preprocessor defines for every kernel."""
+    return {
+        "SB_BLOCK_Q": BLOCK_Q,
+        "SB_BLOCK_KV": BLOCK_KV,
+        "SB_INT8_MAX": INT8_MAX,
+    }

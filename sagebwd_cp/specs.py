@@ -1,0 +1,82 @@
+"""Every kernel specialization, named by a readable key, and the tile choice per device."""
+from __future__ import annotations
+
+import dataclasses
+
+from .compiler import KernelSpec, make_spec
+
+DTYPES = ("float16", "bfloat16")
+PADDED_HEAD_DIMS = (64, 128)
+TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (the largest CTA tile)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    for dp in PADDED_HEAD_DIMS:
+        if head_dim <= dp:
+            return dp
+    raise ValueError(f"head_dim: expected at most {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
+
+
+def quantize_spec(dtype: str) -> KernelSpec:
+    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_blocks", "token_mean"],
+                     SB_BF16=int(dtype == "bfloat16"))
+
+
+def bias_spec() -> KernelSpec:
+    return make_spec("smooth_q_bias", "smooth_q_bias.cu", ["smooth_q_bias"])
+
+
+def ceiling_spec() -> KernelSpec:
+    return make_spec("ceiling", "ceiling.cu", ["int8_mma_ceiling", "fp16_mma_ceiling"])
+
+
+def lse_spec(dtype: str) -> KernelSpec:
+    return make_spec(f"natural_lse.{dtype}", "lse.cu", ["natural_lse"], SB_BF16=int(dtype == "bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiles:
+    warps: int
+    m_tiles: int  # 16-row m-tiles per warp
+
+    @property
+    def cta_q(self) -> int:
+        return self.warps * 16 * self.m_tiles
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def shared_bytes(self, dp: int, block_kv: int = 64) -> int:
+        return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv)
+
+
+FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=2), 128: ForwardTiles(warps=8, m_tiles=1)}
+
+
+def forward_tiles(dp: int, shared_limit: int | None = None) -> ForwardTiles:
+    """Tiles for the forward; the default fits 48 KiB of shared memory, smaller if a device has less."""
+    tiles = FORWARD_TILES[dp]
+    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
+        tiles = ForwardTiles(warps=4, m_tiles=1)
+        if tiles.shared_bytes(dp) > shared_limit:
+            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
+    return tiles
+
+
+def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles) -> KernelSpec:
+    key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
+           f".w{tiles.warps}m{tiles.m_tiles}")
+    return make_spec(key, "forward.cu", ["attention_forward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
+                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles)
+
+
+def all_specs() -> list:
+    """Every specialization the library launches with its default tiles."""
+    specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(), ceiling_spec()]
+    for dp in PADDED_HEAD_DIMS:
+        for dt in DTYPES:
+            for causal in (False, True):
+                for bias in (False, True):
+                    specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp)))
+    return specs

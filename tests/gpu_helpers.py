@@ -1,0 +1,71 @@
+"""Shared helpers for the GPU tests: inputs through torch, poisoned workspaces, error metrics."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import sagebwd_cp
+
+POISON = {"int8": 0x55, "float32": float("nan"), "float16": float("nan"), "bfloat16": float("nan")}
+
+
+@contextlib.contextmanager
+def poisoned_workspaces():
+    """Every buffer the library allocates starts as garbage (INT8 0x55, NaN floats)."""
+    import torch
+
+    from sagebwd_cp.arrays import _torch_dtype
+
+    def alloc(shape, dtype, device_id):
+        t = torch.empty(shape, dtype=_torch_dtype(dtype), device=f"cuda:{device_id}")
+        t.fill_(POISON.get(dtype, 0x55))
+        return t
+
+    sagebwd_cp.set_allocator(alloc)
+    try:
+        yield
+    finally:
+        sagebwd_cp.set_allocator(None)
+
+
+def make_qkv(b, hq, hk, lq, lk, d, dtype, layout="HND", sigma=1.0, seed=0, strided=False):
+    """Random q, k, v on the GPU (std sigma for q and k, 1 for v); ``strided`` slices them out of
+    one fused tensor, so they are non-contiguous views."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = getattr(torch, dtype)
+
+    def rand(h, n, std):
+        x = torch.randn((b, n, h, d), generator=g, device="cuda", dtype=torch.float32) * std
+        return x.to(tdt)
+
+    if strided:
+        assert hq == hk and lq == lk
+        fused = torch.randn((b, lq, 3, hq, d), generator=g, device="cuda", dtype=torch.float32)
+        fused[:, :, :2] *= sigma
+        fused = fused.to(tdt)
+        q, k, v = fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+    else:
+        q, k, v = rand(hq, lq, sigma), rand(hk, lk, sigma), rand(hk, lk, 1.0)
+    if layout == "HND":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return q, k, v
+
+
+def to_hnd_numpy(x, layout):
+    """A float32 NumPy copy in (B, H, N, D) order."""
+    a = x.float().cpu().numpy()
+    return a if layout == "HND" else a.transpose(0, 2, 1, 3)
+
+
+def rel_l2(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    n = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / (n if n > 0 else 1.0))
+
+
+def cos_sim(x, ref):
+    x, ref = np.asarray(x, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    return float(x @ ref / (np.linalg.norm(x) * np.linalg.norm(ref) + 1e-300))

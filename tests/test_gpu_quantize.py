@@ -1,0 +1,72 @@
+"""The quantization kernels against the emulator: INT8 values and scales equal, bit for bit."""
+import numpy as np
+import pytest
+
+from gpu_helpers import make_qkv, poisoned_workspaces, to_hnd_numpy
+from sagebwd_cp import emulator, numerics
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+PERM = np.array(numerics.KEY_PERMUTATION_16)
+
+
+def _unpermute_tokens(t_int8, n_pad):
+    """[.., D, N_pad] stored in fragment order -> natural token order."""
+    idx = (np.arange(n_pad) // 16) * 16 + PERM[np.arange(n_pad) % 16]
+    out = np.empty_like(t_int8)
+    out[..., idx] = t_int8
+    return out
+
+
+CASES = [
+    # (B, Hq, Hkv, Lq, Lk, D, dtype, layout, strided, smooth_q)
+    (1, 2, 2, 1, 1, 64, "float16", "HND", False, False),
+    (2, 4, 1, 63, 64, 128, "bfloat16", "NHD", False, False),
+    (1, 2, 2, 64, 63, 64, "float16", "NHD", True, False),
+    (1, 4, 2, 1000, 1000, 128, "float16", "HND", False, True),
+    (1, 2, 2, 4097, 4097, 64, "bfloat16", "NHD", True, True),
+    (1, 2, 1, 100, 4097, 80, "bfloat16", "HND", False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_quantize_matches_emulator_bitwise(case):
+    import torch
+
+    from sagebwd_cp.arrays import current_stream
+    from sagebwd_cp.forward import quantize_inputs_gpu
+    from sagebwd_cp.problem import make_problem
+
+    b, hq, hk, lq, lk, d, dtype, layout, strided, smooth_q = case
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout, sigma=2.0, seed=lq + lk, strided=strided)
+    if not strided:
+        k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias for smoothing
+    prob = make_problem(q, k, v, layout=layout, smooth_q=smooth_q, softmax_scale=0.3)
+    with poisoned_workspaces():
+        qz = quantize_inputs_gpu(prob, True, current_stream(prob.q))
+    torch.cuda.synchronize()
+    emu = emulator.quantize_inputs(to_hnd_numpy(q, layout), to_hnd_numpy(k, layout), to_hnd_numpy(v, layout),
+                                   softmax_scale=0.3, smooth_q=smooth_q)
+
+    def host(desc):
+        return desc.obj.cpu().numpy()
+
+    nqb, nkb = -(-lq // 64), -(-lk // 64)
+    q8, k8 = host(qz.q8), host(qz.k8)
+    np.testing.assert_array_equal(q8[:, :, :lq, :d], emu["q_int8"][:, :, :lq])
+    np.testing.assert_array_equal(host(qz.q_scale)[..., :nqb], emu["q_scale"])
+    np.testing.assert_array_equal(k8[:, :, :lk, :d], emu["k_int8"][:, :, :lk])
+    np.testing.assert_array_equal(host(qz.k_scale)[..., :nkb], emu["k_scale"])
+    np.testing.assert_array_equal(host(qz.k_mean)[..., :d], emu["k_mean"])
+    np.testing.assert_array_equal(host(qz.v_scale)[..., :nkb], emu["v_scale"])
+    if smooth_q:
+        np.testing.assert_array_equal(host(qz.q_mean)[:, :, :nqb, :d], emu["q_mean"])
+    # Padding (rows past N, columns past D) is zero in every layout.
+    assert not q8[:, :, lq:].any() and not q8[..., d:].any()
+    assert not k8[:, :, lk:].any() and not k8[..., d:].any()
+    # Transposed copies: Q̂ᵀ in fragment token order, K̂ᵀ natural, V̂ᵀ in fragment token order.
+    np.testing.assert_array_equal(_unpermute_tokens(host(qz.q8t), qz.nq_pad), q8.transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(host(qz.k8t), k8.transpose(0, 1, 3, 2))
+    vt = _unpermute_tokens(host(qz.vt8), qz.nk_pad)
+    np.testing.assert_array_equal(vt[:, :, :d, :lk], emu["v_int8"][:, :, :lk].transpose(0, 1, 3, 2))
+    assert not vt[:, :, :, lk:].any() and not vt[:, :, d:].any()
