@@ -36,25 +36,32 @@ SB_DEVICE float block_max(float v, float* red) {
 // One CTA quantizes one block of 64 rows of one (batch, head).
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
-// mean_in (optional, [B][H][D_pad]): subtracted after the prescale (K-smoothing).
+// mean_sum (optional, [B][H][D_pad] float64 token sums): μ = float32(sum / N) is subtracted after
+//   the prescale (K-smoothing); the CTA of block 0 stores μ in mean_out.
 // block_mean_out (optional, [B][H][N_pad/64][D_pad]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing).
 // rows_out / t_out (optional): the two layouts; permute_t selects the fragment token order.
 extern "C" __global__ void __launch_bounds__(QTHREADS)
 quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
-                int N_pad, float prescale, const float* __restrict__ mean_in,
+                int N_pad, float prescale, const double* __restrict__ mean_sum, float* __restrict__ mean_out,
                 float* __restrict__ block_mean_out, i8* __restrict__ rows_out, i8* __restrict__ t_out,
                 int permute_t, float* __restrict__ scale_out) {
     SB_REQUIRE_SM80();
     __shared__ float tile[QBLOCK][MAX_DPAD + 1];
     __shared__ double colsum[QTHREADS];
     __shared__ float red[QTHREADS / 32];
+    __shared__ float mu[MAX_DPAD];
     const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int row0 = blk * QBLOCK;
     const int nvalid = max(0, min(QBLOCK, N - row0));
     const u16* xs = x + b * sb + h * sh;
     const i64 bh = static_cast<i64>(b) * H + h;
-    const float* mu = mean_in ? mean_in + bh * D_pad : nullptr;
+    if (mean_sum && threadIdx.x < D_pad) {
+        const float m = threadIdx.x < D ? static_cast<float>(mean_sum[bh * D_pad + threadIdx.x] / static_cast<double>(N)) : 0.f;
+        mu[threadIdx.x] = m;
+        if (blk == 0) mean_out[bh * D_pad + threadIdx.x] = m;
+    }
+    __syncthreads();
 
     // Load (prescaled, mean-subtracted) values; padding rows and columns are 0.
     for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
@@ -62,7 +69,7 @@ quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
         float v = 0.f;
         if (r < nvalid && c < D) {
             v = mul_rn(to_f32<SB_BF16>(xs[static_cast<i64>(row0 + r) * sn + c]), prescale);
-            if (mu) v = sub_rn(v, mu[c]);
+            if (mean_sum) v = sub_rn(v, mu[c]);
         }
         tile[r][c] = v;
     }
@@ -127,26 +134,29 @@ quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
     }
 }
 
-// μ over tokens per (batch, head) and column: float64 sum (exact for realistic ranges, hence
-// independent of order) / N in float64, rounded to float32. Columns >= D get 0.
+// Partial token sums for μ_K: one CTA per 256 tokens of one (batch, head) adds its float64 column
+// sums into sum_out ([B][H][D_pad], zeroed by the caller). The sums of 16-bit values are exact in
+// float64 for realistic ranges, so the atomics' order does not matter.
+#define MEAN_TOKENS 256
 extern "C" __global__ void __launch_bounds__(QTHREADS)
-token_mean(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
-           float* __restrict__ mean_out) {
+token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
+          double* __restrict__ sum_out) {
     SB_REQUIRE_SM80();
     __shared__ double part[QTHREADS];
-    const int h = blockIdx.x, b = blockIdx.y;
+    const int n0 = blockIdx.x * MEAN_TOKENS, h = blockIdx.y, b = blockIdx.z;
     const u16* xs = x + b * sb + h * sh;
     const int per_col = QTHREADS / D_pad;
     const int c = threadIdx.x % D_pad, slice = threadIdx.x / D_pad;
+    const int n1 = min(N, n0 + MEAN_TOKENS);
     double s = 0.0;
     if (c < D)
-        for (int n = slice; n < N; n += per_col) s += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c]));
+#pragma unroll 8
+        for (int n = n0 + slice; n < n1; n += per_col) s += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c]));
     part[threadIdx.x] = s;
     __syncthreads();
-    if (threadIdx.x < D_pad) {
+    if (threadIdx.x < D) {
         double t = 0.0;
         for (int p = 0; p < per_col; ++p) t += part[p * D_pad + threadIdx.x];
-        mean_out[(static_cast<i64>(b) * H + h) * D_pad + threadIdx.x] =
-            (c < D && N > 0) ? static_cast<float>(t / static_cast<double>(N)) : 0.f;
+        atomicAdd(sum_out + (static_cast<i64>(b) * H + h) * D_pad + threadIdx.x, t);
     }
 }

@@ -26,7 +26,7 @@ class AttentionSaved:
 
 
 def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
-    x = desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj[0] if isinstance(desc.obj, tuple) else desc.obj)
+    x = desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj)
     x = np.asarray(x, dtype=np.float32)
     return x if layout == "HND" else x.transpose(0, 2, 1, 3)
 

@@ -30,8 +30,9 @@ class ArrayDesc:
     dtype: str
     device_type: str  # "cuda" or "cpu"
     device_id: int
-    obj: object
+    obj: object  # the array itself
     framework: str  # "torch", "cupy", "numpy", "jax" or "dlpack"
+    keepalive: object = None  # a DLPack capsule read but not consumed
 
     @property
     def ndim(self) -> int:
@@ -116,7 +117,7 @@ def _from_dlpack(x, name: str) -> ArrayDesc:
     if dtype_name is None:
         raise ValueError(f"{name}: expected a CUDA or CPU array, got DLPack device type {t.device.device_type}")
     ptr = (t.data or 0) + t.byte_offset
-    return ArrayDesc(ptr, shape, strides, dtype, dtype_name, t.device.device_id, (x, capsule), _framework(x))
+    return ArrayDesc(ptr, shape, strides, dtype, dtype_name, t.device.device_id, x, _framework(x), capsule)
 
 
 def describe(x, name: str = "array") -> ArrayDesc:
@@ -157,7 +158,8 @@ def _torch_dtype(name: str):
 
     if not _TORCH_DTYPES:
         _TORCH_DTYPES.update({"int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                              "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8})
+                              "float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
+                              "uint8": torch.uint8})
     return _TORCH_DTYPES[name]
 
 

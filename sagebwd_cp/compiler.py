@@ -163,8 +163,9 @@ _lock = threading.Lock()
 
 def compile_spec(spec: KernelSpec, arch: str, *, use_disk_cache: bool = True) -> CompiledKernel:
     """Compile ``spec`` for ``arch`` (no GPU needed); cached in memory and on disk."""
-    if arch not in SUPPORTED_ARCHS and not re.fullmatch(r"sm_\d+a?", arch):
-        raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
+    m = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not m or int(m.group(1)) < 80:
+        raise ValueError(f"arch: expected sm_80 or newer (e.g. {', '.join(SUPPORTED_ARCHS)}), got {arch!r}")
     source = flatten_source(spec.filename)
     key = cache_key(spec, arch, source)
     with _lock:

@@ -5,10 +5,11 @@ import dataclasses
 
 from . import numerics, specs
 from .arrays import ArrayDesc, current_stream, empty
-from .launch import f32, i32, i64, launch, ptr, shared_memory_limit
+from .launch import f32, i32, i64, launch, memset_async, ptr, shared_memory_limit
 from .problem import AttentionProblem
 
 QUANT_THREADS = 256
+TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
 
 def _round_up(x: int, m: int) -> int:
@@ -42,33 +43,35 @@ def quantize_inputs_gpu(prob: AttentionProblem, training: bool, stream: int) -> 
     spec = specs.quantize_spec(prob.dtype)
     block = (QUANT_THREADS, 1, 1)
 
-    def quantize(src, heads, n, npad, prescale, mean_in, block_mean, rows, t, permute, scale):
+    def quantize(src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t, permute, scale):
         sb, sh, sn = prob.bhnd_strides(src)
         launch(spec, "quantize_blocks", dev, stream, (npad // numerics.BLOCK_Q, heads, B), block,
                [ptr(src), i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(D), i32(dp), i32(npad), f32(prescale),
-                ptr(mean_in), ptr(block_mean), ptr(rows), ptr(t), i32(permute), ptr(scale)])
+                ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), i32(permute), ptr(scale)])
 
-    k_mean = None
+    k_mean = k_sum = None
     if prob.smooth_k:
         k_mean = empty((B, Hk, dp), "float32", like)
+        k_sum = empty((B, Hk, dp), "float64", like)
+        memset_async(k_sum, B * Hk * dp * 8, dev, stream)
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        launch(spec, "token_mean", dev, stream, (Hk, B, 1), block,
-               [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_mean)])
+        launch(spec, "token_sum", dev, stream, ((Lk + TOKENS_PER_SUM - 1) // TOKENS_PER_SUM, Hk, B), block,
+               [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
     q8 = empty((B, Hq, nq, dp), "int8", like)
     q8t = empty((B, Hq, dp, nq), "int8", like) if training else None
     q_scale = empty((B, Hq, nq // numerics.BLOCK_Q), "float32", like)
     q_mean = empty((B, Hq, nq // numerics.BLOCK_Q, dp), "float32", like) if prob.smooth_q else None
-    quantize(prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, q_mean, q8, q8t, 1, q_scale)
+    quantize(prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8, q8t, 1, q_scale)
 
     k8 = empty((B, Hk, nk, dp), "int8", like)
     k8t = empty((B, Hk, dp, nk), "int8", like) if training else None
     k_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
-    quantize(prob.k, Hk, Lk, nk, 1.0, k_mean, None, k8, k8t, 0, k_scale)
+    quantize(prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, 0, k_scale)
 
     vt8 = empty((B, Hk, dp, nk), "int8", like)
     v_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
-    quantize(prob.v, Hk, Lk, nk, 1.0, None, None, None, vt8, 1, v_scale)
+    quantize(prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale)
 
     bias = None
     if prob.smooth_q:

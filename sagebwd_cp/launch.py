@@ -30,13 +30,25 @@ def f32(x) -> np.float32:
 
 
 def stream_object(stream_ptr: int):
+    import warnings
+
     import cupy
 
     s = _streams.get(stream_ptr)
     if s is None:
-        s = cupy.cuda.ExternalStream(stream_ptr)
+        with warnings.catch_warnings():
+            # Stream.from_external wants a __cuda_stream__ object; a raw handle is what we hold.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = cupy.cuda.ExternalStream(stream_ptr)
         _streams[stream_ptr] = s
     return s
+
+
+def memset_async(desc, nbytes: int, device_id: int, stream_ptr: int) -> None:
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        cupy.cuda.runtime.memsetAsync(desc.ptr, 0, nbytes, stream_ptr)
 
 
 def shared_memory_limit(device_id: int) -> int:

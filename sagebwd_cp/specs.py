@@ -18,7 +18,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def quantize_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_blocks", "token_mean"],
+    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_blocks", "token_sum"],
                      SB_BF16=int(dtype == "bfloat16"))
 
 
@@ -51,7 +51,8 @@ class ForwardTiles:
         return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv)
 
 
-FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=2), 128: ForwardTiles(warps=8, m_tiles=1)}
+# Best measured on an H200 that spills on no arch (benchmarks/NOTES.md, forward v1).
+FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1)}
 
 
 def forward_tiles(dp: int, shared_limit: int | None = None) -> ForwardTiles:

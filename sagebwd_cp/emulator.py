@@ -1,0 +1,400 @@
+"""NumPy emulation of SageBwd's quantized forward and backward, tile by tile as the kernels do.
+
+Every constant and rounding rule comes from ``numerics``.  Arrays are HND: q is (B, Hq, Lq, D),
+k and v are (B, Hkv, Lk, D), Hq a multiple of Hkv.  Inputs hold values representable in the
+16-bit ``dtype`` and are computed with as float32.  Integer tile products are computed exactly
+(float64 matmul of int8 values) and dequantized once per tile with float32 scales.
+
+``quantize=False`` turns ψ into the identity (float32 values, scale 1) so the same tiled code
+computes exact attention up to float32 rounding; with ``dtype="float32"`` the stored output is not
+rounded either, which is what comparisons against the float64 reference want.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .numerics import (
+    BLOCK_KV,
+    BLOCK_Q,
+    INT8_MAX,
+    LN2,
+    default_softmax_scale,
+    qk_prescale,
+    quantize_block,
+    round_to_dtype,
+    token_mean,
+)
+
+__all__ = ["quantize_inputs", "emulate_forward", "emulate_backward", "GRANULARITIES"]
+
+GRANULARITIES = ("fine", "paper")
+_DTYPES = ("float16", "bfloat16", "float32")  # float32: no output rounding (testing)
+
+_F32 = np.float32
+
+# A block whose max|x| is below 127/FLT_MAX (P or dS far out in the softmax tail) makes ψ's
+# inverse scale overflow to inf; its zeros then become NaN and cast to 0, its other entries
+# clamp to ±127.  The values involved are ~1e-37, so this is harmless, but numpy warns.
+def _tiny_amax_ok():
+    return np.errstate(over="ignore", invalid="ignore")
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def _num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _as_f32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def _pad_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """Zero-pad axis 2 to a multiple of ``block``."""
+    n = x.shape[2]
+    pad = _num_blocks(n, block) * block - n
+    if pad == 0:
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+
+def _rows_per_block(x: np.ndarray, block: int) -> np.ndarray:
+    """Per-block values (..., nblocks, ...) repeated to one per row along axis 2."""
+    return np.repeat(x, block, axis=2)
+
+
+def _expand_heads(x: np.ndarray, group: int) -> np.ndarray:
+    """KV-head arrays lined up with query heads (query head h reads KV head h // group)."""
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x: np.ndarray, group: int) -> np.ndarray:
+    if group == 1:
+        return x
+    b, hq = x.shape[:2]
+    return x.reshape((b, hq // group, group) + x.shape[2:]).sum(axis=2, dtype=np.float32)
+
+
+def _int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for integer-valued operands, exact, returned as float32.
+
+    float64 holds every partial sum exactly (|sum| <= 127*127*n << 2**53); the result is an
+    integer below 2**24 for the tile sizes used (n <= 1040), so float32 holds it too.  With
+    quantize=False the operands are float32 values and this is a float64-accumulated product."""
+    return np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.float32)
+
+
+def _quantize_rows(x: np.ndarray, block: int, quantize: bool):
+    """ψ per ``block`` rows along axis 2 of a zero-padded float32 (B, H, N_pad, D) array.
+
+    Padded rows are zero, so they never raise a block's max.  Returns (values, scale (B, H, nb))."""
+    b, h, n_pad, d = x.shape
+    nb = n_pad // block
+    if not quantize:
+        return x.copy(), np.ones((b, h, nb), dtype=np.float32)
+    with _tiny_amax_ok():
+        vals, scale = quantize_block(x.reshape(b, h, nb, block, d), axis=(-2, -1))
+    return vals.reshape(b, h, n_pad, d), scale.reshape(b, h, nb)
+
+
+def _psi(x: np.ndarray, axis, quantize: bool):
+    """ψ of one tile (or a batch of tiles) with the scale reduced over ``axis``."""
+    if not quantize:
+        shape = list(x.shape)
+        for ax in (axis if isinstance(axis, tuple) else (axis,)):
+            shape[ax] = 1
+        return x, np.ones(shape, dtype=np.float32)
+    with _tiny_amax_ok():
+        return quantize_block(x, axis=axis)
+
+
+def _check_inputs(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be 4-D arrays in (batch, heads, seqlen, head_dim) layout")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError("empty sequences are not supported")
+    return q.shape[1] // k.shape[1]
+
+
+# ----------------------------------------------------------------------------- tiles
+
+def _tile_mask(r0: int, r1: int, c0: int, c1: int, lq: int, lk: int, causal: bool) -> np.ndarray:
+    """(r1 - r0, c1 - c0) bool: True where query row r may see key c (both in range, causal
+    bottom-right aligned: c <= r + lk - lq)."""
+    rows = np.arange(r0, r1)[:, None]
+    cols = np.arange(c0, c1)[None, :]
+    mask = (rows < lq) & (cols < lk)
+    if causal:
+        mask &= cols <= rows + (lk - lq)
+    return mask
+
+
+def _tile_visible(r0: int, r1: int, c0: int, lq: int, lk: int, causal: bool) -> bool:
+    """Whether any row of [r0, r1) sees any key of the tile starting at c0."""
+    last_row = min(r1, lq) - 1
+    if last_row < r0 or c0 >= lk:
+        return False
+    return not causal or c0 <= last_row + (lk - lq)
+
+
+def _smooth_q_bias(q_mean: np.ndarray, k_smoothed_j: np.ndarray) -> np.ndarray:
+    """Per-query-block bias μ_Q·K_smᵀ of one key tile, float32: (B, H, nQ, D) x (B, H, C, D) ->
+    (B, H, nQ, C).  Forward and backward both call this on whole key tiles so S is recomputed
+    bit for bit."""
+    return np.matmul(q_mean, np.swapaxes(k_smoothed_j, -1, -2))
+
+
+def _tile_logits(q_hat, s_q, k_hat, s_k, bias=None) -> np.ndarray:
+    """Base-2 logits of a tile: float32(Q̂ K̂ᵀ) * float32(s_Q * s_K) (+ bias).
+
+    q_hat (..., R, D); s_q (..., R) per row or (...,) per tile; k_hat (..., C, D); s_k (...,);
+    bias broadcastable to (..., R, C) or None."""
+    prod = _int_matmul(q_hat, np.swapaxes(k_hat, -1, -2))
+    s_q = _as_f32(s_q)
+    s_k = _as_f32(s_k)
+    if s_q.ndim == s_k.ndim:  # one Q scale for the tile
+        scale = (s_q * s_k)[..., None, None]
+    else:  # one Q scale per row
+        scale = (s_q * s_k[..., None])[..., None]
+    s = (prod * scale).astype(np.float32)
+    if bias is not None:
+        s = (s + bias).astype(np.float32)
+    return s
+
+
+# ----------------------------------------------------------------------------- quantization
+
+def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=False, quantize=True):
+    """Quantize q, k, v as the forward's pre-pass does.
+
+    Returns a dict of per-(batch, head) arrays, rows padded to a multiple of 64 with zeros:
+    q_int8 (B,Hq,Lq_pad,D), q_scale (B,Hq,nQ), q_mean (B,Hq,nQ,D); k_int8, k_scale, k_mean
+    (B,Hkv,D), k_smoothed (float32 K - μ_K, padded rows 0); v_int8, v_scale.  With
+    quantize=False the "int8" arrays hold the float32 values and every scale is 1.
+    """
+    q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
+    _check_inputs(q32, k32, v32)
+    d = q32.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(d)
+    lq, lk = q32.shape[2], k32.shape[2]
+
+    # Q: fold c·log2(e) in, optionally subtract the per-block mean of the valid rows.
+    x = _pad_rows((q32 * qk_prescale(softmax_scale)).astype(np.float32), BLOCK_Q)
+    b, hq, lq_pad, _ = x.shape
+    n_qb = lq_pad // BLOCK_Q
+    valid_q = (np.arange(lq_pad) < lq)[None, None, :, None]
+    if smooth_q:
+        sums = x.astype(np.float64).reshape(b, hq, n_qb, BLOCK_Q, d).sum(axis=3)
+        counts = np.minimum(lq - np.arange(n_qb) * BLOCK_Q, BLOCK_Q).astype(np.float64)
+        q_mean = (sums / counts[None, None, :, None]).astype(np.float32)
+        x = np.where(valid_q, x - _rows_per_block(q_mean, BLOCK_Q), _F32(0)).astype(np.float32)
+    else:
+        q_mean = np.zeros((b, hq, n_qb, d), dtype=np.float32)
+    q_int8, q_scale = _quantize_rows(x, BLOCK_Q, quantize)
+
+    # K: subtract the token mean (K-smoothing), then ψ per key block.
+    if smooth_k:
+        k_mean = token_mean(k32, axis=2)
+        k_sm = (k32 - k_mean[:, :, None, :]).astype(np.float32)
+    else:
+        k_mean = np.zeros((k32.shape[0], k32.shape[1], d), dtype=np.float32)
+        k_sm = k32.copy()
+    k_sm = _pad_rows(k_sm, BLOCK_KV)
+    k_int8, k_scale = _quantize_rows(k_sm, BLOCK_KV, quantize)
+    v_int8, v_scale = _quantize_rows(_pad_rows(v32, BLOCK_KV), BLOCK_KV, quantize)
+
+    return {
+        "q_int8": q_int8, "q_scale": q_scale, "q_mean": q_mean,
+        "k_int8": k_int8, "k_scale": k_scale, "k_mean": k_mean, "k_smoothed": k_sm,
+        "v_int8": v_int8, "v_scale": v_scale,
+        "softmax_scale": float(softmax_scale), "smooth_k": bool(smooth_k),
+        "smooth_q": bool(smooth_q), "quantize": bool(quantize), "lq": lq, "lk": lk,
+    }
+
+
+# ----------------------------------------------------------------------------- forward
+
+def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
+                    quantize=True, dtype="float16"):
+    """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
+    ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
+    key), saved the dict ``emulate_backward`` needs."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
+    q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
+    group = _check_inputs(q32, k32, v32)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q32.shape[-1])
+    qi = quantize_inputs(q32, k32, v32, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                         smooth_q=smooth_q, quantize=quantize)
+    lq, lk = qi["lq"], qi["lk"]
+    b, hq, lq_pad, d = qi["q_int8"].shape
+    n_kb = qi["k_scale"].shape[-1]
+
+    q_hat = qi["q_int8"]
+    s_q_rows = _rows_per_block(qi["q_scale"], BLOCK_Q)  # (B, Hq, Lq_pad): each row's block scale
+    k_hat = _expand_heads(qi["k_int8"], group)
+    s_k = _expand_heads(qi["k_scale"], group)
+    v_hat = _expand_heads(qi["v_int8"], group)
+    s_v = _expand_heads(qi["v_scale"], group)
+    k_sm = _expand_heads(qi["k_smoothed"], group) if smooth_q else None
+
+    m = np.full((b, hq, lq_pad), -np.inf, dtype=np.float32)
+    l = np.zeros((b, hq, lq_pad), dtype=np.float32)
+    acc = np.zeros((b, hq, lq_pad, d), dtype=np.float32)
+    zero = _F32(0)
+
+    for j in range(n_kb):
+        c0, c1 = j * BLOCK_KV, (j + 1) * BLOCK_KV
+        if not _tile_visible(0, lq_pad, c0, lq, lk, causal):
+            continue
+        bias = None
+        if smooth_q:
+            bias = _rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c0:c1]), BLOCK_Q)
+        s = _tile_logits(q_hat, s_q_rows, k_hat[:, :, c0:c1], s_k[:, :, j], bias)
+        mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, causal)
+        s = np.where(mask, s, _F32(-np.inf))
+
+        rmax = np.max(s, axis=-1)
+        m_new = np.maximum(m, rmax)
+        # Rows with nothing visible so far use 0 in place of -inf: exponents become -inf -> 0.
+        rmax_safe = np.where(np.isfinite(rmax), rmax, zero)
+        m_new_safe = np.where(np.isfinite(m_new), m_new, zero)
+        e = np.exp2(s - rmax_safe[..., None]).astype(np.float32)
+        if quantize:
+            p_hat = np.clip(np.rint(_F32(INT8_MAX) * e), 0, INT8_MAX).astype(np.float32)
+        else:
+            p_hat = (_F32(INT8_MAX) * e).astype(np.float32)
+        beta = np.exp2(rmax - m_new_safe).astype(np.float32)
+        alpha = np.exp2(m - m_new_safe).astype(np.float32)
+
+        l = (alpha * l + beta * np.sum(e, axis=-1, dtype=np.float32)).astype(np.float32)
+        pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
+        factor = ((beta / _F32(INT8_MAX)) * s_v[:, :, j, None]).astype(np.float32)
+        acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
+        m = m_new
+
+    live = l > 0
+    o = np.where(live[..., None], acc / np.where(live, l, _F32(1))[..., None], zero)
+    o16 = round_to_dtype(o.astype(np.float32), dtype)[:, :, :lq]
+    with np.errstate(divide="ignore"):
+        lse2 = np.where(live, m + np.log2(np.where(live, l, _F32(1))), _F32(np.inf)).astype(np.float32)
+
+    # Natural-log LSE at the API edge: add back c·q·μ_K, which K-smoothing removed from each score.
+    kmean_q = _expand_heads(qi["k_mean"], group)  # (B, Hq, D)
+    qmu = np.matmul(q32, kmean_q[..., None])[..., 0].astype(np.float32)
+    lse_nat = (lse2[:, :, :lq] * _F32(LN2) + _F32(softmax_scale) * qmu).astype(np.float32)
+    lse_nat = np.where(live[:, :, :lq], lse_nat, _F32(-np.inf)).astype(np.float32)
+
+    saved = {
+        "inputs": qi,
+        "lse2": lse2,  # (B, Hq, Lq_pad); +inf where l == 0 (also on padded rows)
+        "o": o16,
+        "v": v32,
+        "causal": bool(causal),
+        "softmax_scale": float(softmax_scale),
+        "smooth_q": bool(smooth_q),
+        "quantize": bool(quantize),
+        "dtype": dtype,
+        "group": group,
+        "lq": lq,
+        "lk": lk,
+    }
+    return o16, lse_nat, saved
+
+
+# ----------------------------------------------------------------------------- backward
+
+def emulate_backward(saved, do, *, granularity="fine", quantize=True):
+    """SageBwd backward (KV-block-owned loop).  Returns float32 (dq, dk, dv) of the true shapes.
+
+    granularity="paper": one ψ scale per 64x64 tile for P and dS.  "fine": per-key scales for
+    P (dV) and for dS (dK), per-query scales for dS (dQ)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    qi = saved["inputs"]
+    causal, group = saved["causal"], saved["group"]
+    lq, lk = saved["lq"], saved["lk"]
+    smooth_q = saved["smooth_q"]
+    fine = granularity == "fine"
+    b, hq, lq_pad, d = qi["q_int8"].shape
+    n_qb, n_kb = qi["q_scale"].shape[-1], qi["k_scale"].shape[-1]
+    lk_pad = n_kb * BLOCK_KV
+
+    do32 = _as_f32(do)
+    if do32.shape != (b, hq, lq, d):
+        raise ValueError(f"do has shape {do32.shape}, expected {(b, hq, lq, d)}")
+
+    # Per-row pre-pass: δ from the stored output, dO quantized per query block.
+    delta = np.sum(do32 * saved["o"], axis=-1, dtype=np.float32)
+    delta = np.pad(delta, ((0, 0), (0, 0), (0, lq_pad - lq)))
+    do_pad = _pad_rows(do32, BLOCK_Q)
+    do_hat, s_do = _quantize_rows(do_pad, BLOCK_Q, quantize)
+    lse2 = saved["lse2"]
+
+    q_hat, s_q, q_mean = qi["q_int8"], qi["q_scale"], qi["q_mean"]
+    k_hat = _expand_heads(qi["k_int8"], group)
+    s_k = _expand_heads(qi["k_scale"], group)
+    v16 = _expand_heads(_pad_rows(saved["v"], BLOCK_KV), group)
+    k_sm = _expand_heads(qi["k_smoothed"], group) if smooth_q else None
+
+    dq_acc = np.zeros((b, hq, lq_pad, d), dtype=np.float32)
+    dk_acc = np.zeros((b, hq, lk_pad, d), dtype=np.float32)
+    dv_acc = np.zeros((b, hq, lk_pad, d), dtype=np.float32)
+
+    for j in range(n_kb):
+        c0, c1 = j * BLOCK_KV, (j + 1) * BLOCK_KV
+        k_j, v_j = k_hat[:, :, c0:c1], v16[:, :, c0:c1]
+        bias_j = _smooth_q_bias(q_mean, k_sm[:, :, c0:c1]) if smooth_q else None
+        dk_j = np.zeros((b, hq, BLOCK_KV, d), dtype=np.float32)
+        dv_j = np.zeros((b, hq, BLOCK_KV, d), dtype=np.float32)
+        for i in range(n_qb):
+            r0, r1 = i * BLOCK_Q, (i + 1) * BLOCK_Q
+            if not _tile_visible(r0, r1, c0, lq, lk, causal):
+                continue
+            mask = _tile_mask(r0, r1, c0, c1, lq, lk, causal)
+            bias = bias_j[:, :, i, None, :] if smooth_q else None
+            s = _tile_logits(q_hat[:, :, r0:r1], s_q[:, :, i], k_j, s_k[:, :, j], bias)
+            with np.errstate(over="ignore", invalid="ignore"):
+                p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
+
+            # #4: dV_j += P̂ᵀ dÔ_i
+            p_hat, s_p = _psi(p, -2 if fine else (-2, -1), quantize)
+            s_p_rows = np.swapaxes(s_p, -1, -2)  # per key -> per row of dV (or the tile scalar)
+            pv = _int_matmul(np.swapaxes(p_hat, -1, -2), do_hat[:, :, r0:r1])
+            dv_j = (dv_j + pv * (s_p_rows * s_do[:, :, i, None, None]).astype(np.float32)).astype(np.float32)
+
+            # #5: dP in 16-bit inputs, float32 accumulation; dS = P ∘ (dP - δ)
+            dp = np.matmul(do_pad[:, :, r0:r1], np.swapaxes(v_j, -1, -2)).astype(np.float32)
+            ds = np.where(mask, p * (dp - delta[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
+
+            # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i
+            if fine:
+                ds_hat_q, s_ds_q = _psi(ds, -1, quantize)  # per query (row)
+                ds_hat_k, s_ds_k = _psi(ds, -2, quantize)  # per key (column)
+            else:
+                ds_hat_q, s_ds_q = _psi(ds, (-2, -1), quantize)
+                ds_hat_k, s_ds_k = ds_hat_q, s_ds_q
+            dq_tile = _int_matmul(ds_hat_q, k_j) * (s_ds_q * s_k[:, :, j, None, None]).astype(np.float32)
+            dq_acc[:, :, r0:r1] = (dq_acc[:, :, r0:r1] + dq_tile).astype(np.float32)
+            dk_tile = _int_matmul(np.swapaxes(ds_hat_k, -1, -2), q_hat[:, :, r0:r1]) * \
+                (np.swapaxes(s_ds_k, -1, -2) * s_q[:, :, i, None, None]).astype(np.float32)
+            dk_j = (dk_j + dk_tile).astype(np.float32)
+            if smooth_q:
+                # exact term of Q-smoothing: colsum(dS)ᵀ ⊗ μ_Q,i from the FP32 dS
+                colsum = np.sum(ds, axis=-2, dtype=np.float32)
+                dk_j = (dk_j + colsum[..., None] * q_mean[:, :, i, None, :]).astype(np.float32)
+        dk_acc[:, :, c0:c1] = dk_j
+        dv_acc[:, :, c0:c1] = dv_j
+
+    dq = (dq_acc[:, :, :lq] * _F32(saved["softmax_scale"])).astype(np.float32)
+    # Q̂ holds c·log2(e)·Q, so dSᵀQ̂ carries a factor log2(e) too much.
+    dk = (dk_acc[:, :, :lk] * _F32(LN2)).astype(np.float32)
+    dv = dv_acc[:, :, :lk]
+    return dq, _sum_groups(dk, group), _sum_groups(dv, group)
+

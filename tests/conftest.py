@@ -1,0 +1,46 @@
+"""Skips for the ``gpu`` and ``torch`` markers, and a per-session kernel cache."""
+import pytest
+
+
+def _no_cuda_reason():
+    """None when a CUDA device is usable, else why not."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - a broken install also means "no GPU here"
+        return f"cupy is not importable: {exc}"
+    try:
+        if cupy.cuda.is_available():
+            return None
+        count = cupy.cuda.runtime.getDeviceCount()  # raises with the driver's reason, if any
+        return f"cupy.cuda.is_available() is false; {count} devices"
+    except Exception as exc:  # noqa: BLE001
+        return f"cupy.cuda.is_available() is false: {exc}"
+
+
+def _no_torch_reason():
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"torch is not importable: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    # Probe only when a marked test was collected: importing torch costs seconds.
+    for marker, probe, prefix in (("gpu", _no_cuda_reason, "no CUDA device present"),
+                                  ("torch", _no_torch_reason, "PyTorch unavailable")):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        reason = probe() if marked else None
+        if reason:
+            skip = pytest.mark.skip(reason=f"{prefix} ({reason})")
+            for item in marked:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """A fresh kernel cache for the session: tests never touch ~/.cache and compile for real."""
+    path = tmp_path_factory.mktemp("kernel-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SAGEBWD_CP_CACHE_DIR", str(path))
+        yield path

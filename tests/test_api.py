@@ -1,0 +1,121 @@
+"""The array layer and the public API on the CPU: descriptors without copies, clear errors for bad
+input, and host arrays running through the emulator."""
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from sagebwd_cp import emulator, reference
+from sagebwd_cp.arrays import ArrayDesc, describe
+
+
+def _qkv(b=1, hq=4, hk=2, lq=70, lk=90, d=64, dtype=np.float16, seed=0):
+    rng = np.random.default_rng(seed)
+    mk = lambda h, n: rng.standard_normal((b, h, n, d)).astype(dtype)
+    return mk(hq, lq), mk(hk, lk), mk(hk, lk)
+
+
+class DLPackOnly:
+    """Exposes nothing but the DLPack protocol, forcing the generic capsule path."""
+
+    def __init__(self, x):
+        self._x = x
+
+    def __dlpack__(self, stream=None):
+        return self._x.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._x.__dlpack_device__()
+
+
+def test_describe_numpy_strided_view():
+    x = np.zeros((2, 3, 8, 16), dtype=np.float16)[:, :, ::2]
+    d = describe(x, "x")
+    assert d.shape == (2, 3, 4, 16) and d.strides == (384, 128, 32, 1)
+    assert d.dtype == "float16" and d.device_type == "cpu" and d.ptr == x.ctypes.data
+
+
+def test_describe_generic_dlpack_capsule_no_copy():
+    x = np.arange(2 * 3 * 5 * 8, dtype=np.float32).reshape(2, 3, 5, 8).transpose(0, 2, 1, 3)
+    d = describe(DLPackOnly(x), "x")
+    assert d.framework == "dlpack" and d.ptr == x.ctypes.data
+    assert d.shape == x.shape and d.strides == tuple(s // 4 for s in x.strides)
+    assert d.dtype == "float32" and d.device_type == "cpu"
+
+
+def test_describe_torch_tensor_without_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((2, 4, 6, 8), dtype=torch.bfloat16).transpose(1, 2)
+    d = describe(t, "t")
+    assert d.framework == "torch" and d.dtype == "bfloat16" and d.ptr == t.data_ptr()
+    assert d.strides == tuple(t.stride())
+    g = describe(DLPackOnly(t), "t")
+    assert g.dtype == "bfloat16" and g.ptr == t.data_ptr() and g.strides == tuple(t.stride())
+
+
+def test_describe_rejects_non_arrays():
+    with pytest.raises(TypeError, match="q: expected an array supporting DLPack"):
+        sagebwd_cp.attention([[1.0]], *_qkv()[1:])
+
+
+@pytest.mark.parametrize("make,exc,message", [
+    (lambda q, k, v: (q.astype(np.int32), k, v), TypeError, r"q: expected dtype in .* got int32"),
+    (lambda q, k, v: (q, k.astype(np.float32), v), TypeError, r"q, k, v: expected one dtype, got q float16, k float32"),
+    (lambda q, k, v: (q[0], k, v), ValueError, r"q: expected a rank-4 array .* got shape \(4, 70, 64\)"),
+    (lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, r"head_dim: expected a multiple of 8 .* got 60"),
+    (lambda q, k, v: tuple(np.zeros(x.shape[:3] + (136,), x.dtype) for x in (q, k, v)), ValueError,
+     r"head_dim: expected .* at most|head_dim: expected a multiple of 8 between 8 and 128, got 136"),
+    (lambda q, k, v: (q[:, :3], k, v), ValueError, r"heads: expected the query heads \(3\) to be a multiple of the key/value heads \(2\)"),
+    (lambda q, k, v: (q, k, v[:, :, :50]), ValueError, r"k, v: expected the same \(heads, seqlen, head_dim\)"),
+    (lambda q, k, v: (q[:1], k, np.concatenate([v, v])), ValueError, r"q, k, v: expected one batch size"),
+    (lambda q, k, v: (q[..., ::2], k[..., ::2], v[..., ::2]), ValueError, r"q: expected a contiguous last dimension"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"expected batch, heads and seqlen of at least 1"),
+])
+def test_bad_inputs_have_clear_errors(make, exc, message):
+    q, k, v = make(*_qkv())
+    with pytest.raises(exc, match=message):
+        sagebwd_cp.attention(q, k, v)
+
+
+def test_mixed_devices_and_options_errors():
+    q, k, v = _qkv()
+    fake_gpu = ArrayDesc(0, k.shape, (1, 1, 1, 1), "float16", "cuda", 0, None, "dlpack")
+    with pytest.raises(ValueError, match=r"q, k, v: expected arrays on one device, got q on cpu:0, k on cuda:0"):
+        sagebwd_cp.attention(q, fake_gpu, v)
+    with pytest.raises(ValueError, match=r"layout: expected one of \('HND', 'NHD'\), got 'BHSD'"):
+        sagebwd_cp.attention(q, k, v, layout="BHSD")
+    with pytest.raises(ValueError, match=r"softmax_scale: expected a finite positive number, got -1.0"):
+        sagebwd_cp.attention(q, k, v, softmax_scale=-1)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"granularity: expected one of \('fine', 'paper'\), got 'coarse'"):
+        sagebwd_cp.attention_backward(saved, out, granularity="coarse")
+    with pytest.raises(ValueError, match=r"do: expected shape \(1, 4, 70, 64\), got \(1, 4, 69, 64\)"):
+        sagebwd_cp.attention_backward(saved, out[:, :, 1:])
+    with pytest.raises(TypeError, match=r"do: expected dtype float16, got float32"):
+        sagebwd_cp.attention_backward(saved, out.astype(np.float32))
+    with pytest.raises(TypeError, match=r"saved: expected the AttentionSaved"):
+        sagebwd_cp.attention_backward({}, out)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 4, 70, 64\), got \(1, 4, 70, 32\)"):
+        sagebwd_cp.attention(q, k, v, out=np.empty((1, 4, 70, 32), np.float16))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_host_arrays_run_the_emulator(layout, causal):
+    q, k, v = _qkv(seed=3)
+    perm = (lambda x: x) if layout == "HND" else (lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+    out, lse, saved = sagebwd_cp.attention_forward(perm(q), perm(k), perm(v), causal=causal, layout=layout,
+                                                   return_lse=True)
+    o_emu, lse_emu, _ = emulator.emulate_forward(q, k, v, causal=causal)
+    assert out.dtype == np.float16 and out.shape == perm(q).shape
+    np.testing.assert_array_equal(perm(o_emu.astype(np.float16)), out)
+    np.testing.assert_array_equal(lse, lse_emu)
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
+    grads = sagebwd_cp.attention_backward(saved, perm(do))
+    ref = reference.attention_reference_backward(*(x.astype(np.float64) for x in (q, k, v, do)), causal=causal)
+    for g, r, x in zip(grads, ref, (q, k, v)):
+        assert g.shape == perm(x).shape
+        gh = g if layout == "HND" else g.transpose(0, 2, 1, 3)
+        assert np.linalg.norm(gh - r) / np.linalg.norm(r) < 0.03
+    buf = np.full_like(perm(q), np.nan)
+    assert sagebwd_cp.attention(perm(q), perm(k), perm(v), causal=causal, layout=layout, out=buf) is buf
+    np.testing.assert_array_equal(buf, out)

@@ -1,0 +1,178 @@
+"""The run-time compiler, on the CPU: NVRTC compiles for any sm_XX without a GPU."""
+import dataclasses
+import shutil
+
+import pytest
+
+from sagebwd_cp import compiler, specs
+from sagebwd_cp.__main__ import compile_all, main
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_spec_compiles_without_spills(arch):
+    rows = compile_all(arch)
+    assert {r.key for r in rows} == {s.key for s in specs.all_specs()}
+    failed = [(r.key, r.entry, r.error) for r in rows if r.error]
+    assert not failed
+    spilled = [(r.key, r.entry, r.spill_stores, r.spill_loads) for r in rows if r.spill_bytes]
+    assert not spilled
+    assert all(r.registers > 0 for r in rows)
+
+
+def test_spec_keys_are_unique():
+    keys = [s.key for s in specs.all_specs()]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.fixture
+def source_copy(tmp_path):
+    """kernels/ and ptx/ copied to a tmp dir, so a test can edit a header."""
+    dirs = []
+    for name, src in zip(("kernels", "ptx"), compiler.source_dirs()):
+        dst = tmp_path / name
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+        dirs.append(dst)
+    return tuple(dirs)
+
+
+def _forward_spec():
+    return next(s for s in specs.all_specs() if s.filename == "forward.cu")
+
+
+def test_cache_key_follows_every_included_header(source_copy):
+    spec = _forward_spec()
+    _, ptx_dir = source_copy
+
+    def key():
+        return compiler.cache_key(spec, "sm_90", compiler.flatten_source(spec.filename, dirs=source_copy))
+
+    original = key()
+    assert key() == original
+    included = [h for h in sorted(ptx_dir.glob("*.cuh"))
+                if f"// ---- {h.name} ----" in compiler.flatten_source(spec.filename, dirs=source_copy)]
+    assert included
+    for header in included:
+        text = header.read_text()
+        header.write_text(text + "\n// edited\n")
+        assert key() != original, header.name
+        header.write_text(text)
+    assert key() == original
+
+
+def test_cache_key_follows_options_and_arch():
+    spec = _forward_spec()
+    source = compiler.flatten_source(spec.filename)
+    key = compiler.cache_key(spec, "sm_90", source)
+    assert compiler.cache_key(spec, "sm_89", source) != key
+    other_defines = dataclasses.replace(spec, defines=spec.defines + (("SB_EXTRA", 1),))
+    assert compiler.cache_key(other_defines, "sm_90", source) != key
+    # The default source is the installed one, flattened the same way.
+    assert compiler.cache_key(spec, "sm_90") == key
+
+
+def test_flatten_inlines_each_header_once(tmp_path):
+    (tmp_path / "common.cuh").write_text("#pragma once\nint common_marker;\n")
+    (tmp_path / "a.cuh").write_text('#pragma once\n#include "common.cuh"\nint a_marker;\n')
+    (tmp_path / "b.cuh").write_text('#pragma once\n#include "common.cuh"\n#include "a.cuh"\nint b_marker;\n')
+    (tmp_path / "k.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n#include "common.cuh"\nint k_marker;\n')
+    flat = compiler.flatten_source("k.cu", dirs=(tmp_path,))
+    for marker in ("common_marker", "a_marker", "b_marker", "k_marker"):
+        assert flat.count(marker) == 1
+    assert flat.index("common_marker") < flat.index("a_marker") < flat.index("b_marker") < flat.index("k_marker")
+    assert "#include" not in flat and "#pragma once" not in flat
+
+
+def test_flatten_real_sources_inline_every_header_once():
+    ptx_dir = compiler.source_dirs()[1]
+    for filename in sorted({s.filename for s in specs.all_specs()}):
+        flat = compiler.flatten_source(filename)
+        assert '#include "' not in flat
+        for header in ptx_dir.glob("*.cuh"):
+            assert flat.count(f"// ---- {header.name} ----") <= 1
+
+
+def test_flatten_names_a_missing_header(tmp_path):
+    (tmp_path / "k.cu").write_text('#include "missing.cuh"\n')
+    with pytest.raises(FileNotFoundError, match="missing.cuh"):
+        compiler.flatten_source("k.cu", dirs=(tmp_path,))
+
+
+SPILLING_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'fine' for 'sm_90'
+ptxas info    : Function properties for fine
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 4096 bytes smem
+ptxas info    : Compiling entry function 'spiller' for 'sm_90'
+ptxas info    : Function properties for spiller
+ptxas         .     96 bytes stack frame, 88 bytes spill stores, 72 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+"""
+
+
+def test_parse_ptxas_report_finds_spills():
+    reports = compiler.parse_ptxas_report(SPILLING_LOG)
+    assert set(reports) == {"fine", "spiller"}
+    fine, spiller = reports["fine"], reports["spiller"]
+    assert (fine.registers, fine.shared_bytes, fine.spills) == (128, 4096, False)
+    assert (spiller.registers, spiller.stack_bytes, spiller.spill_stores, spiller.spill_loads) == (255, 96, 88, 72)
+    assert spiller.spills
+
+
+def test_broken_kernel_raises_compile_error_with_nvrtc_log(tmp_path, monkeypatch):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { undeclared_thing = 1; }\n')
+    monkeypatch.setattr(compiler, "source_dirs", lambda: (tmp_path,))
+    spec = compiler.make_spec("broken", "broken.cu", ["broken"])
+    with pytest.raises(compiler.CompileError) as info:
+        compiler.compile_spec(spec, "sm_90")
+    message = str(info.value)
+    assert "broken" in message and "sm_90" in message
+    assert "undeclared_thing" in message and "error" in message  # NVRTC's own log
+
+
+def test_compile_spec_rejects_a_bad_arch():
+    with pytest.raises(ValueError, match="arch"):
+        compiler.compile_spec(specs.bias_spec(), "compute_90")
+
+
+def test_cli_compile_exits_zero(capsys):
+    assert main(["compile", "--arch", "sm_89"]) == 0
+    out = capsys.readouterr().out
+    assert "sm_89" in out and _forward_spec().key in out
+
+
+def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
+    real = compiler.compile_spec
+
+    def spilling(spec, arch, **kwargs):
+        compiled = real(spec, arch, **kwargs)
+        reports = {name: dataclasses.replace(r, spill_stores=8) for name, r in compiled.reports.items()}
+        return dataclasses.replace(compiled, reports=reports)
+
+    monkeypatch.setattr(compiler, "compile_spec", spilling)
+    assert main(["compile", "--arch", "sm_89"]) == 1
+    assert "SPILLS" in capsys.readouterr().err
+
+
+def test_cli_compile_exits_one_on_a_compile_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { undeclared_thing = 1; }\n')
+    monkeypatch.setattr(compiler, "source_dirs", lambda: (tmp_path,))
+    monkeypatch.setattr(specs, "all_specs", lambda: [compiler.make_spec("broken", "broken.cu", ["broken"])])
+    assert main(["compile", "--arch", "sm_90"]) == 1
+    assert "undeclared_thing" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_malformed_arch():
+    with pytest.raises(SystemExit) as info:
+        main(["compile", "--arch", "89"])
+    assert info.value.code == 2
+
+
+def test_cli_info_reports_versions_and_compiles(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "NVRTC" in out and "numpy" in out
+    assert "No CUDA device present" in out or "CUDA device 0" in out
+    assert _forward_spec().key in out
