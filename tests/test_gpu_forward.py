@@ -142,3 +142,16 @@ def test_sigma_sweep_against_exact(d):
     # scales close it.
     for sigma, cs, rl, cos_paper, rl2_paper in rows:
         assert rl <= 1.25 * rl2_paper, table
+
+
+def test_no_local_memory_on_this_device():
+    """Spills show up as local memory in the cubin the device actually loads."""
+    import torch
+
+    from sagebwd_cp import compiler, specs
+
+    dev = torch.cuda.current_device()
+    for spec in specs.all_specs():
+        for entry in spec.entries:
+            fn = compiler.get_function(spec, entry, dev)
+            assert fn.local_size_bytes == 0, f"{spec.key}:{entry} uses {fn.local_size_bytes} bytes of local memory"

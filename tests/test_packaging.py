@@ -61,17 +61,14 @@ SNIPPET = textwrap.dedent("""
 
 
 def test_installed_wheel_compiles_a_kernel(wheel, tmp_path):
-    venv = tmp_path / "venv"
-    # System site packages provide numpy and cupy, so nothing is downloaded.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
-    python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-          str(wheel)])
+    # Installed into its own folder (dependencies come from this interpreter), run from elsewhere.
+    site = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = json.loads(_run([str(python), "-c", SNIPPET], cwd=tmp_path, env=env))
-    assert Path(result["module"]).is_relative_to(venv), result["module"]
-    assert all(Path(d).is_relative_to(venv) for d in result["sources"]), result["sources"]
-    assert result["registers"] and all(n > 0 for n in result["registers"].values())
+    env["PYTHONPATH"] = str(site)
+    result = json.loads(_run([sys.executable, "-c", SNIPPET], cwd=tmp_path, env=env))
+    assert Path(result["module"]).is_relative_to(site), result["module"]
+    assert all(Path(d).is_relative_to(site) for d in result["sources"]), result["sources"]
     assert result["cubin_bytes"] > 0
-    usage = _run([str(venv / "bin" / "sagebwd-cp"), "compile", "--help"], cwd=tmp_path, env=env)
+    usage = _run([str(site / "bin" / "sagebwd-cp"), "compile", "--help"], cwd=tmp_path, env=env)
     assert "--arch" in usage
