@@ -10,12 +10,19 @@ from sagebwd_cp.__main__ import compile_all, main
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 
+def _require_ptxas_report():
+    """Some NVRTC builds ignore -Xptxas=-v; then there are no register counts to check."""
+    if not compiler.compile_spec(specs.ceiling_spec(), "sm_90").reports:
+        pytest.skip(f"NVRTC {compiler.nvrtc_version()} prints no ptxas resource report")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_spec_compiles_without_spills(arch):
     rows = compile_all(arch)
     assert {r.key for r in rows} == {s.key for s in specs.all_specs()}
     failed = [(r.key, r.entry, r.error) for r in rows if r.error]
     assert not failed
+    _require_ptxas_report()
     spilled = [(r.key, r.entry, r.spill_stores, r.spill_loads) for r in rows if r.spill_bytes]
     assert not spilled
     assert all(r.registers > 0 for r in rows)
@@ -144,6 +151,7 @@ def test_cli_compile_exits_zero(capsys):
 
 
 def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
+    _require_ptxas_report()
     real = compiler.compile_spec
 
     def spilling(spec, arch, **kwargs):
