@@ -118,3 +118,18 @@ def forward_gpu(prob: AttentionProblem, out: ArrayDesc | None, training: bool, r
     attend_gpu(prob, qz, out, lse2, stream)
     lse = natural_lse_gpu(prob, qz, lse2, stream) if return_lse else None
     return out, qz, lse2, lse
+
+
+def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int):
+    """dÔ for dV = P̂ᵀdÔ: ψ per 64 rows of dO, stored transposed ([B][Hq][Dp][Nq_pad]) in the
+    fragment token order of register-fed products; returns (dÔᵀ, scales [B][Hq][Nq_pad/64])."""
+    B, Hq, Lq, D, dp = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim
+    nq = _round_up(Lq, specs.TOKEN_PAD)
+    dot8 = empty((B, Hq, dp, nq), "int8", prob.q)
+    scale = empty((B, Hq, nq // numerics.BLOCK_Q), "float32", prob.q)
+    sb, sh, sn = prob.bhnd_strides(do)
+    launch(specs.quantize_spec(prob.dtype), "quantize_blocks", prob.q.device_id, stream,
+           (nq // numerics.BLOCK_Q, Hq, B), (QUANT_THREADS, 1, 1),
+           [ptr(do), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Lq), i32(D), i32(dp), i32(nq), f32(1.0), ptr(None),
+            ptr(None), ptr(None), ptr(None), ptr(dot8), i32(1), ptr(scale)])
+    return dot8, scale

@@ -70,3 +70,26 @@ def test_quantize_matches_emulator_bitwise(case):
     vt = _unpermute_tokens(host(qz.vt8), qz.nk_pad)
     np.testing.assert_array_equal(vt[:, :, :d, :lk], emu["v_int8"][:, :, :lk].transpose(0, 1, 3, 2))
     assert not vt[:, :, :, lk:].any() and not vt[:, :, d:].any()
+
+
+@pytest.mark.parametrize("lq,dtype,layout", [(1, "float16", "HND"), (1000, "bfloat16", "NHD"), (4097, "float16", "NHD")])
+def test_quantize_grad_output_matches_psi(lq, dtype, layout):
+    import torch
+
+    from sagebwd_cp.arrays import current_stream, describe
+    from sagebwd_cp.forward import quantize_grad_output_gpu
+    from sagebwd_cp.problem import make_problem
+
+    q, k, v = make_qkv(2, 4, 2, lq, 77, 64, dtype, layout, seed=lq)
+    do = make_qkv(2, 4, 2, lq, 77, 64, dtype, layout, sigma=1e-3, seed=lq + 1)[0]  # tiny gradients
+    prob = make_problem(q, k, v, layout=layout)
+    with poisoned_workspaces():
+        dot8, scale = quantize_grad_output_gpu(prob, describe(do, "do"), current_stream(prob.q))
+    torch.cuda.synchronize()
+    x = np.zeros((2, 4, dot8.shape[-1], 64), np.float32)
+    x[:, :, :lq] = to_hnd_numpy(do, layout)
+    nb = x.shape[2] // 64
+    blocks, scales = numerics.quantize_block(x.reshape(2, 4, nb, 64 * 64), axis=-1)
+    expected = blocks.reshape(x.shape).transpose(0, 1, 3, 2)
+    np.testing.assert_array_equal(_unpermute_tokens(dot8.obj.cpu().numpy(), dot8.shape[-1]), expected)
+    np.testing.assert_array_equal(scale.obj.cpu().numpy(), scales[..., 0])
