@@ -13,11 +13,9 @@ import dataclasses
 import numpy as np
 
 # DLPack device types and dtype codes (dlpack.h)
-KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED = 1, 2, 3, 13
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DL_CODES = {(0, 8): "int8", (0, 32): "int32", (1, 8): "uint8", (1, 16): "uint16", (2, 16): "float16",
              (2, 32): "float32", (2, 64): "float64", (4, 16): "bfloat16", (6, 8): "bool"}
-ITEMSIZE = {"int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
-            "float32": 4, "float64": 8}
 
 
 @dataclasses.dataclass
