@@ -1,6 +1,6 @@
 // SageBwd forward: S = Q̂K̂ᵀ (INT8 mma m16n8k32), online softmax in exp2, P̂ quantized per row
 // with the free scale exp2(rowmax - m_new)/127 and kept in registers, O += P̂V̂ (INT8), FP32
-// accumulation, output in the input dtype, base-2 LSE saved. Numerics: sagebwd_cp/numerics.py.
+// accumulation, output in the input dtype, base-2 LSE saved ([B][Hq][Lq]). Numerics: sagebwd_cp/numerics.py.
 //
 // Compile-time parameters:
 //   SB_DP       padded head dim (64 or 128)           SB_BF16    output dtype bf16 (else fp16)
@@ -297,7 +297,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (lse2 && t == 0)
-                    lse2[bhq * Nq_pad + row] = l > 0.f ? m_run[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    lse2[bhq * Lq + row] = l > 0.f ? m_run[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

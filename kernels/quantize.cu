@@ -102,8 +102,9 @@ quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
     float amax = 0.f;
     for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
     amax = block_max(amax, red);
-    const float scale = amax == 0.f ? 1.f : div_rn(amax, 127.f);
-    const float inv = amax == 0.f ? 1.f : div_rn(127.f, amax);
+    const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block
+    const float scale = zero ? 1.f : div_rn(amax, 127.f);
+    const float inv = zero ? 0.f : div_rn(127.f, amax);
     if (threadIdx.x == 0) scale_out[bh * (N_pad / QBLOCK) + blk] = scale;
 
     // Round and write, four bytes per store.

@@ -14,15 +14,18 @@ from .arrays import ArrayDesc, describe
 from .problem import AttentionProblem, check_granularity, check_output, make_problem
 
 
+DEFAULT_GRANULARITY = "fine"
+
+
 @dataclasses.dataclass
 class AttentionSaved:
-    """What the backward needs from one training forward: the INT8 tensors and their scales,
-    the base-2 LSE, the 16-bit output and V, and the options."""
+    """What the backward needs from one training forward, and nothing more: the inputs, the
+    16-bit output and the base-2 LSE (B, Hq, Lq) float32 (quantization is deterministic, so the
+    backward re-derives Q̂, K̂ and their scales from q, k rather than keeping them alive)."""
 
     problem: AttentionProblem
-    out: object
-    state: object  # forward.Quantized plus lse2 on the GPU; the emulator's dict on the host
-    lse2: object = None
+    out: ArrayDesc
+    lse2: ArrayDesc
 
 
 def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
@@ -47,8 +50,8 @@ def _forward(q, k, v, *, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         from .forward import forward_gpu
 
         out_desc = check_output(out, prob) if out is not None else None
-        out_desc, qz, lse2, lse = forward_gpu(prob, out_desc, training, return_lse)
-        saved = AttentionSaved(prob, out_desc, qz, lse2) if training else None
+        out_desc, lse2, lse = forward_gpu(prob, out_desc, training, return_lse)
+        saved = AttentionSaved(prob, out_desc, lse2) if training else None
         return out_desc.obj, (lse.obj if lse is not None else None), saved
     if prob.dtype == "bfloat16":
         raise TypeError("q: bfloat16 host arrays are not supported by NumPy; pass float32 values or a CUDA array")
@@ -61,7 +64,10 @@ def _forward(q, k, v, *, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         od = check_output(out, prob)
         np.copyto(od.obj, o)
         o = od.obj
-    saved = AttentionSaved(prob, o, state) if training else None
+    saved = None
+    if training:
+        lse2 = np.ascontiguousarray(state["lse2"][:, :, :prob.len_q])
+        saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2"))
     return o, (lse.astype(np.float32) if return_lse else None), saved
 
 
@@ -88,21 +94,56 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
     return (o, lse, saved) if return_lse else (o, saved)
 
 
-def attention_backward(saved: AttentionSaved, do, *, granularity="fine", deterministic=False):
-    """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO."""
-    check_granularity(granularity)
+def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULARITY, deterministic=False):
+    """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO.
+
+    granularity: "fine" (per-key P scales for dV, per-query / per-key dS scales for dQ / dK) or
+    "paper" (one scale per 64x64 tile for P and dS, as published).  deterministic=True orders the
+    dQ accumulation so repeated runs are bitwise identical (slower); dK and dV always are."""
     if not isinstance(saved, AttentionSaved):
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
-    prob = saved.problem
-    dd = describe(do, "do")
-    expected = prob.shape(prob.heads_q, prob.len_q)
-    if tuple(dd.shape) != expected:
-        raise ValueError(f"do: expected shape {expected}, got {tuple(dd.shape)}")
-    if dd.dtype != prob.dtype:
-        raise TypeError(f"do: expected dtype {prob.dtype}, got {dd.dtype}")
-    if (dd.device_type, dd.device_id) != (prob.q.device_type, prob.q.device_id):
-        raise ValueError(f"do: expected an array on {prob.q.device_type}:{prob.q.device_id}, got {dd.device_type}:{dd.device_id}")
+    return _backward(saved.problem, saved.out, saved.lse2, do, granularity, deterministic)
+
+
+def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
+                              smooth_q=False, layout="HND", granularity=DEFAULT_GRANULARITY, deterministic=False):
+    """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
+    ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
+    and dO.  The options must be those of the forward."""
+    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                        smooth_q=smooth_q, layout=layout)
+    return _backward(prob, check_output(out, prob), describe(lse2, "lse2"), do, granularity, deterministic)
+
+
+def lse2_shape(batch: int, heads_q: int, len_q: int) -> tuple:
+    """Shape of the saved base-2 LSE (float32)."""
+    return (batch, heads_q, len_q)
+
+
+def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
+    expected = lse2_shape(prob.batch, prob.heads_q, prob.len_q)
+    if tuple(lse2.shape) != expected:
+        raise ValueError(f"lse2: expected shape {expected}, got {tuple(lse2.shape)}")
+    if lse2.dtype != "float32":
+        raise TypeError(f"lse2: expected dtype float32, got {lse2.dtype}")
+    if (lse2.device_type, lse2.device_id) != (prob.q.device_type, prob.q.device_id):
+        raise ValueError(f"lse2: expected an array on {prob.q.device_type}:{prob.q.device_id}, got {lse2.device_type}:{lse2.device_id}")
+    if lse2.strides != (prob.heads_q * prob.len_q, prob.len_q, 1):
+        raise ValueError(f"lse2: expected a contiguous array, got strides {lse2.strides}")
+
+
+def _backward(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do, granularity, deterministic):
+    check_granularity(granularity)
+    dd = check_output(do, prob, "do")
+    _check_lse2(lse2, prob)
     if prob.on_gpu:
-        raise NotImplementedError("attention_backward: the GPU backward kernels are not available in this version")
-    dq, dk, dv = emulator.emulate_backward(saved.state, _host_array(dd, prob.layout), granularity=granularity)
+        from .backward import backward_gpu
+
+        grads = backward_gpu(prob, out, lse2, dd, granularity, bool(deterministic))
+        return tuple(g.obj for g in grads)
+    lse2_host = lse2.obj if isinstance(lse2.obj, np.ndarray) else np.from_dlpack(lse2.obj)
+    state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
+                                    lse2_host, causal=prob.causal, softmax_scale=prob.softmax_scale,
+                                    smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype))
+    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout), granularity=granularity)
     return tuple(_to_layout(g, prob.layout, prob.dtype) for g in (dq, dk, dv))

@@ -25,19 +25,12 @@ from .numerics import (
     token_mean,
 )
 
-__all__ = ["quantize_inputs", "emulate_forward", "emulate_backward", "GRANULARITIES"]
+__all__ = ["quantize_inputs", "emulate_forward", "backward_state", "emulate_backward", "GRANULARITIES"]
 
 GRANULARITIES = ("fine", "paper")
 _DTYPES = ("float16", "bfloat16", "float32")  # float32: no output rounding (testing)
 
 _F32 = np.float32
-
-# A block whose max|x| is below 127/FLT_MAX (P or dS far out in the softmax tail) makes ψ's
-# inverse scale overflow to inf; its zeros then become NaN and cast to 0, its other entries
-# clamp to ±127.  The values involved are ~1e-37, so this is harmless, but numpy warns.
-def _tiny_amax_ok():
-    return np.errstate(over="ignore", invalid="ignore")
-
 
 # ----------------------------------------------------------------------------- small helpers
 
@@ -92,8 +85,7 @@ def _quantize_rows(x: np.ndarray, block: int, quantize: bool):
     nb = n_pad // block
     if not quantize:
         return x.copy(), np.ones((b, h, nb), dtype=np.float32)
-    with _tiny_amax_ok():
-        vals, scale = quantize_block(x.reshape(b, h, nb, block, d), axis=(-2, -1))
+    vals, scale = quantize_block(x.reshape(b, h, nb, block, d), axis=(-2, -1))
     return vals.reshape(b, h, n_pad, d), scale.reshape(b, h, nb)
 
 
@@ -104,8 +96,7 @@ def _psi(x: np.ndarray, axis, quantize: bool):
         for ax in (axis if isinstance(axis, tuple) else (axis,)):
             shape[ax] = 1
         return x, np.ones(shape, dtype=np.float32)
-    with _tiny_amax_ok():
-        return quantize_block(x, axis=axis)
+    return quantize_block(x, axis=axis)
 
 
 def _check_inputs(q, k, v):
@@ -309,6 +300,28 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
 
 # ----------------------------------------------------------------------------- backward
+
+def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
+                   quantize=True, dtype="float16"):
+    """The dict ``emulate_backward`` reads, rebuilt from the inputs, the stored output and the
+    base-2 LSE (B, Hq, Lq) of a forward: the quantization is deterministic, so Q̂, K̂ and their
+    scales come out exactly as the forward had them."""
+    q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
+    group = _check_inputs(q32, k32, v32)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q32.shape[-1])
+    qi = quantize_inputs(q32, k32, v32, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                         quantize=quantize)
+    lq, lk = qi["lq"], qi["lk"]
+    lse2 = _as_f32(lse2)
+    if lse2.shape != q32.shape[:3]:
+        raise ValueError(f"lse2: expected shape {q32.shape[:3]}, got {lse2.shape}")
+    pad = qi["q_int8"].shape[2] - lq
+    lse2 = np.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=np.inf).astype(np.float32)
+    return {"inputs": qi, "lse2": lse2, "o": _as_f32(o), "v": v32, "causal": bool(causal),
+            "softmax_scale": float(softmax_scale), "smooth_q": bool(smooth_q), "quantize": bool(quantize),
+            "dtype": dtype, "group": group, "lq": lq, "lk": lk}
+
 
 def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     """SageBwd backward (KV-block-owned loop).  Returns float32 (dq, dk, dv) of the true shapes.

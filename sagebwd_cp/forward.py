@@ -21,21 +21,23 @@ class Quantized:
     """Q̂, K̂, V̂ in every layout the kernels read, with their scales (see numerics.py)."""
 
     q8: ArrayDesc  # [B][Hq][Nq_pad][Dp]
-    q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products
+    q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
     q_scale: ArrayDesc  # [B][Hq][Nq_pad/64]
     q_mean: ArrayDesc | None  # [B][Hq][Nq_pad/64][Dp] (Q-smoothing)
     k8: ArrayDesc  # [B][Hkv][Nk_pad][Dp]
-    k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad]
+    k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
     k_scale: ArrayDesc
     k_mean: ArrayDesc | None  # [B][Hkv][Dp] (K-smoothing)
-    vt8: ArrayDesc  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16)
-    v_scale: ArrayDesc
+    vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
+    v_scale: ArrayDesc | None
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
     nq_pad: int
     nk_pad: int
 
 
-def quantize_inputs_gpu(prob: AttentionProblem, training: bool, stream: int) -> Quantized:
+def quantize_inputs_gpu(prob: AttentionProblem, backward: bool, stream: int) -> Quantized:
+    """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
+    quantization is deterministic) and also needs their transposes, but not V̂."""
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
     nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, specs.TOKEN_PAD)
@@ -59,19 +61,21 @@ def quantize_inputs_gpu(prob: AttentionProblem, training: bool, stream: int) -> 
                [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
     q8 = empty((B, Hq, nq, dp), "int8", like)
-    q8t = empty((B, Hq, dp, nq), "int8", like) if training else None
+    q8t = empty((B, Hq, dp, nq), "int8", like) if backward else None
     q_scale = empty((B, Hq, nq // numerics.BLOCK_Q), "float32", like)
     q_mean = empty((B, Hq, nq // numerics.BLOCK_Q, dp), "float32", like) if prob.smooth_q else None
     quantize(prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8, q8t, 1, q_scale)
 
     k8 = empty((B, Hk, nk, dp), "int8", like)
-    k8t = empty((B, Hk, dp, nk), "int8", like) if training else None
+    k8t = empty((B, Hk, dp, nk), "int8", like) if backward else None
     k_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
     quantize(prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, 0, k_scale)
 
-    vt8 = empty((B, Hk, dp, nk), "int8", like)
-    v_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
-    quantize(prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale)
+    vt8 = v_scale = None
+    if not backward:
+        vt8 = empty((B, Hk, dp, nk), "int8", like)
+        v_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
+        quantize(prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale)
 
     bias = None
     if prob.smooth_q:
@@ -103,21 +107,21 @@ def natural_lse_gpu(prob: AttentionProblem, qz: Quantized, lse2: ArrayDesc, stre
     launch(specs.lse_spec(prob.dtype), "natural_lse", prob.q.device_id, stream,
            ((prob.len_q + 127) // 128, prob.heads_q, prob.batch), (128, 1, 1),
            [ptr(prob.q), i64(sb), i64(sh), i64(sn), i32(prob.heads_q), i32(prob.heads_kv), i32(prob.len_q),
-            i32(prob.head_dim), i32(prob.padded_head_dim), i32(qz.nq_pad), f32(prob.softmax_scale), ptr(qz.k_mean),
-            ptr(lse2), ptr(lse), i64(prob.heads_q * prob.len_q), i64(prob.len_q)])
+            i32(prob.head_dim), i32(prob.padded_head_dim), f32(prob.softmax_scale), ptr(qz.k_mean),
+            ptr(lse2), ptr(lse)])
     return lse
 
 
 def forward_gpu(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool):
-    """Run the forward; returns (out desc, Quantized, lse2 desc or None, natural lse desc or None)."""
+    """Run the forward; returns (out desc, base-2 LSE desc [B][Hq][Lq] or None, natural LSE desc or None)."""
     stream = current_stream(prob.q)
-    qz = quantize_inputs_gpu(prob, training, stream)
+    qz = quantize_inputs_gpu(prob, False, stream)
     if out is None:
         out = empty(prob.shape(prob.heads_q, prob.len_q), prob.dtype, prob.q)
-    lse2 = empty((prob.batch, prob.heads_q, qz.nq_pad), "float32", prob.q) if (training or return_lse) else None
+    lse2 = empty((prob.batch, prob.heads_q, prob.len_q), "float32", prob.q) if (training or return_lse) else None
     attend_gpu(prob, qz, out, lse2, stream)
     lse = natural_lse_gpu(prob, qz, lse2, stream) if return_lse else None
-    return out, qz, lse2, lse
+    return out, (lse2 if training else None), lse
 
 
 def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int):

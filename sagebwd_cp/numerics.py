@@ -11,7 +11,8 @@ Conventions
   sizes, so every integer product is dequantized once per tile.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
-  nearest even), clamped to [-127, 127].  An all-zero block gets scale 1 and x̂ = 0.
+  nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
+  zero, or so small that 127/amax would overflow float32) counts as zero: scale 1 and x̂ = 0.
 * Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
   integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.
 * K-smoothing subtracts μ_K, the token mean of K per (batch, KV head), computed as the float64
@@ -32,6 +33,7 @@ import numpy as np
 BLOCK_Q = 64  # rows per quantization block of Q and dO; the backward's query tile
 BLOCK_KV = 64  # rows per quantization block of K and V; the forward's and backward's key tile
 INT8_MAX = 127
+TINY_AMAX = np.float32(2.0 ** -120)  # blocks with a smaller amax quantize to zero
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -60,10 +62,10 @@ def quantize_block(x: np.ndarray, axis=None):
     """
     x = np.asarray(x, dtype=np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
-    zero = amax == 0
+    zero = amax < TINY_AMAX
     safe = np.where(zero, np.float32(1), amax).astype(np.float32)
     scale = np.where(zero, np.float32(1), safe / np.float32(INT8_MAX)).astype(np.float32)
-    inv = np.where(zero, np.float32(1), np.float32(INT8_MAX) / safe).astype(np.float32)
+    inv = np.where(zero, np.float32(0), np.float32(INT8_MAX) / safe).astype(np.float32)
     q = np.rint((x * inv).astype(np.float32))
     q = np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
     return q, scale
@@ -102,4 +104,5 @@ def compile_defines() -> dict:
         "SB_BLOCK_Q": BLOCK_Q,
         "SB_BLOCK_KV": BLOCK_KV,
         "SB_INT8_MAX": INT8_MAX,
+        "SB_TINY_AMAX": f"{float(TINY_AMAX).hex()}",  # a hexadecimal float literal: exact
     }

@@ -43,7 +43,8 @@ def test_quantize_matches_emulator_bitwise(case):
         k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias for smoothing
     prob = make_problem(q, k, v, layout=layout, smooth_q=smooth_q, softmax_scale=0.3)
     with poisoned_workspaces():
-        qz = quantize_inputs_gpu(prob, True, current_stream(prob.q))
+        qz = quantize_inputs_gpu(prob, True, current_stream(prob.q))  # the backward's layouts
+        qf = quantize_inputs_gpu(prob, False, current_stream(prob.q))  # the forward's
     torch.cuda.synchronize()
     emu = emulator.quantize_inputs(to_hnd_numpy(q, layout), to_hnd_numpy(k, layout), to_hnd_numpy(v, layout),
                                    softmax_scale=0.3, smooth_q=smooth_q)
@@ -58,7 +59,10 @@ def test_quantize_matches_emulator_bitwise(case):
     np.testing.assert_array_equal(k8[:, :, :lk, :d], emu["k_int8"][:, :, :lk])
     np.testing.assert_array_equal(host(qz.k_scale)[..., :nkb], emu["k_scale"])
     np.testing.assert_array_equal(host(qz.k_mean)[..., :d], emu["k_mean"])
-    np.testing.assert_array_equal(host(qz.v_scale)[..., :nkb], emu["v_scale"])
+    np.testing.assert_array_equal(host(qf.v_scale)[..., :nkb], emu["v_scale"])
+    assert qz.vt8 is None and qf.q8t is None and qf.k8t is None
+    for name in ("q8", "q_scale", "k8", "k_scale", "k_mean"):  # the backward re-derives the forward's Q̂, K̂
+        np.testing.assert_array_equal(host(getattr(qz, name)), host(getattr(qf, name)))
     if smooth_q:
         np.testing.assert_array_equal(host(qz.q_mean)[:, :, :nqb, :d], emu["q_mean"])
     # Padding (rows past N, columns past D) is zero in every layout.
@@ -67,7 +71,7 @@ def test_quantize_matches_emulator_bitwise(case):
     # Transposed copies: Q̂ᵀ in fragment token order, K̂ᵀ natural, V̂ᵀ in fragment token order.
     np.testing.assert_array_equal(_unpermute_tokens(host(qz.q8t), qz.nq_pad), q8.transpose(0, 1, 3, 2))
     np.testing.assert_array_equal(host(qz.k8t), k8.transpose(0, 1, 3, 2))
-    vt = _unpermute_tokens(host(qz.vt8), qz.nk_pad)
+    vt = _unpermute_tokens(host(qf.vt8), qf.nk_pad)
     np.testing.assert_array_equal(vt[:, :, :d, :lk], emu["v_int8"][:, :, :lk].transpose(0, 1, 3, 2))
     assert not vt[:, :, :, lk:].any() and not vt[:, :, d:].any()
 
