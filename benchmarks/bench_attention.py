@@ -1,7 +1,8 @@
 """Attention speed against SDPA's backends, measured side by side in one run.
 
 fp16, 16K tokens per batch, hidden 2048 (heads = 2048 / head_dim), N = 1K..16K.  TOPS use the
-FLOP convention 4·B·H·N²·d for the forward (half when causal).  Also measures the INT8 and fp16
+FLOP convention 4·B·H·N²·d for the forward (half when causal), 2.5x that for the backward and
+3.5x for forward+backward (ALGORITHM.md).  Also measures the INT8 and fp16
 mma.sync ceilings in the same run.  Prints a compact table last; ``--json PATH`` writes records.
 
     python benchmarks/bench_attention.py [--seqlens 4096 16384] [--head-dims 64 128] [--tiles 8x1 4x2]
@@ -106,6 +107,71 @@ def bench_forward(d, n, causal, tiles_list, reps):
     return b, h, rows
 
 
+PEERS = (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-efficient", "EFFICIENT_ATTENTION"))
+
+
+def bench_training(d, n, causal, reps, granularities):
+    """Backward alone and forward+backward (quantization and pre/postprocessing included), and the
+    peak memory of one forward+backward, for us and SDPA's backends."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import sagebwd_cp
+
+    b, h = max(1, 16384 // n), 2048 // d
+    fwd_flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    q, k, v, do = (torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(4))
+    rows = []
+
+    def record(name, pas, ms, peak=None):
+        rows.append((name, pas, ms, fwd_flops * (2.5 if pas == "bwd" else 3.5) / (ms * 1e-3) / 1e12, peak))
+
+    def peak_of(fn):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    for name, backend in PEERS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                ms_b = timed(lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True), reps)
+                del out
+
+                def fwdbwd():
+                    o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                    torch.autograd.grad(o, (qr, kr, vr), do)
+
+                ms_fb = timed(fwdbwd, reps)
+                peak = peak_of(fwdbwd)
+            record(name, "bwd", ms_b)
+            record(name, "fwdbwd", ms_fb, peak)
+        except RuntimeError as exc:
+            print(f"  {name} unavailable: {str(exc)[:80]}", file=sys.stderr)
+
+    for gran in granularities:
+        for det in (False, True) if gran == granularities[0] else (False,):
+            label = f"sagebwd[{gran}{',det' if det else ''}]"
+            out, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal)
+            ms_b = timed(lambda: sagebwd_cp.attention_backward(saved, do, granularity=gran, deterministic=det), reps)
+            del out, saved
+
+            def fwdbwd():
+                o, sv = sagebwd_cp.attention_forward(q, k, v, causal=causal)
+                sagebwd_cp.attention_backward(sv, do, granularity=gran, deterministic=det)
+
+            ms_fb = timed(fwdbwd, reps)
+            record(label, "bwd", ms_b)
+            record(label, "fwdbwd", ms_fb, peak_of(fwdbwd))
+    return b, h, rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -113,6 +179,9 @@ def main(argv=None):
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--tiles", nargs="*", default=[], help="extra forward tile configs WARPSxMTILES to compare")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
+                    help="fwd: inference forward; bwd: backward and forward+backward")
+    ap.add_argument("--granularities", nargs="+", default=["fine", "paper"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -128,19 +197,29 @@ def main(argv=None):
     for d in args.head_dims:
         for causal in causals:
             for n in args.seqlens:
-                b, h, rows = bench_forward(d, n, causal, [None] + extra, args.reps)
-                ref = {name: t for name, _, t in rows}
-                for name, ms, t in rows:
-                    records.append(dict(impl=name, **{"pass": "fwd"}, dtype="float16", head_dim=d, causal=causal,
-                                        seqlen=n, batch=b, heads=h, ms=ms, tflops=t))
-                    ratio = lambda peer: f"{t / ref[peer]:5.2f}" if peer in ref else "  -  "
-                    lines.append(f"{d:>3} {'c' if causal else 'n'} {n:>6} {name:<28} {ms:8.3f} {t:7.1f} "
-                                 f"{ratio('sdpa-flash')} {ratio('sdpa-cudnn')} {100 * t / i8:5.1f}%")
+                rows = []
+                if "fwd" in args.passes:
+                    b, h, fwd_rows = bench_forward(d, n, causal, [None] + extra, args.reps)
+                    rows += [(name, "fwd", ms, t, None) for name, ms, t in fwd_rows]
+                if "bwd" in args.passes:
+                    b, h, train_rows = bench_training(d, n, causal, args.reps, args.granularities)
+                    rows += train_rows
+                ref = {(name, pas): t for name, pas, _, t, _ in rows}
+                for name, pas, ms, t, peak in rows:
+                    rec = dict(impl=name, **{"pass": pas}, dtype="float16", head_dim=d, causal=causal, seqlen=n,
+                               batch=b, heads=h, ms=ms, tflops=t)
+                    if peak is not None:
+                        rec["peak_mib"] = peak
+                    records.append(rec)
+                    ratio = lambda peer: f"{t / ref[peer, pas]:5.2f}" if (peer, pas) in ref else "  -  "
+                    mem = f" {peak:8.0f}MiB" if peak is not None else ""
+                    lines.append(f"{d:>3} {'c' if causal else 'n'} {n:>6} {pas:<6} {name:<28} {ms:8.3f} {t:7.1f} "
+                                 f"{ratio('sdpa-flash')} {ratio('sdpa-cudnn')} {100 * t / i8:5.1f}%{mem}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "int8_mma_tops": i8, "fp16_mma_tflops": f16, "records": records}, f, indent=1)
     print(f"\n{dev}: INT8 mma.sync ceiling {i8:.0f} TOPS, fp16 mma.sync {f16:.0f} TFLOPS (measured now)")
-    print("  d c      N impl                               ms    TOPS  xFA2 xcuDNN  %int8")
+    print("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN  %int8  peak(fwd+bwd)")
     print("\n".join(lines))
     return 0
 

@@ -217,7 +217,9 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         float x;
-                        if (SB_BIAS) x = exp2_approx(sf[n][c] - rmax);
+                        // A row with every key of the tile masked has rmax = -inf: exponents must be
+                        // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
+                        if (SB_BIAS) x = exp2_approx(sf[n][c] - (rmax == -__int_as_float(0x7f800000) ? 0.f : rmax));
                         else {
                             const int si = s[mt][n][2 * half + c];
                             x = si == -2147483647 - 1 ? 0.f : exp2_approx(fmaf(static_cast<float>(si), qk, -rmax));

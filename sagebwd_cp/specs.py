@@ -72,12 +72,52 @@ def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTi
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles)
 
 
+def backward_rows_spec(dtype: str) -> KernelSpec:
+    return make_spec(f"backward_rows.{dtype}", "backward_rows.cu", ["delta_rows", "dq_convert", "pack_rows"],
+                     SB_BF16=int(dtype == "bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    stages: int  # query-side buffers in flight (kernels/backward.cu SB_STAGES)
+    threads: int = 128  # four warps of 16 keys: one 64-key block per CTA
+
+    def shared_bytes(self, dp: int) -> int:
+        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, LSE2, δ per stage; dŜ, maxima, scales.
+        return 256 * dp + self.stages * (320 * dp + 512) + 64 * 80 + 4 * 4 * 64 + 4 * 64
+
+
+def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:
+    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128)."""
+    tiles = BackwardTiles(stages=2)
+    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
+        tiles = BackwardTiles(stages=1)
+        if tiles.shared_bytes(dp) > shared_limit:
+            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
+    return tiles
+
+
+def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
+                  tiles: BackwardTiles) -> KernelSpec:
+    key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
+           f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}")
+    return make_spec(key, "backward.cu", ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
+                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
+                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages,
+                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
+
+
 def all_specs() -> list:
     """Every specialization the library launches with its default tiles."""
     specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(), ceiling_spec()]
+    specs += [backward_rows_spec(dt) for dt in DTYPES]
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
             for causal in (False, True):
                 for bias in (False, True):
                     specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp)))
+                    for fine in (True, False):
+                        for det in (False, True):
+                            for stages in (1, 2):
+                                specs.append(backward_spec(dp, dt, causal, bias, fine, det, BackwardTiles(stages)))
     return specs

@@ -84,6 +84,25 @@ def test_output_into_caller_buffer_and_smooth_q():
     assert rel_l2(out.float().cpu().numpy(), o_emu) < EMU_TOL["bfloat16"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hk,lq,lk", [(4, 2, 333, 300), (2, 2, 100, 1000)])
+def test_smooth_q_ragged_causal_gqa(causal, hq, hk, lq, lk):
+    """Q-smoothing's FP32 bias path, with rows that see no key of a tile (Lq > Lk, causal)."""
+    import torch
+
+    q, k, v = make_qkv(1, hq, hk, lq, lk, 64, "float16", "HND", seed=lq + lk)
+    k = k + 2.0 * (torch.arange(64, device="cuda") % 5 == 0).to(k.dtype)
+    out, lse = _run(q, k, v, "HND", causal, smooth_q=True)
+    torch.cuda.synchronize()
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=causal,
+                                                  smooth_q=True)
+    assert rel_l2(out.float().cpu().numpy(), o_emu) < EMU_TOL["float16"]
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_against_sdpa_and_cupy_inputs():
     import cupy
     import torch

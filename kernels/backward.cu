@@ -1,0 +1,576 @@
+// SageBwd backward, key/value-block owned (FlashAttention2 structure). One CTA owns 64 keys of one
+// KV head and loops over every (query head of its group, query block) pair that sees them:
+//   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_Q·s_K - LSE2)        keys are rows: warp w owns keys 16w..16w+15
+//   dV += P̂ᵀ dÔ (INT8, P̂ᵀ register-fed)                      accumulated in FP32 registers
+//   dPᵀ = V dOᵀ (16-bit, FP32 accumulate)  ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
+//   dK += dŜᵀ Q̂ (INT8, dŜᵀ register-fed)                      accumulated in FP32 registers
+//   dQ += dŜ K̂ (INT8, dŜ through shared memory)               FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
+// Scales (numerics.py): SB_FINE = 1 quantizes P per key (dV), dS per key (dK) and per query (dQ);
+// SB_FINE = 0 uses one scale per 64x64 tile for P and for dS (the published scheme).
+// dK leaves with the factor ln 2 (Q̂ carries c·log2 e); dQ's factor c is applied by dq_convert.
+//
+// Compile-time parameters:
+//   SB_DP      padded head dim (64 or 128)       SB_BF16           16-bit dtype bf16 (else fp16)
+//   SB_CAUSAL  bottom-right aligned causal mask   SB_BIAS           Q-smoothing (bias in S, exact dK term)
+//   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
+//   SB_STAGES  query-side buffers in flight (1 or 2)
+#include "common.cuh"
+#include "mma.cuh"
+#include "ldmatrix.cuh"
+#include "cp_async.cuh"
+#include "swizzle.cuh"
+#include "convert.cuh"
+#include "exp2.cuh"
+
+#ifndef SB_DP
+#define SB_DP 128
+#endif
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+#ifndef SB_CAUSAL
+#define SB_CAUSAL 0
+#endif
+#ifndef SB_BIAS
+#define SB_BIAS 0
+#endif
+#ifndef SB_FINE
+#define SB_FINE 1
+#endif
+#ifndef SB_DETERMINISTIC
+#define SB_DETERMINISTIC 0
+#endif
+#ifndef SB_STAGES
+#define SB_STAGES 2
+#endif
+
+constexpr int DP = SB_DP;
+constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= Q and dO scale block)
+constexpr int BKV = SB_BLOCK_KV; // keys per CTA (= K scale block)
+constexpr int WARPS = BKV / 16;
+constexpr int THREADS = WARPS * 32;
+constexpr int NT_Q = BQ / 8;     // n-tiles of Sᵀ over the query tile
+constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
+constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
+constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
+constexpr int DS_PITCH = BKV + 16;  // dŜ rows (queries) padded: conflict-free byte stores and ldmatrix
+
+// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then dŜ and reductions.
+constexpr int K_OFF = 0;                        // K̂  [64 keys][DP] int8, swizzled
+constexpr int KT_OFF = K_OFF + BKV * DP;        // K̂ᵀ [DP][64 keys] int8, swizzled
+constexpr int V_OFF = KT_OFF + DP * BKV;        // V  [64 keys][DP] 16-bit, swizzled
+constexpr int STAGE0 = V_OFF + 2 * BKV * DP;
+constexpr int SQ = 0;                           // Q̂   [64 q][DP] int8
+constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, fragment token order
+constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
+constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
+constexpr int SLSE = SDO + 2 * BQ * DP;         // LSE2[64] f32
+constexpr int SDELTA = SLSE + 4 * BQ;           // δ   [64] f32
+constexpr int STAGE_BYTES = SDELTA + 4 * BQ;
+constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
+constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;           // per-warp maxima [WARPS][64] f32
+constexpr int QSCALE_OFF = RED_OFF + 4 * WARPS * BQ;      // dQ's dŜ scale per query [64] f32
+constexpr int SMEM_BYTES = QSCALE_OFF + 4 * BQ;
+static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
+#ifdef SB_SMEM_BYTES
+static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
+#endif
+
+template <int ROW_BYTES>
+SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
+    constexpr int CHUNKS = ROW_BYTES / 16;
+    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
+    }
+}
+
+// 64 rows of a strided 16-bit array into a swizzled [64][DP] tile; rows >= n_valid and columns
+// >= D are zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
+SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D) {
+    constexpr int CHUNKS = 2 * DP / 16;
+    for (int i = threadIdx.x; i < 64 * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const bool ok = r < n_valid && c * 8 < D;
+        cp_async_16(smem + swizzled_offset<2 * DP>(r, c), ok ? g + r * row_stride + c * 8 : g, ok ? 16 : 0);
+    }
+}
+
+// Per-lane ldmatrix addresses in a swizzled tile with ROW_BYTES-long rows. The 32-byte k-step ks
+// of a lane's row is off[ks / 4] ^ ((ks % 4) << 5): on the chunks of one 128-byte line the swizzle
+// is an XOR, so one offset per line serves every k-step (tiles are 128-byte aligned), and 16 rows
+// further is +16·ROW_BYTES. Computed once per kernel, this keeps address arithmetic out of the loop.
+template <int ROW_BYTES>
+struct Lanes {
+    static constexpr int LINES = ROW_BYTES >= 128 ? ROW_BYTES / 128 : 1;
+    u32 off[LINES];
+    SB_DEVICE Lanes(int row, int chunk) {
+#pragma unroll
+        for (int h = 0; h < LINES; ++h) off[h] = swizzled_offset<ROW_BYTES>(row, 8 * h + chunk);
+    }
+    SB_DEVICE u32 at(u32 tile, int ks, int row_block = 0) const {
+        return ((tile + off[ks >> 2]) ^ ((ks & 3) << 5)) + row_block * 16 * ROW_BYTES;
+    }
+};
+
+// A operand (16 rows from r0): matrices are (rows 0-7 | 8-15) x (chunk 0 | 1) in m order 0..3.
+template <int ROW_BYTES>
+SB_DEVICE Lanes<ROW_BYTES> a_lanes(int r0, int lane) {
+    const int m = lane >> 3;
+    return Lanes<ROW_BYTES>(r0 + ((m & 1) << 3) + (lane & 7), m >> 1);
+}
+
+// B operand for two n-tiles (16 rows): matrices (n-tile 0: chunk 0, 1), (n-tile 1: chunk 0, 1).
+template <int ROW_BYTES>
+SB_DEVICE Lanes<ROW_BYTES> b_lanes(int lane) {
+    const int m = lane >> 3;
+    return Lanes<ROW_BYTES>(((m >> 1) << 3) + (lane & 7), m & 1);
+}
+
+SB_DEVICE float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+SB_DEVICE float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+SB_DEVICE float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ψ's scale and inverse for a block with max|x| = amax (numerics.quantize_block).
+struct Psi {
+    float scale, inv;
+};
+SB_DEVICE Psi psi(float amax) {
+    if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
+    return {div_rn(amax, 127.f), div_rn(127.f, amax)};
+}
+
+// x̂ = rint(x·inv) as a byte (|x·inv| <= 127 by construction, so no clamp).
+SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
+
+// Pack a [16 rows][64 cols] accumulator-layout tile (rows g / g+8 per half) into A fragments of
+// two 32-column k-steps; the column order inside each 16 is numerics.KEY_PERMUTATION_16, which the
+// B operands (Q̂ᵀ, dÔᵀ) are stored in. inv[half] is the row's inverse scale.
+SB_DEVICE void pack_a(u32 (&a)[2][4], const float (&x)[NT_Q][4], const float (&inv)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+        const int n = 4 * kk;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float v = inv[half];
+            a[kk][half] = pack4_low_bytes(quant_byte(x[n][2 * half], v), quant_byte(x[n][2 * half + 1], v), quant_byte(x[n + 1][2 * half], v),
+                                          quant_byte(x[n + 1][2 * half + 1], v));
+            a[kk][2 + half] = pack4_low_bytes(quant_byte(x[n + 2][2 * half], v), quant_byte(x[n + 2][2 * half + 1], v),
+                                              quant_byte(x[n + 3][2 * half], v), quant_byte(x[n + 3][2 * half + 1], v));
+        }
+    }
+}
+
+// acc[nd][.] += (Â B̂)·factor[row half] over the head dim, B̂ a [DP][64] INT8 tile in fragment order.
+SB_DEVICE void mma_rows_into(float (&acc)[NT_D][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl,
+                              const float (&factor)[2]) {
+#pragma unroll
+    for (int nd = 0; nd < NT_D; nd += 2) {
+        int p[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            u32 bf[4];
+            ldmatrix_x4(bf, bl.at(tile, kk, nd / 2));
+            const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+            mma_s8_16832(p[0], a[kk], b0);
+            mma_s8_16832(p[1], a[kk], b1);
+        }
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nd + x][c] = fmaf(static_cast<float>(p[x][c]), factor[c >> 1], acc[nd + x][c]);
+    }
+}
+
+struct Args {
+    const i8* q8;          // [B][Hq][Nq_pad][DP]
+    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
+    const float* q_scale;  // [B][Hq][Nq_pad/64]
+    const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
+    const i8* k8;          // [B][Hkv][Nk_pad][DP]
+    const i8* k8t;         // [B][Hkv][DP][Nk_pad]
+    const float* k_scale;  // [B][Hkv][Nk_pad/64]
+    const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
+    const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
+    const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
+    const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
+    const float* do_scale; // [B][Hq][Nq_pad/64]
+    const float* lse2;     // [B][Hq][Lq]
+    const float* delta;    // [B][Hq][Nq_pad], 0 on padded rows
+    float* dq_acc;         // [B][Hq][Nq_pad][DP], zeroed
+    int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
+    u16* dk;               // 16-bit outputs with strides
+    u16* dv;
+    i64 vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn;  // k*: dK strides, w*: dV strides
+    int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const float* q_mean_, const i8* k8_,
+                   const i8* k8t_, const float* k_scale_, const float* bias_, const u16* v_, const u16* dout_,
+                   const i8* dot8_, const float* do_scale_, const float* lse2_, const float* delta_, float* dq_acc_,
+                   int* dq_lock_, u16* dk_, u16* dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh,
+                   i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad) {
+    SB_REQUIRE_SM80();
+    const Args a = {q8_, q8t_, q_scale_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, lse2_,
+                    delta_, dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
+                    Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad};
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int group = a.Hq / a.Hkv;
+    const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
+    const int n_qb = a.Nq_pad / BQ;
+    const int shift = a.Lk - a.Lq;  // causal: query r sees key c iff c <= r + shift
+
+    // First query block with a row that sees this key block (causal); every later one does too.
+    int i0 = 0;
+    if (SB_CAUSAL) {
+        const int x = j * BKV - shift - (BQ - 1);
+        i0 = x <= 0 ? 0 : (x + BQ - 1) / BQ;
+    }
+    const int last_qb = (a.Lq + BQ - 1) / BQ;  // query blocks holding a valid row
+    const int n_i = max(0, last_qb - i0);
+    const int n_it = group * n_i;
+
+    const u32 base = smem_u32(smem);
+    const u32 sK = base + K_OFF, sKt = base + KT_OFF, sV = base + V_OFF;
+    i8* ds_tile = reinterpret_cast<i8*>(smem + DS_OFF);
+    float* red = reinterpret_cast<float*>(smem + RED_OFF);
+    float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
+
+    const int kvalid = min(BKV, a.Lk - j * BKV);
+    load_tile<DP>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, BKV, DP);
+    load_tile<BKV>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, DP, a.Nk_pad);
+    load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
+
+    auto load_stage = [&](int it) {
+        const int h = hk * group + it / n_i, i = i0 + it % n_i;
+        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
+        const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        load_tile<DP>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, BQ, DP);
+        load_tile<BQ>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
+        load_tile<BQ>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
+        load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
+                    min(BQ, a.Lq - i * BQ), a.D);
+        if (tid < BQ / 4) cp_async_16(st + SDELTA + 16 * tid, a.delta + bhq * a.Nq_pad + i * BQ + 4 * tid);
+        if (tid < BQ) {
+            const int row = i * BQ + tid;
+            reinterpret_cast<float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SLSE)[tid] =
+                row < a.Lq ? a.lse2[bhq * a.Lq + row] : __int_as_float(0x7f800000);
+        }
+    };
+
+    if (n_it > 0) load_stage(0);
+    cp_async_commit();
+
+    const float s_k = a.k_scale[bhk * (a.Nk_pad / BKV) + j];
+    const Lanes<DP> a_k = a_lanes<DP>(warp * 16, lane), b_q = b_lanes<DP>(lane);
+    const Lanes<2 * DP> a_v = a_lanes<2 * DP>(warp * 16, lane), b_do = b_lanes<2 * DP>(lane);
+    const Lanes<BQ> b_t = b_lanes<BQ>(lane);  // Q̂ᵀ, dÔᵀ, K̂ᵀ: [DP][64] tiles
+    const u32 ds_lane = smem_u32(ds_tile) + (warp * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
+    const int key_lo = j * BKV + warp * 16 + g;  // this thread's key rows: key_lo, key_lo + 8
+
+    float dk[NT_D][4], dv[NT_D][4];
+#pragma unroll
+    for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
+
+    for (int it = 0; it < n_it; ++it) {
+        const int h = hk * group + it / n_i, i = i0 + it % n_i;
+        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
+        cp_async_wait<0>();
+        __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
+        if (SB_STAGES > 1 && it + 1 < n_it) load_stage(it + 1);
+        cp_async_commit();
+
+        const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        const float* lse_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SLSE);
+        const float* delta_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SDELTA);
+        const float s_q = a.q_scale[bhq * n_qb + i];
+        const float s_do = a.do_scale[bhq * n_qb + i];
+        const int q0 = i * BQ;
+        const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
+
+        // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2(Sᵀ·s_Q·s_K (+ bias) - LSE2).
+        float p[NT_Q][4];
+        {
+            int s[NT_Q][4];
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0;
+#pragma unroll
+            for (int ks = 0; ks < KS8; ++ks) {
+                u32 ka[4];
+                ldmatrix_x4(ka, a_k.at(sK, ks));
+#pragma unroll
+                for (int n = 0; n < NT_Q; n += 2) {
+                    u32 bf[4];
+                    ldmatrix_x4(bf, b_q.at(st + SQ, ks, n / 2));
+                    const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+                    mma_s8_16832(s[n], ka, b0);
+                    mma_s8_16832(s[n + 1], ka, b1);
+                }
+            }
+            const float qk = s_q * s_k;
+            float bias_row[2] = {0.f, 0.f};
+            if (SB_BIAS) {
+                const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
+                bias_row[0] = bp[key_lo];
+                bias_row[1] = bp[key_lo + 8];
+            }
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = n * 8 + 2 * t + c;
+                    const float lse = lse_s[col];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int key = key_lo + 8 * half, q = q0 + col;
+                        float x = static_cast<float>(s[n][2 * half + c]) * qk;
+                        if (SB_BIAS) x += bias_row[half];
+                        float e = exp2_approx(x - lse);
+                        if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                        p[n][2 * half + c] = e;
+                    }
+                }
+        }
+
+        // P̂ᵀ per key row (fine: warp-local) or per tile (paper: one more barrier), then dV += P̂ᵀ dÔ
+        // right away, so the FP32 P is the only 16x64 tile alive beside the dP accumulator.
+        {
+            float p_row[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float m = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(p[n][2 * half], p[n][2 * half + 1]));
+                p_row[half] = quad_max(m);
+            }
+            if (!SB_FINE) {
+                const float m = warp_max(fmaxf(p_row[0], p_row[1]));
+                if (lane == 0) red[2 * warp] = m;
+                __syncthreads();
+                float mt = red[0];
+#pragma unroll
+                for (int w = 1; w < WARPS; ++w) mt = fmaxf(mt, red[2 * w]);
+                p_row[0] = p_row[1] = mt;
+            }
+            const Psi p0 = psi(p_row[0]), p1 = psi(p_row[1]);
+            u32 af[2][4];
+            const float inv_p[2] = {p0.inv, p1.inv};
+            const float fac_v[2] = {p0.scale * s_do, p1.scale * s_do};
+            pack_a(af, p, inv_p);
+            mma_rows_into(dv, af, st + SDOT, b_t, fac_v);
+        }
+
+        // dPᵀ = V dOᵀ in 16-bit with FP32 accumulation, then dSᵀ = Pᵀ ∘ (dPᵀ - δ) in place.
+        float ds[NT_Q][4];
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS16; ++ks) {
+            u32 va[4];
+            ldmatrix_x4(va, a_v.at(sV, ks));
+#pragma unroll
+            for (int n = 0; n < NT_Q; n += 2) {
+                u32 bf[4];
+                ldmatrix_x4(bf, b_do.at(st + SDO, ks, n / 2));
+                const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+                mma_16816<SB_BF16>(ds[n], va, b0);
+                mma_16816<SB_BF16>(ds[n + 1], va, b1);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float dl = delta_s[n * 8 + 2 * t + c];
+                ds[n][c] = p[n][c] * (ds[n][c] - dl);
+                ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
+            }
+
+        // dS maxima: per key row (dK, warp-local) and per query column (dQ, across warps), or the
+        // tile's (paper).
+        float ds_row[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(ds[n][2 * half]), fabsf(ds[n][2 * half + 1])));
+            ds_row[half] = quad_max(m);
+        }
+        if (SB_FINE) {
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float m = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                    if (g == 0) red[warp * BQ + n * 8 + 2 * t + c] = m;
+                }
+        } else {
+            const float m = warp_max(fmaxf(ds_row[0], ds_row[1]));
+            if (lane == 0) red[2 * warp + 1] = m;
+        }
+        __syncthreads();
+        Psi dk_psi[2];
+        if (SB_FINE) {
+            dk_psi[0] = psi(ds_row[0]);
+            dk_psi[1] = psi(ds_row[1]);
+        } else {
+            float m = red[1];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[2 * w + 1]);
+            dk_psi[0] = dk_psi[1] = psi(m);
+        }
+
+        // dŜ for dQ, stored [query][key]; per query column (fine) or the tile's scale (paper).
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = n * 8 + 2 * t + c;
+                float inv;
+                if (SB_FINE) {
+                    float m = red[col];
+#pragma unroll
+                    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[w * BQ + col]);
+                    const Psi ps = psi(m);
+                    if (warp == 0 && g == 0) qscale_s[col] = ps.scale;
+                    inv = ps.inv;
+                } else {
+                    inv = dk_psi[0].inv;
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    ds_tile[col * DS_PITCH + warp * 16 + g + 8 * half] =
+                        static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
+            }
+
+        // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS.
+        float rs[2] = {0.f, 0.f};
+        if (SB_BIAS) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float s = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_Q; ++n) s += ds[n][2 * half] + ds[n][2 * half + 1];
+                rs[half] = quad_sum(s);
+            }
+        }
+
+        // dK += dŜᵀ Q̂ (register-fed), dequantized per key row.
+        {
+            u32 af[2][4];
+            const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
+            const float fac_k[2] = {dk_psi[0].scale * s_q, dk_psi[1].scale * s_q};
+            pack_a(af, ds, inv_d);
+            mma_rows_into(dk, af, st + SQT, b_t, fac_k);
+        }
+        if (SB_BIAS) {
+            const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
+#pragma unroll
+            for (int nd = 0; nd < NT_D; ++nd) {
+                const float m0 = mu[nd * 8 + 2 * t], m1 = mu[nd * 8 + 2 * t + 1];
+                dk[nd][0] = fmaf(rs[0], m0, dk[nd][0]);
+                dk[nd][1] = fmaf(rs[0], m1, dk[nd][1]);
+                dk[nd][2] = fmaf(rs[1], m0, dk[nd][2]);
+                dk[nd][3] = fmaf(rs[1], m1, dk[nd][3]);
+            }
+        }
+
+        int* lock = a.dq_lock + bhq * n_qb + i;
+        if (SB_DETERMINISTIC && tid == 0) {
+            // Key blocks add into a query block's dQ in order: wait for the ones before this one.
+            int seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
+            } while (seen != j);
+        }
+        __syncthreads();  // dŜ and the per-query scales are in shared memory
+
+        // dQ_i += dŜ K̂_j: warp w computes query rows 16w..16w+15 over the head dim.
+        {
+            u32 da[2][4];
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) ldmatrix_x4(da[kk], ds_lane + kk * 32);
+            const int r_lo = warp * 16 + g;
+            float fq[2];
+            if (SB_FINE) {
+                fq[0] = qscale_s[r_lo] * s_k;
+                fq[1] = qscale_s[r_lo + 8] * s_k;
+            } else {
+                fq[0] = fq[1] = dk_psi[0].scale * s_k;  // the tile's dS scale
+            }
+            float* dq_rows = a.dq_acc + (bhq * a.Nq_pad + q0) * DP;
+#pragma unroll
+            for (int nd = 0; nd < NT_D; nd += 2) {
+                int pq[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk) {
+                    u32 bf[4];
+                    ldmatrix_x4(bf, b_t.at(sKt, kk, nd / 2));
+                    const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+                    mma_s8_16832(pq[0], da[kk], b0);
+                    mma_s8_16832(pq[1], da[kk], b1);
+                }
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int col = (nd + x) * 8 + 2 * t;
+                    if (col >= a.D) continue;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int r = r_lo + 8 * half;
+                        if (q0 + r >= a.Lq) continue;
+                        float* dst = dq_rows + r * DP + col;
+                        atomicAdd(dst, static_cast<float>(pq[x][2 * half]) * fq[half]);
+                        atomicAdd(dst + 1, static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
+                    }
+                }
+            }
+        }
+        if (SB_DETERMINISTIC) {
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1));
+        }
+        if (SB_STAGES == 1 && it + 1 < n_it) {
+            __syncthreads();  // the single stage is free
+            load_stage(it + 1);
+        }
+        cp_async_commit();
+    }
+
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV, stored in the input dtype.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = key_lo + 8 * half;
+        if (key >= a.Lk) continue;
+        u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
+        u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
+#pragma unroll
+        for (int nd = 0; nd < NT_D; ++nd) {
+            const int col = nd * 8 + 2 * t;
+            if (col >= a.D) continue;
+            *reinterpret_cast<u32*>(kr + col) =
+                pack2_f32<SB_BF16>(dk[nd][2 * half] * 0.6931471805599453f, dk[nd][2 * half + 1] * 0.6931471805599453f);
+            *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[nd][2 * half], dv[nd][2 * half + 1]);
+        }
+    }
+}

@@ -1,0 +1,52 @@
+// Row-wise work around the backward's main kernel: δ = rowsum(dO ∘ O) before it, dQ's conversion
+// to the input dtype after it, and a packed copy of a 16-bit array whose rows are not 16-byte
+// aligned (the main kernel reads V and dO with cp.async).
+//
+// Compile-time: SB_BF16 (16-bit dtype bf16, else fp16).
+#include "common.cuh"
+#include "convert.cuh"
+
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+
+// One warp per row; grid (Nq_pad / 8, Hq, B), 256 threads. δ is FP32 [B][Hq][Nq_pad], 0 past Lq.
+extern "C" __global__ void __launch_bounds__(256)
+delta_rows(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
+           i64 on, int Hq, int Lq, int D, int Nq_pad, float* __restrict__ delta) {
+    SB_REQUIRE_SM80();
+    const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
+    float s = 0.f;
+    if (row < Lq) {
+        const u16* dr = dout + b * db + h * dh + row * dn;
+        const u16* orow = out + b * ob + h * oh + row * on;
+        for (int c = lane; c < D; c += 32) s = fmaf(to_f32<SB_BF16>(dr[c]), to_f32<SB_BF16>(orow[c]), s);
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) delta[(static_cast<i64>(b) * Hq + h) * Nq_pad + row] = s;
+}
+
+// dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per pair
+// of columns; grid (ceil(Lq · D/2 / 256), Hq, B).
+extern "C" __global__ void __launch_bounds__(256)
+dq_convert(const float* __restrict__ dq_acc, int Hq, int Lq, int D, int D_pad, int Nq_pad, float scale,
+           u16* __restrict__ dq, i64 qb, i64 qh, i64 qn) {
+    SB_REQUIRE_SM80();
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int idx = blockIdx.x * 256 + threadIdx.x, pairs = D / 2;
+    if (idx >= Lq * pairs) return;
+    const int row = idx / pairs, col = 2 * (idx % pairs);
+    const float* src = dq_acc + ((static_cast<i64>(b) * Hq + h) * Nq_pad + row) * D_pad + col;
+    *reinterpret_cast<u32*>(dq + b * qb + h * qh + row * qn + col) = pack2_f32<SB_BF16>(src[0] * scale, src[1] * scale);
+}
+
+// Packed [B][H][L][D] copy of a strided 16-bit array; grid (ceil(L · D / 256), H, B).
+extern "C" __global__ void __launch_bounds__(256)
+pack_rows(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int L, int D, u16* __restrict__ y) {
+    SB_REQUIRE_SM80();
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int idx = blockIdx.x * 256 + threadIdx.x;
+    if (idx >= L * D) return;
+    const int row = idx / D, col = idx % D;
+    y[(static_cast<i64>(b) * H + h) * L * D + idx] = x[b * sb + h * sh + row * sn + col];
+}
