@@ -1,6 +1,9 @@
 // SageBwd backward, key/value-block owned (FlashAttention2 structure). One CTA owns 64 keys of one
-// KV head and loops over every (query head of its group, query block) pair that sees them:
-//   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_Q·s_K - LSE2)        keys are rows: warp w owns keys 16w..16w+15
+// KV head and loops over every (query head of its group, query block) pair that sees them. Eight
+// warps: warp w owns keys 16·(w%4).. +15 and queries 32·(w/4).. +31 of the 64x64 tile, so a warp's
+// Sᵀ and dPᵀ are 16x32 (16 registers each). The two warps of a key group swap their packed P̂ᵀ
+// and dŜᵀ fragments through shared memory and each accumulates dK, dV for half of the head dim.
+//   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_Q·s_K - LSE2)
 //   dV += P̂ᵀ dÔ (INT8, P̂ᵀ register-fed)                      accumulated in FP32 registers
 //   dPᵀ = V dOᵀ (16-bit, FP32 accumulate)  ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
 //   dK += dŜᵀ Q̂ (INT8, dŜᵀ register-fed)                      accumulated in FP32 registers
@@ -47,9 +50,11 @@
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= Q and dO scale block)
 constexpr int BKV = SB_BLOCK_KV; // keys per CTA (= K scale block)
-constexpr int WARPS = BKV / 16;
+constexpr int KEY_GROUPS = BKV / 16;  // warps along the keys
+constexpr int WARPS = 2 * KEY_GROUPS; // times two halves of the query tile
 constexpr int THREADS = WARPS * 32;
-constexpr int NT_Q = BQ / 8;     // n-tiles of Sᵀ over the query tile
+constexpr int QW = BQ / 2;       // queries per warp
+constexpr int NT_Q = QW / 8;     // n-tiles of a warp's Sᵀ
 constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
 constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
@@ -68,9 +73,15 @@ constexpr int SLSE = SDO + 2 * BQ * DP;         // LSE2[64] f32
 constexpr int SDELTA = SLSE + 4 * BQ;           // δ   [64] f32
 constexpr int STAGE_BYTES = SDELTA + 4 * BQ;
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
-constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;           // per-warp maxima [WARPS][64] f32
-constexpr int QSCALE_OFF = RED_OFF + 4 * WARPS * BQ;      // dQ's dŜ scale per query [64] f32
-constexpr int SMEM_BYTES = QSCALE_OFF + 4 * BQ;
+// Maxima exchanged between warps (f32): per key and query half for P and for dS, per key group
+// and query for dS (dQ's scales), per warp for the paper mode's tile maxima.
+constexpr int RED_P = 0, RED_DSK = RED_P + 2 * BKV, RED_DSQ = RED_DSK + 2 * BKV, RED_TILE = RED_DSQ + KEY_GROUPS * BQ;
+constexpr int RED_RS = RED_TILE + 2 * WARPS;  // Q-smoothing: colsum(dS) per key and query half
+constexpr int RED_FLOATS = RED_RS + 2 * BKV;
+constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
+constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's dŜ scale per query [64] f32
+constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
+constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 #ifdef SB_SMEM_BYTES
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
@@ -154,34 +165,31 @@ SB_DEVICE Psi psi(float amax) {
 // x̂ = rint(x·inv) as a byte (|x·inv| <= 127 by construction, so no clamp).
 SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
 
-// Pack a [16 rows][64 cols] accumulator-layout tile (rows g / g+8 per half) into A fragments of
-// two 32-column k-steps; the column order inside each 16 is numerics.KEY_PERMUTATION_16, which the
-// B operands (Q̂ᵀ, dÔᵀ) are stored in. inv[half] is the row's inverse scale.
-SB_DEVICE void pack_a(u32 (&a)[2][4], const float (&x)[NT_Q][4], const float (&inv)[2]) {
+// Pack a warp's [16 rows][32 cols] accumulator-layout tile (rows g / g+8 per half) into the A
+// fragment of one 32-column k-step; the column order inside each 16 is numerics.KEY_PERMUTATION_16,
+// which the B operands (Q̂ᵀ, dÔᵀ) are stored in. inv[half] is the row's inverse scale.
+SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[NT_Q][4], const float (&inv)[2]) {
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-        const int n = 4 * kk;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float v = inv[half];
-            a[kk][half] = pack4_low_bytes(quant_byte(x[n][2 * half], v), quant_byte(x[n][2 * half + 1], v), quant_byte(x[n + 1][2 * half], v),
-                                          quant_byte(x[n + 1][2 * half + 1], v));
-            a[kk][2 + half] = pack4_low_bytes(quant_byte(x[n + 2][2 * half], v), quant_byte(x[n + 2][2 * half + 1], v),
-                                              quant_byte(x[n + 3][2 * half], v), quant_byte(x[n + 3][2 * half + 1], v));
-        }
+    for (int half = 0; half < 2; ++half) {
+        const float v = inv[half];
+        a[half] = pack4_low_bytes(quant_byte(x[0][2 * half], v), quant_byte(x[0][2 * half + 1], v),
+                                  quant_byte(x[1][2 * half], v), quant_byte(x[1][2 * half + 1], v));
+        a[2 + half] = pack4_low_bytes(quant_byte(x[2][2 * half], v), quant_byte(x[2][2 * half + 1], v),
+                                      quant_byte(x[3][2 * half], v), quant_byte(x[3][2 * half + 1], v));
     }
 }
 
-// acc[nd][.] += (Â B̂)·factor[row half] over the head dim, B̂ a [DP][64] INT8 tile in fragment order.
-SB_DEVICE void mma_rows_into(float (&acc)[NT_D][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl,
+// acc[.][.] += (Â B̂)·factor[row half] over head-dim half `dh` (NT_D/2 n-tiles from dh·NT_D/2); Â is
+// the two 32-column k-steps of 16 rows, B̂ a [DP][64] INT8 tile in fragment order.
+SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl, int dh,
                               const float (&factor)[2]) {
 #pragma unroll
-    for (int nd = 0; nd < NT_D; nd += 2) {
+    for (int n = 0; n < NT_D / 2; n += 2) {
         int p[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             u32 bf[4];
-            ldmatrix_x4(bf, bl.at(tile, kk, nd / 2));
+            ldmatrix_x4(bf, bl.at(tile, kk, (dh * NT_D / 2 + n) / 2));
             const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
             mma_s8_16832(p[0], a[kk], b0);
             mma_s8_16832(p[1], a[kk], b1);
@@ -189,7 +197,7 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D][4], const u32 (&a)[2][4], u32 ti
 #pragma unroll
         for (int x = 0; x < 2; ++x)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nd + x][c] = fmaf(static_cast<float>(p[x][c]), factor[c >> 1], acc[nd + x][c]);
+            for (int c = 0; c < 4; ++c) acc[n + x][c] = fmaf(static_cast<float>(p[x][c]), factor[c >> 1], acc[n + x][c]);
     }
 }
 
@@ -229,6 +237,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
+    const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
     const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
     const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
@@ -277,15 +286,18 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     cp_async_commit();
 
     const float s_k = a.k_scale[bhk * (a.Nk_pad / BKV) + j];
-    const Lanes<DP> a_k = a_lanes<DP>(warp * 16, lane), b_q = b_lanes<DP>(lane);
-    const Lanes<2 * DP> a_v = a_lanes<2 * DP>(warp * 16, lane), b_do = b_lanes<2 * DP>(lane);
+    const int krow = kw * 16 + g;          // this thread's key rows in the tile: krow, krow + 8
+    const int key_lo = j * BKV + krow;
+    const int qcol0 = qh * QW;             // first query column of this warp
+    const Lanes<DP> a_k = a_lanes<DP>(kw * 16, lane), b_q = b_lanes<DP>(lane);
+    const Lanes<2 * DP> a_v = a_lanes<2 * DP>(kw * 16, lane), b_do = b_lanes<2 * DP>(lane);
     const Lanes<BQ> b_t = b_lanes<BQ>(lane);  // Q̂ᵀ, dÔᵀ, K̂ᵀ: [DP][64] tiles
-    const u32 ds_lane = smem_u32(ds_tile) + (warp * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
-    const int key_lo = j * BKV + warp * 16 + g;  // this thread's key rows: key_lo, key_lo + 8
+    // dQ: warp w computes query rows 16·(w%4).. of the tile over head-dim half w/4.
+    const u32 ds_lane = smem_u32(ds_tile) + (kw * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
 
-    float dk[NT_D][4], dv[NT_D][4];
+    float dk[NT_D / 2][4], dv[NT_D / 2][4];  // keys krow, krow+8 x head-dim half qh
 #pragma unroll
-    for (int n = 0; n < NT_D; ++n)
+    for (int n = 0; n < NT_D / 2; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
 
@@ -318,7 +330,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
                 for (int n = 0; n < NT_Q; n += 2) {
                     u32 bf[4];
-                    ldmatrix_x4(bf, b_q.at(st + SQ, ks, n / 2));
+                    ldmatrix_x4(bf, b_q.at(st + SQ, ks, (qcol0 / 8 + n) / 2));
                     const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
                     mma_s8_16832(s[n], ka, b0);
                     mma_s8_16832(s[n + 1], ka, b1);
@@ -335,7 +347,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const int col = n * 8 + 2 * t + c;
+                    const int col = qcol0 + n * 8 + 2 * t + c;
                     const float lse = lse_s[col];
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -349,32 +361,47 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 }
         }
 
-        // P̂ᵀ per key row (fine: warp-local) or per tile (paper: one more barrier), then dV += P̂ᵀ dÔ
-        // right away, so the FP32 P is the only 16x64 tile alive beside the dP accumulator.
+        // P̂ᵀ per key (over both query halves: one exchange) or per tile (paper), packed and shared
+        // with the other query half's warp; dV += P̂ᵀ dÔ runs once both halves are in (after the
+        // next barrier).
+        uint4* frags = reinterpret_cast<uint4*>(smem + FRAG_OFF);
+        u32 pf[4];
+        float fac_v[2];
         {
-            float p_row[2];
+            float m_row[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float m = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(p[n][2 * half], p[n][2 * half + 1]));
-                p_row[half] = quad_max(m);
+                m_row[half] = quad_max(m);
             }
-            if (!SB_FINE) {
-                const float m = warp_max(fmaxf(p_row[0], p_row[1]));
-                if (lane == 0) red[2 * warp] = m;
-                __syncthreads();
-                float mt = red[0];
+            if (SB_FINE) {
+                if (t == 0) {
+                    red[RED_P + qh * BKV + krow] = m_row[0];
+                    red[RED_P + qh * BKV + krow + 8] = m_row[1];
+                }
+            } else {
+                const float m = warp_max(fmaxf(m_row[0], m_row[1]));
+                if (lane == 0) red[RED_TILE + warp] = m;
+            }
+            __syncthreads();
+            if (SB_FINE) {
 #pragma unroll
-                for (int w = 1; w < WARPS; ++w) mt = fmaxf(mt, red[2 * w]);
-                p_row[0] = p_row[1] = mt;
+                for (int half = 0; half < 2; ++half)
+                    m_row[half] = fmaxf(red[RED_P + krow + 8 * half], red[RED_P + BKV + krow + 8 * half]);
+            } else {
+                float m = red[RED_TILE];
+#pragma unroll
+                for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + w]);
+                m_row[0] = m_row[1] = m;
             }
-            const Psi p0 = psi(p_row[0]), p1 = psi(p_row[1]);
-            u32 af[2][4];
+            const Psi p0 = psi(m_row[0]), p1 = psi(m_row[1]);
             const float inv_p[2] = {p0.inv, p1.inv};
-            const float fac_v[2] = {p0.scale * s_do, p1.scale * s_do};
-            pack_a(af, p, inv_p);
-            mma_rows_into(dv, af, st + SDOT, b_t, fac_v);
+            fac_v[0] = p0.scale * s_do;
+            fac_v[1] = p1.scale * s_do;
+            pack_a(pf, p, inv_p);
+            frags[warp * 32 + lane] = make_uint4(pf[0], pf[1], pf[2], pf[3]);
         }
 
         // dPᵀ = V dOᵀ in 16-bit with FP32 accumulation, then dSᵀ = Pᵀ ∘ (dPᵀ - δ) in place.
@@ -388,7 +415,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
             for (int n = 0; n < NT_Q; n += 2) {
                 u32 bf[4];
-                ldmatrix_x4(bf, b_do.at(st + SDO, ks, n / 2));
+                ldmatrix_x4(bf, b_do.at(st + SDO, ks, (qcol0 / 8 + n) / 2));
                 const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
                 mma_16816<SB_BF16>(ds[n], va, b0);
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
@@ -398,13 +425,13 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float dl = delta_s[n * 8 + 2 * t + c];
+                const float dl = delta_s[qcol0 + n * 8 + 2 * t + c];
                 ds[n][c] = p[n][c] * (ds[n][c] - dl);
                 ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
             }
 
-        // dS maxima: per key row (dK, warp-local) and per query column (dQ, across warps), or the
-        // tile's (paper).
+        // dS maxima: per key (dK: over both query halves) and per query (dQ: over the four key
+        // groups), or the tile's (paper).
         float ds_row[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -414,6 +441,10 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             ds_row[half] = quad_max(m);
         }
         if (SB_FINE) {
+            if (t == 0) {
+                red[RED_DSK + qh * BKV + krow] = ds_row[0];
+                red[RED_DSK + qh * BKV + krow + 8] = ds_row[1];
+            }
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
@@ -422,76 +453,80 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
                     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
                     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-                    if (g == 0) red[warp * BQ + n * 8 + 2 * t + c] = m;
+                    if (g == 0) red[RED_DSQ + kw * BQ + qcol0 + n * 8 + 2 * t + c] = m;
                 }
         } else {
             const float m = warp_max(fmaxf(ds_row[0], ds_row[1]));
-            if (lane == 0) red[2 * warp + 1] = m;
+            if (lane == 0) red[RED_TILE + WARPS + warp] = m;
         }
         __syncthreads();
         Psi dk_psi[2];
         if (SB_FINE) {
-            dk_psi[0] = psi(ds_row[0]);
-            dk_psi[1] = psi(ds_row[1]);
-        } else {
-            float m = red[1];
 #pragma unroll
-            for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[2 * w + 1]);
+            for (int half = 0; half < 2; ++half)
+                dk_psi[half] = psi(fmaxf(red[RED_DSK + krow + 8 * half], red[RED_DSK + BKV + krow + 8 * half]));
+        } else {
+            float m = red[RED_TILE + WARPS];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + WARPS + w]);
             dk_psi[0] = dk_psi[1] = psi(m);
         }
+        {
+            const uint4 o = frags[(warp ^ KEY_GROUPS) * 32 + lane];
+            u32 af[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) af[qh][r] = pf[r];
+            af[1 - qh][0] = o.x;
+            af[1 - qh][1] = o.y;
+            af[1 - qh][2] = o.z;
+            af[1 - qh][3] = o.w;
+            mma_rows_into(dv, af, st + SDOT, b_t, qh, fac_v);
+        }
 
-        // dŜ for dQ, stored [query][key]; per query column (fine) or the tile's scale (paper).
+        // dŜ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper).
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int col = n * 8 + 2 * t + c;
+                const int col = qcol0 + n * 8 + 2 * t + c;
                 float inv;
                 if (SB_FINE) {
-                    float m = red[col];
+                    float m = red[RED_DSQ + col];
 #pragma unroll
-                    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[w * BQ + col]);
+                    for (int w = 1; w < KEY_GROUPS; ++w) m = fmaxf(m, red[RED_DSQ + w * BQ + col]);
                     const Psi ps = psi(m);
-                    if (warp == 0 && g == 0) qscale_s[col] = ps.scale;
+                    if (kw == 0 && g == 0) qscale_s[col] = ps.scale;
                     inv = ps.inv;
                 } else {
                     inv = dk_psi[0].inv;
                 }
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-                    ds_tile[col * DS_PITCH + warp * 16 + g + 8 * half] =
-                        static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
+                    ds_tile[col * DS_PITCH + krow + 8 * half] = static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
             }
 
-        // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS.
+        // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS (this warp's half of it).
         float rs[2] = {0.f, 0.f};
         if (SB_BIAS) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float s = 0.f;
+                float sum = 0.f;
 #pragma unroll
-                for (int n = 0; n < NT_Q; ++n) s += ds[n][2 * half] + ds[n][2 * half + 1];
-                rs[half] = quad_sum(s);
+                for (int n = 0; n < NT_Q; ++n) sum += ds[n][2 * half] + ds[n][2 * half + 1];
+                rs[half] = quad_sum(sum);
             }
         }
 
-        // dK += dŜᵀ Q̂ (register-fed), dequantized per key row.
+        // dŜᵀ for dK, packed and shared like P̂ᵀ; dK += dŜᵀ Q̂ after the next barrier.
+        u32 dsf[4];
+        const float fac_k[2] = {dk_psi[0].scale * s_q, dk_psi[1].scale * s_q};
         {
-            u32 af[2][4];
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            const float fac_k[2] = {dk_psi[0].scale * s_q, dk_psi[1].scale * s_q};
-            pack_a(af, ds, inv_d);
-            mma_rows_into(dk, af, st + SQT, b_t, fac_k);
-        }
-        if (SB_BIAS) {
-            const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
-#pragma unroll
-            for (int nd = 0; nd < NT_D; ++nd) {
-                const float m0 = mu[nd * 8 + 2 * t], m1 = mu[nd * 8 + 2 * t + 1];
-                dk[nd][0] = fmaf(rs[0], m0, dk[nd][0]);
-                dk[nd][1] = fmaf(rs[0], m1, dk[nd][1]);
-                dk[nd][2] = fmaf(rs[1], m0, dk[nd][2]);
-                dk[nd][3] = fmaf(rs[1], m1, dk[nd][3]);
+            pack_a(dsf, ds, inv_d);
+            frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
+            if (SB_BIAS && t == 0) {
+                red[RED_RS + qh * BKV + krow] = rs[0];
+                red[RED_RS + qh * BKV + krow + 8] = rs[1];
             }
         }
 
@@ -503,14 +538,39 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
             } while (seen != j);
         }
-        __syncthreads();  // dŜ and the per-query scales are in shared memory
+        __syncthreads();  // dŜ, the per-query scales and the other half's dŜᵀ are in shared memory
+        {
+            const uint4 o = frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane];
+            u32 af[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) af[qh][r] = dsf[r];
+            af[1 - qh][0] = o.x;
+            af[1 - qh][1] = o.y;
+            af[1 - qh][2] = o.z;
+            af[1 - qh][3] = o.w;
+            mma_rows_into(dk, af, st + SQT, b_t, qh, fac_k);
+        }
+        if (SB_BIAS) {
+            // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.
+            const float r0 = red[RED_RS + krow] + red[RED_RS + BKV + krow];
+            const float r1 = red[RED_RS + krow + 8] + red[RED_RS + BKV + krow + 8];
+            const float* mu = a.q_mean + (bhq * n_qb + i) * DP + qh * (DP / 2);
+#pragma unroll
+            for (int n = 0; n < NT_D / 2; ++n) {
+                const float m0 = mu[n * 8 + 2 * t], m1 = mu[n * 8 + 2 * t + 1];
+                dk[n][0] = fmaf(r0, m0, dk[n][0]);
+                dk[n][1] = fmaf(r0, m1, dk[n][1]);
+                dk[n][2] = fmaf(r1, m0, dk[n][2]);
+                dk[n][3] = fmaf(r1, m1, dk[n][3]);
+            }
+        }
 
-        // dQ_i += dŜ K̂_j: warp w computes query rows 16w..16w+15 over the head dim.
+        // dQ_i += dŜ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
         {
             u32 da[2][4];
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) ldmatrix_x4(da[kk], ds_lane + kk * 32);
-            const int r_lo = warp * 16 + g;
+            const int r_lo = kw * 16 + g;
             float fq[2];
             if (SB_FINE) {
                 fq[0] = qscale_s[r_lo] * s_k;
@@ -520,7 +580,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             }
             float* dq_rows = a.dq_acc + (bhq * a.Nq_pad + q0) * DP;
 #pragma unroll
-            for (int nd = 0; nd < NT_D; nd += 2) {
+            for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
+                const int nd = qh * (NT_D / 2) + ndh;
                 int pq[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk) {
@@ -557,7 +618,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         cp_async_commit();
     }
 
-    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV, stored in the input dtype.
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this warp's head-dim half, in the input dtype.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = key_lo + 8 * half;
@@ -565,12 +626,12 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
         u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
 #pragma unroll
-        for (int nd = 0; nd < NT_D; ++nd) {
-            const int col = nd * 8 + 2 * t;
+        for (int n = 0; n < NT_D / 2; ++n) {
+            const int col = (qh * (NT_D / 2) + n) * 8 + 2 * t;
             if (col >= a.D) continue;
             *reinterpret_cast<u32*>(kr + col) =
-                pack2_f32<SB_BF16>(dk[nd][2 * half] * 0.6931471805599453f, dk[nd][2 * half + 1] * 0.6931471805599453f);
-            *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[nd][2 * half], dv[nd][2 * half + 1]);
+                pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f, dk[n][2 * half + 1] * 0.6931471805599453f);
+            *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
         }
     }
 }

@@ -80,11 +80,12 @@ def backward_rows_spec(dtype: str) -> KernelSpec:
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
     stages: int  # query-side buffers in flight (kernels/backward.cu SB_STAGES)
-    threads: int = 128  # four warps of 16 keys: one 64-key block per CTA
+    threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
 
     def shared_bytes(self, dp: int) -> int:
         # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, LSE2, δ per stage; dŜ, maxima, scales.
-        return 256 * dp + self.stages * (320 * dp + 512) + 64 * 80 + 4 * 4 * 64 + 4 * 64
+        # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
+        return 256 * dp + self.stages * (320 * dp + 512) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 16) + 4 * 64 + 2 * 8 * 32 * 16
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:
