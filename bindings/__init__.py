@@ -1,1 +1,20 @@
-"""PyTorch adapter."""
+"""PyTorch adapter for sagebwd_cp: ``import sagebwd_cp.torch``.
+
+- ``attention(q, k, v, causal=..., layout="HND" | "NHD", ...)``: differentiable SageBwd attention;
+- ``scaled_dot_product_attention(...)``: drop-in for ``torch.nn.functional.scaled_dot_product_attention``;
+- ``flash_attn_func(...)``: drop-in for FlashAttention's ``flash_attn_func`` (NHD);
+- ``SageAttention``: the same as an ``nn.Module``;
+- ``SageAttentionFunction``: the ``torch.autograd.Function`` behind eager calls;
+- the operators ``torch.ops.sagebwd_cp.attention``, ``.attention_forward`` and
+  ``.attention_backward`` (``torch.library.custom_op``, with fake implementations and autograd),
+  which ``torch.compile`` traces with no graph break.
+
+CUDA tensors run the INT8 kernels on torch's current stream, with outputs from torch's caching
+allocator; CPU tensors run the NumPy emulator of the same algorithm.
+"""
+from ._ops import attention_backward_op, attention_forward_op, attention_op
+from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention
+from .modules import SageAttention
+
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttention", "SageAttentionFunction",
+           "attention_op", "attention_forward_op", "attention_backward_op"]

@@ -1,0 +1,189 @@
+"""The torch operators: plain implementations over the neutral API, and their ``torch.library``
+registrations (namespace ``sagebwd_cp``) with fake implementations and autograd.
+
+Three operators, all functional (no input is mutated, no output aliases an input):
+
+- ``sagebwd_cp::attention(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout) -> out``
+  (inference: computes no LSE, saves nothing);
+- ``sagebwd_cp::attention_forward(..., granularity, deterministic) -> (out, lse2)`` (training
+  forward; ``lse2`` is the base-2 LSE, (B, Hq, Lq) float32, and is not differentiable; the two
+  backward options ride along so the registered autograd formula can pass them on);
+- ``sagebwd_cp::attention_backward(q, k, v, out, lse2, dout, ...) -> (dq, dk, dv)``.
+
+CUDA tensors go to the INT8 kernels on torch's current stream (outputs come from torch's caching
+allocator).  CPU tensors go to the NumPy emulator of the same quantized algorithm; bfloat16 and
+float64 CPU tensors are computed as float32 and the results cast back to the input dtype.
+Every output is contiguous in the input's layout (what the fake implementations promise).
+"""
+# No ``from __future__ import annotations``: torch.library reads the signatures' type hints.
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import sagebwd_cp
+from sagebwd_cp.api import attention_backward_arrays
+from sagebwd_cp.problem import GRANULARITIES, LAYOUTS
+
+NAMESPACE = "sagebwd_cp"
+
+
+# ------------------------------------------------------------------------------ implementations
+
+def _host(x: Tensor) -> np.ndarray:
+    """A NumPy view (or, for bfloat16, a float32 copy) of a CPU tensor, for the emulator."""
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.numpy()
+
+
+def _as_tensor(x, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A torch tensor for whatever the neutral API returned (NumPy on the host path; torch on
+    CUDA unless a non-torch allocator was installed with ``sagebwd_cp.set_allocator``)."""
+    if isinstance(x, np.ndarray):
+        t = torch.from_numpy(x)
+    elif isinstance(x, Tensor):
+        t = x
+    else:
+        t = torch.from_dlpack(x)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _options(causal, softmax_scale, smooth_k, smooth_q, layout) -> dict:
+    return dict(causal=bool(causal), softmax_scale=softmax_scale, smooth_k=bool(smooth_k), smooth_q=bool(smooth_q),
+                layout=layout)
+
+
+def inference_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
+                   smooth_q: bool, layout: str) -> Tensor:
+    """Attention output only (no LSE, nothing kept for a backward)."""
+    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            return _as_tensor(sagebwd_cp.attention(q, k, v, **opts))
+    return _as_tensor(sagebwd_cp.attention(_host(q), _host(k), _host(v), **opts), q.dtype)
+
+
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
+                 smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
+    """(out, lse2): the output and the base-2 LSE (B, Hq, Lq) float32 that the backward needs."""
+    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            out, saved = sagebwd_cp.attention_forward(q, k, v, **opts)
+        return _as_tensor(out), _as_tensor(saved.lse2.obj)
+    out, saved = sagebwd_cp.attention_forward(_host(q), _host(k), _host(v), **opts)
+    return _as_tensor(out, q.dtype), _as_tensor(saved.lse2.obj)
+
+
+def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, dout: Tensor, causal: bool,
+                  softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
+                  deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), each in its input's layout and q's dtype."""
+    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
+    opts.update(granularity=granularity, deterministic=bool(deterministic))
+    if dout.stride(-1) != 1 or not dout.is_contiguous():
+        dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            grads = attention_backward_arrays(q, k, v, out, lse2, dout, **opts)
+        return tuple(_as_tensor(g) for g in grads)
+    grads = attention_backward_arrays(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), **opts)
+    return tuple(_as_tensor(g, q.dtype) for g in grads)
+
+
+# ------------------------------------------------------------------------------ shape checks for tracing
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_granularity(granularity) -> str:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    return granularity
+
+
+def _check_ranks(layout: str, **arrays) -> None:
+    check_layout(layout)
+    for name, x in arrays.items():
+        if x.dim() != 4:
+            dims = "batch, heads, seqlen, head_dim" if layout == "HND" else "batch, seqlen, heads, head_dim"
+            raise ValueError(f"{name}: expected a rank-4 tensor ({dims}), got shape {tuple(x.shape)}")
+
+
+def lse2_like(q: Tensor, layout: str) -> Tensor:
+    """An empty (B, Hq, Lq) float32 tensor on q's device (q in ``layout``)."""
+    b, x, y = q.shape[:3]
+    return q.new_empty((b, x, y) if layout == "HND" else (b, y, x), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ registrations
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
+                 smooth_q: bool, layout: str) -> Tensor:
+    """Inference attention (see ``inference_impl``)."""
+    return inference_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout):
+    _check_ranks(layout, q=q, k=k, v=v)
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=())
+def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
+                         smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
+                         deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """Training forward: (out, lse2).  ``granularity`` and ``deterministic`` are for the backward."""
+    return forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+
+
+@attention_forward_op.register_fake
+def _attention_forward_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
+    _check_ranks(layout, q=q, k=k, v=v)
+    check_granularity(granularity)
+    return q.new_empty(q.shape), lse2_like(q, layout)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, dout: Tensor, causal: bool,
+                          softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
+                          granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the forward's inputs, output and base-2 LSE, and dO."""
+    return backward_impl(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                         deterministic)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
+                             granularity, deterministic):
+    _check_ranks(layout, q=q, k=k, v=v, out=out, dout=dout)
+    check_granularity(granularity)
+    return q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = inputs
+    out, lse2 = output
+    ctx.save_for_backward(q, k, v, out, lse2)
+    ctx.mark_non_differentiable(lse2)
+    ctx.options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+
+
+def _backward(ctx, dout, _dlse2):
+    q, k, v, out, lse2 = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(q, k, v, out, lse2, dout.contiguous(), *ctx.options)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+
+
+attention_forward_op.register_autograd(_backward, setup_context=_setup_context)

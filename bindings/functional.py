@@ -1,0 +1,180 @@
+"""Differentiable attention for PyTorch, and drop-ins for ``F.scaled_dot_product_attention`` and
+``flash_attn_func``.
+
+Eager calls go through ``SageAttentionFunction`` (a ``torch.autograd.Function``; a few
+microseconds of Python per call); under ``torch.compile`` the same computation goes through the
+``sagebwd_cp::`` custom operators, which the compiler traces without a graph break.  Without
+gradients (``torch.no_grad``, ``torch.inference_mode``, or no input requiring grad) the inference
+path runs: no LSE is computed and nothing is saved.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _ops
+
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttentionFunction"]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class SageAttentionFunction(torch.autograd.Function):
+    """``apply(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+    deterministic) -> out``.  Saves q, k, v, the output and the base-2 LSE, nothing else;
+    returns None for the inputs that do not require grad.  Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
+        if _compiling():
+            out, lse2 = _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout,
+                                                  granularity, deterministic)
+        else:
+            out, lse2 = _ops.forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
+        dq, dk, dv = backward(q, k, v, out, lse2, dout.contiguous(), *ctx.options)
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+
+
+def _unify_dtypes(q: Tensor, k: Tensor, v: Tensor):
+    """Under CUDA autocast, float32 inputs are cast to the autocast dtype (the kernels take fp16 or
+    bf16 only), as autocast does for torch's own attention."""
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        q, k, v = (x.to(dt) if x.dtype == torch.float32 else x for x in (q, k, v))
+    return q, k, v
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
+              layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
+              deterministic: bool = False) -> Tensor:
+    """SageBwd attention with autograd.
+
+    q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
+    tokens, Hq a multiple of Hkv (GQA/MQA).  Causal masking is bottom-right aligned (query i sees
+    key j iff j <= i + Lk - Lq); rows that see no key give 0.  ``softmax_scale`` defaults to
+    1/sqrt(D).  ``smooth_k``/``smooth_q``: K/Q smoothing before quantization; ``granularity``
+    ("fine" or "paper") and ``deterministic`` select the backward's quantization scales and dQ
+    accumulation order.  CUDA tensors: fp16/bf16 (float32 is cast under autocast).  CPU tensors
+    run the emulator: float16/float32/float64, and bfloat16 computed as float32.
+    """
+    _ops.check_layout(layout)
+    _ops.check_granularity(granularity)
+    q, k, v = _unify_dtypes(q, k, v)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+    causal, smooth_k, smooth_q, deterministic = bool(causal), bool(smooth_k), bool(smooth_q), bool(deterministic)
+    compiling = _compiling()
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        if compiling:
+            return _ops.attention_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+        return _ops.inference_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+    if compiling:
+        return _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                                         deterministic)[0]
+    return SageAttentionFunction.apply(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                                       deterministic)
+
+
+# ------------------------------------------------------------------------------ drop-ins
+
+def _flatten_batch(x: Tensor, name: str):
+    """(N..., H, L, E) -> (prod N, H, L, E); (L, E) and (N, L, E) get unit batch/head dims."""
+    if x.dim() < 2:
+        raise ValueError(f"{name}: expected at least 2 dimensions (..., seqlen, head_dim), got shape {tuple(x.shape)}")
+    if x.dim() == 2:
+        return x[None, None]
+    if x.dim() == 3:
+        return x[:, None]
+    return x.reshape((-1,) + tuple(x.shape[-3:])) if x.dim() > 4 else x
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                                 enable_gqa: bool = False, smooth_k: bool = True, smooth_q: bool = False,
+                                 granularity: str = "fine", deterministic: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (layout (..., H, L, E)).
+
+    Same semantics as torch's: ``is_causal`` is top-left aligned (query i sees key j iff j <= i),
+    also when L != S; ``enable_gqa=True`` is needed for fewer key/value heads than query heads.
+    ``attn_mask`` and ``dropout_p`` are not supported (ValueError).  The last four keywords are
+    this library's options (see ``attention``).
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask: arbitrary attention masks are not supported; pass attn_mask=None "
+                         "(use is_causal=True for causal masking)")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
+    if query.dim() != key.dim() or query.dim() != value.dim():
+        raise ValueError(f"query, key, value: expected the same number of dimensions, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if query.shape[:-3] != key.shape[:-3] or query.shape[:-3] != value.shape[:-3]:
+        raise ValueError(f"query, key, value: expected the same batch dimensions, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(f"value: expected the head_dim of query ({query.shape[-1]}), got {value.shape[-1]}")
+    if query.dim() >= 3:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if hq != hk and not enable_gqa:
+            raise ValueError(f"enable_gqa: query has {hq} heads and key/value {hk}; pass enable_gqa=True for "
+                             "grouped-query attention (as torch requires)")
+    q, k, v = (_flatten_batch(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    opts = dict(softmax_scale=scale, layout="HND", smooth_k=smooth_k, smooth_q=smooth_q, granularity=granularity,
+                deterministic=deterministic)
+    lq, lk = q.shape[2], k.shape[2]
+    if not is_causal or lq == lk:
+        out = attention(q, k, v, causal=bool(is_causal), **opts)
+    elif lq < lk:
+        # Top-left: query i sees keys 0..i, so keys from lq on are never seen; on the first lq keys
+        # top-left and bottom-right alignment coincide.
+        out = attention(q, k[:, :, :lq], v[:, :, :lq], causal=True, **opts)
+    else:
+        # Top-left with more queries than keys: the first lk queries see a causal square, the
+        # others see every key.
+        head = attention(q[:, :, :lk], k, v, causal=True, **opts)
+        tail = attention(q[:, :, lk:], k, v, causal=False, **opts)
+        out = torch.cat([head, tail], dim=2)
+    return out.reshape(query.shape)
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool = True,
+                    smooth_q: bool = False, granularity: str = "fine") -> Tensor:
+    """Drop-in for FlashAttention's ``flash_attn_func``: q (B, Lq, Hq, D), k and v (B, Lk, Hkv, D),
+    Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
+
+    ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes`` and ``return_attn_probs`` must keep
+    their defaults (ValueError otherwise).  ``deterministic`` orders the dQ accumulation;
+    ``smooth_k``, ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
+    if softcap != 0.0:
+        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs: returning the attention probabilities is not supported; expected False")
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD", smooth_k=smooth_k,
+                     smooth_q=smooth_q, granularity=granularity, deterministic=deterministic)
+

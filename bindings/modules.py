@@ -1,0 +1,37 @@
+"""``SageAttention``: the attention call as an ``nn.Module`` (no parameters)."""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from . import _ops
+from .functional import attention
+
+
+class SageAttention(nn.Module):
+    """``SageAttention(causal=False, layout="HND", softmax_scale=None, **options)(q, k, v)``.
+
+    The options are those of ``sagebwd_cp.torch.attention``: ``smooth_k``, ``smooth_q``,
+    ``granularity`` and ``deterministic``; they are checked here, at construction.
+    """
+
+    def __init__(self, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None, *,
+                 smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
+                 deterministic: bool = False):
+        super().__init__()
+        self.causal = bool(causal)
+        self.layout = _ops.check_layout(layout)
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.smooth_k = bool(smooth_k)
+        self.smooth_q = bool(smooth_q)
+        self.granularity = _ops.check_granularity(granularity)
+        self.deterministic = bool(deterministic)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout,
+                         smooth_k=self.smooth_k, smooth_q=self.smooth_q, granularity=self.granularity,
+                         deterministic=self.deterministic)
+
+    def extra_repr(self) -> str:
+        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:g}"
+        return (f"causal={self.causal}, layout={self.layout!r}, softmax_scale={scale}, smooth_k={self.smooth_k}, "
+                f"smooth_q={self.smooth_q}, granularity={self.granularity!r}, deterministic={self.deterministic}")
