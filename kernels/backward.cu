@@ -473,13 +473,14 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         }
         {
             const uint4 o = frags[(warp ^ KEY_GROUPS) * 32 + lane];
+            // k-step qh is this warp's own fragment (selects, not a runtime index: registers stay registers)
+            const u32 other[4] = {o.x, o.y, o.z, o.w};
             u32 af[2][4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) af[qh][r] = pf[r];
-            af[1 - qh][0] = o.x;
-            af[1 - qh][1] = o.y;
-            af[1 - qh][2] = o.z;
-            af[1 - qh][3] = o.w;
+            for (int r = 0; r < 4; ++r) {
+                af[0][r] = qh ? other[r] : pf[r];
+                af[1][r] = qh ? pf[r] : other[r];
+            }
             mma_rows_into(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
@@ -541,13 +542,14 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         __syncthreads();  // dŜ, the per-query scales and the other half's dŜᵀ are in shared memory
         {
             const uint4 o = frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane];
+            // k-step qh is this warp's own fragment (selects, not a runtime index: registers stay registers)
+            const u32 other[4] = {o.x, o.y, o.z, o.w};
             u32 af[2][4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) af[qh][r] = dsf[r];
-            af[1 - qh][0] = o.x;
-            af[1 - qh][1] = o.y;
-            af[1 - qh][2] = o.z;
-            af[1 - qh][3] = o.w;
+            for (int r = 0; r < 4; ++r) {
+                af[0][r] = qh ? other[r] : dsf[r];
+                af[1][r] = qh ? dsf[r] : other[r];
+            }
             mma_rows_into(dk, af, st + SQT, b_t, qh, fac_k);
         }
         if (SB_BIAS) {

@@ -45,7 +45,7 @@ def compile_all(arch: str, specs=None, *, use_disk_cache: bool = True) -> list:
     if specs is None:
         from . import specs as specs_module
 
-        specs = specs_module.all_specs()
+        specs = specs_module.all_specs(arch)
     rows = []
     for spec in specs:
         start = time.perf_counter()

@@ -108,17 +108,22 @@ def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, det
                      SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
-def all_specs() -> list:
-    """Every specialization the library launches with its default tiles."""
+# Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
+# what the tile choice sees on a device of that arch.
+ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+
+
+def all_specs(arch: str | None = None) -> list:
+    """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90)."""
+    limit = ARCH_SHARED_LIMIT.get(arch or "sm_90", ARCH_SHARED_LIMIT["sm_90"])
     specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(), ceiling_spec()]
     specs += [backward_rows_spec(dt) for dt in DTYPES]
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
             for causal in (False, True):
                 for bias in (False, True):
-                    specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp)))
+                    specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp, limit)))
                     for fine in (True, False):
                         for det in (False, True):
-                            for stages in (1, 2):
-                                specs.append(backward_spec(dp, dt, causal, bias, fine, det, BackwardTiles(stages)))
+                            specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
     return specs

@@ -19,12 +19,14 @@ def _require_ptxas_report():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_spec_compiles_without_spills(arch):
     rows = compile_all(arch)
-    assert {r.key for r in rows} == {s.key for s in specs.all_specs()}
+    assert {r.key for r in rows} == {s.key for s in specs.all_specs(arch)}
     failed = [(r.key, r.entry, r.error) for r in rows if r.error]
     assert not failed
     _require_ptxas_report()
     spilled = [(r.key, r.entry, r.spill_stores, r.spill_loads) for r in rows if r.spill_bytes]
     assert not spilled
+    stacked = [(r.key, r.entry, r.stack_bytes) for r in rows if r.stack_bytes]  # local arrays, not spills
+    assert not stacked
     assert all(r.registers > 0 for r in rows)
 
 
@@ -167,7 +169,7 @@ def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
 def test_cli_compile_exits_one_on_a_compile_error(tmp_path, monkeypatch, capsys):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { undeclared_thing = 1; }\n')
     monkeypatch.setattr(compiler, "source_dirs", lambda: (tmp_path,))
-    monkeypatch.setattr(specs, "all_specs", lambda: [compiler.make_spec("broken", "broken.cu", ["broken"])])
+    monkeypatch.setattr(specs, "all_specs", lambda arch=None: [compiler.make_spec("broken", "broken.cu", ["broken"])])
     assert main(["compile", "--arch", "sm_90"]) == 1
     assert "undeclared_thing" in capsys.readouterr().err
 
