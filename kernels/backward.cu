@@ -8,7 +8,8 @@
 //   dPᵀ = V dOᵀ (16-bit, FP32 accumulate)  ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
 //   dK += dŜᵀ Q̂ (INT8, dŜᵀ register-fed)                      accumulated in FP32 registers
 //   dQ += dŜ K̂ (INT8, dŜ through shared memory)               FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
-// Scales (numerics.py): SB_FINE = 1 quantizes P per key (dV), dS per key (dK) and per query (dQ);
+// Scales (numerics.py): SB_FINE = 1 quantizes P per key (dV; unsigned, 255 levels, u8 x s8 mma),
+// dS per key (dK) and per query (dQ);
 // SB_FINE = 0 uses one scale per 64x64 tile for P and for dS (the published scheme).
 // dK leaves with the factor ln 2 (Q̂ carries c·log2 e); dQ's factor c is applied by dq_convert.
 //
@@ -162,7 +163,13 @@ SB_DEVICE Psi psi(float amax) {
     return {div_rn(amax, 127.f), div_rn(127.f, amax)};
 }
 
-// x̂ = rint(x·inv) as a byte (|x·inv| <= 127 by construction, so no clamp).
+// Unsigned ψ of non-negative P (fine mode): scale amax/255, codes 0..255 (numerics.quantize_unsigned).
+SB_DEVICE Psi psi_unsigned(float amax) {
+    if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
+    return {div_rn(amax, static_cast<float>(SB_P_LEVELS)), div_rn(static_cast<float>(SB_P_LEVELS), amax)};
+}
+
+// x̂ = rint(x·inv) as a byte (|x·inv| <= 127, or 0 <= x·inv <= 255 unsigned, by construction: no clamp).
 SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
 
 // Pack a warp's [16 rows][32 cols] accumulator-layout tile (rows g / g+8 per half) into the A
@@ -181,6 +188,7 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[NT_Q][4], const float (&inv)
 
 // acc[.][.] += (Â B̂)·factor[row half] over head-dim half `dh` (NT_D/2 n-tiles from dh·NT_D/2); Â is
 // the two 32-column k-steps of 16 rows, B̂ a [DP][64] INT8 tile in fragment order.
+template <bool UNSIGNED_A>
 SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl, int dh,
                               const float (&factor)[2]) {
 #pragma unroll
@@ -191,8 +199,13 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
             u32 bf[4];
             ldmatrix_x4(bf, bl.at(tile, kk, (dh * NT_D / 2 + n) / 2));
             const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-            mma_s8_16832(p[0], a[kk], b0);
-            mma_s8_16832(p[1], a[kk], b1);
+            if (UNSIGNED_A) {
+                mma_u8s8_16832(p[0], a[kk], b0);
+                mma_u8s8_16832(p[1], a[kk], b1);
+            } else {
+                mma_s8_16832(p[0], a[kk], b0);
+                mma_s8_16832(p[1], a[kk], b1);
+            }
         }
 #pragma unroll
         for (int x = 0; x < 2; ++x)
@@ -396,7 +409,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + w]);
                 m_row[0] = m_row[1] = m;
             }
-            const Psi p0 = psi(m_row[0]), p1 = psi(m_row[1]);
+            const Psi p0 = SB_FINE ? psi_unsigned(m_row[0]) : psi(m_row[0]);
+            const Psi p1 = SB_FINE ? psi_unsigned(m_row[1]) : psi(m_row[1]);
             const float inv_p[2] = {p0.inv, p1.inv};
             fac_v[0] = p0.scale * s_do;
             fac_v[1] = p1.scale * s_do;
@@ -481,7 +495,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 af[0][r] = qh ? other[r] : pf[r];
                 af[1][r] = qh ? pf[r] : other[r];
             }
-            mma_rows_into(dv, af, st + SDOT, b_t, qh, fac_v);
+            mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
         // dŜ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper).
@@ -550,7 +564,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 af[0][r] = qh ? other[r] : dsf[r];
                 af[1][r] = qh ? dsf[r] : other[r];
             }
-            mma_rows_into(dk, af, st + SQT, b_t, qh, fac_k);
+            mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
         }
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.

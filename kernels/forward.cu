@@ -1,5 +1,5 @@
 // SageBwd forward: S = Q̂K̂ᵀ (INT8 mma m16n8k32), online softmax in exp2, P̂ quantized per row
-// with the free scale exp2(rowmax - m_new)/127 and kept in registers, O += P̂V̂ (INT8), FP32
+// with the free scale exp2(rowmax - m_new)/255 (unsigned) and kept in registers, O += P̂V̂ (u8 x s8), FP32
 // accumulation, output in the input dtype, base-2 LSE saved ([B][Hq][Lq]). Numerics: sagebwd_cp/numerics.py.
 //
 // Compile-time parameters:
@@ -44,6 +44,7 @@ constexpr int Q_BYTES = CTA_Q * DP;
 constexpr int K_BYTES = BKV * DP;
 constexpr int V_BYTES = DP * BKV;
 constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q scale");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
 
@@ -160,7 +161,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         }
 
         const float ks_j = k_scale[bhk * (Nk_pad / BKV) + j];
-        const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / 127.f);
+        const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / PL);
         const bool need_mask = (j + 1) * BKV > Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + Lk - Lq);
 
         u32 pf[SB_MT][2][4];  // P̂ as A fragments for the two 32-key k-steps
@@ -232,21 +233,21 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 alpha[mt][half] = a;
                 pv_factor[mt][half] = beta * pv_scale;
             }
-            // P̂ = rint(127 e), packed in the A-fragment order that V̂ᵀ's key permutation matches.
+            // P̂ = rint(255 e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) {
                 const int n = 4 * kk;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    pf[mt][kk][half] = pack4_magic(round_magic(e[n][2 * half], 127.f), round_magic(e[n][2 * half + 1], 127.f),
-                                                   round_magic(e[n + 1][2 * half], 127.f), round_magic(e[n + 1][2 * half + 1], 127.f));
-                    pf[mt][kk][2 + half] = pack4_magic(round_magic(e[n + 2][2 * half], 127.f), round_magic(e[n + 2][2 * half + 1], 127.f),
-                                                       round_magic(e[n + 3][2 * half], 127.f), round_magic(e[n + 3][2 * half + 1], 127.f));
+                    pf[mt][kk][half] = pack4_magic(round_magic(e[n][2 * half], PL), round_magic(e[n][2 * half + 1], PL),
+                                                   round_magic(e[n + 1][2 * half], PL), round_magic(e[n + 1][2 * half + 1], PL));
+                    pf[mt][kk][2 + half] = pack4_magic(round_magic(e[n + 2][2 * half], PL), round_magic(e[n + 2][2 * half + 1], PL),
+                                                       round_magic(e[n + 3][2 * half], PL), round_magic(e[n + 3][2 * half + 1], PL));
                 }
             }
         }
 
-        // O = α·O + (P̂ V̂)·(β/127)·s_V, two d n-tiles at a time.
+        // O = α·O + (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time.
 #pragma unroll
         for (int nd = 0; nd < NT_D; nd += 2) {
             int pv[SB_MT][2][4];
@@ -261,8 +262,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
 #pragma unroll
                 for (int mt = 0; mt < SB_MT; ++mt) {
-                    mma_s8_16832(pv[mt][0], pf[mt][kk], b0);
-                    mma_s8_16832(pv[mt][1], pf[mt][kk], b1);
+                    mma_u8s8_16832(pv[mt][0], pf[mt][kk], b0);
+                    mma_u8s8_16832(pv[mt][1], pf[mt][kk], b1);
                 }
             }
 #pragma unroll

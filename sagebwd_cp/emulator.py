@@ -17,10 +17,12 @@ from .numerics import (
     BLOCK_KV,
     BLOCK_Q,
     INT8_MAX,
+    P_LEVELS,
     LN2,
     default_softmax_scale,
     qk_prescale,
     quantize_block,
+    quantize_unsigned,
     round_to_dtype,
     token_mean,
 )
@@ -258,15 +260,15 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         m_new_safe = np.where(np.isfinite(m_new), m_new, zero)
         e = np.exp2(s - rmax_safe[..., None]).astype(np.float32)
         if quantize:
-            p_hat = np.clip(np.rint(_F32(INT8_MAX) * e), 0, INT8_MAX).astype(np.float32)
+            p_hat = np.clip(np.rint(_F32(P_LEVELS) * e), 0, P_LEVELS).astype(np.float32)
         else:
-            p_hat = (_F32(INT8_MAX) * e).astype(np.float32)
+            p_hat = (_F32(P_LEVELS) * e).astype(np.float32)
         beta = np.exp2(rmax - m_new_safe).astype(np.float32)
         alpha = np.exp2(m - m_new_safe).astype(np.float32)
 
         l = (alpha * l + beta * np.sum(e, axis=-1, dtype=np.float32)).astype(np.float32)
         pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
-        factor = ((beta / _F32(INT8_MAX)) * s_v[:, :, j, None]).astype(np.float32)
+        factor = ((beta / _F32(P_LEVELS)) * s_v[:, :, j, None]).astype(np.float32)
         acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
         m = m_new
 
@@ -377,7 +379,10 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
                 p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
             # #4: dV_j += P̂ᵀ dÔ_i
-            p_hat, s_p = _psi(p, -2 if fine else (-2, -1), quantize)
+            if fine and quantize:
+                p_hat, s_p = quantize_unsigned(p, axis=-2)  # per key, 255 levels
+            else:
+                p_hat, s_p = _psi(p, -2 if fine else (-2, -1), quantize)
             s_p_rows = np.swapaxes(s_p, -1, -2)  # per key -> per row of dV (or the tile scalar)
             pv = _int_matmul(np.swapaxes(p_hat, -1, -2), do_hat[:, :, r0:r1])
             dv_j = (dv_j + pv * (s_p_rows * s_do[:, :, i, None, None]).astype(np.float32)).astype(np.float32)

@@ -19,8 +19,11 @@ Conventions
   sum of the 16-bit values (exact for realistic ranges, so independent of summation order)
   divided by the token count in float64 and rounded to float32; then k - μ_K in float32.
 * Forward P quantization (per row of a key tile, the "free" scale): with rmax the tile's row max of
-  S and m_new the running max, e = exp2(S - rmax), P̂ = rint(127 * e), l = α·l + β·Σe and
-  acc = α·acc + (P̂V̂)·(β/127)·s_V with β = exp2(rmax - m_new), α = exp2(m - m_new).
+  S and m_new the running max, e = exp2(S - rmax), P̂ = rint(255 * e) (unsigned: P ≥ 0, so all
+  256 codes of a u8 operand are used), l = α·l + β·Σe and acc = α·acc + (P̂V̂)·(β/255)·s_V with
+  β = exp2(rmax - m_new), α = exp2(m - m_new).
+* Backward P for dV: "fine" quantizes per key, unsigned, P̂ = rint(P·255/amax) with scale
+  amax/255 (amax as in ψ); "paper" uses ψ (signed, 127) over the 64x64 tile, as published.
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
@@ -33,6 +36,7 @@ import numpy as np
 BLOCK_Q = 64  # rows per quantization block of Q and dO; the backward's query tile
 BLOCK_KV = 64  # rows per quantization block of K and V; the forward's and backward's key tile
 INT8_MAX = 127
+P_LEVELS = 255  # P ≥ 0: P̂ is unsigned 8-bit (mma .u8.s8) in the forward and the fine backward
 TINY_AMAX = np.float32(2.0 ** -120)  # blocks with a smaller amax quantize to zero
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -71,6 +75,20 @@ def quantize_block(x: np.ndarray, axis=None):
     return q, scale
 
 
+def quantize_unsigned(x: np.ndarray, axis=None, levels: int = P_LEVELS):
+    """ψ for non-negative ``x`` with ``levels`` codes above zero: scale = amax / levels,
+    x̂ = rint(x * (levels / amax)) (float32 products, round to nearest even), blocks under TINY_AMAX
+    count as zero.  Returns (float32 integer values, float32 scale)."""
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.max(x, axis=axis, keepdims=axis is not None).astype(np.float32)
+    zero = amax < TINY_AMAX
+    safe = np.where(zero, np.float32(1), amax).astype(np.float32)
+    scale = np.where(zero, np.float32(1), safe / np.float32(levels)).astype(np.float32)
+    inv = np.where(zero, np.float32(0), np.float32(levels) / safe).astype(np.float32)
+    q = np.clip(np.rint((x * inv).astype(np.float32)), 0, levels).astype(np.float32)
+    return q, scale
+
+
 def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:
     """μ over tokens as the kernels compute it: float64 sum / count, rounded to float32."""
     x = np.asarray(x16).astype(np.float64)
@@ -104,5 +122,6 @@ def compile_defines() -> dict:
         "SB_BLOCK_Q": BLOCK_Q,
         "SB_BLOCK_KV": BLOCK_KV,
         "SB_INT8_MAX": INT8_MAX,
+        "SB_P_LEVELS": P_LEVELS,
         "SB_TINY_AMAX": f"{float(TINY_AMAX).hex()}",  # a hexadecimal float literal: exact
     }
