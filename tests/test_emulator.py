@@ -202,11 +202,11 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
             r0 = np.where(np.isinf(rmax), f32(0), rmax)
             m0 = np.where(np.isinf(m_new), f32(0), m_new)
             e = np.exp2(s - r0[:, None])
-            p = np.clip(np.rint(f32(127) * e), 0, 127)
+            p = np.clip(np.rint(f32(255) * e), 0, 255)  # numerics: unsigned P̂, 255 levels
             beta, alpha = np.exp2(rmax - m0), np.exp2(m - m0)
             l = alpha * l + beta * e.sum(axis=1, dtype=f32)
             pv = (p.astype(np.float64) @ qi["v_int8"][bi, hk, cols].astype(np.float64)).astype(f32)
-            acc = alpha[:, None] * acc + pv * (beta / f32(127) * qi["v_scale"][bi, hk, j])[:, None]
+            acc = alpha[:, None] * acc + pv * (beta / f32(255) * qi["v_scale"][bi, hk, j])[:, None]
             m = m_new
         live = l > 0
         o[bi, h, rows] = np.where(live[:, None], acc / np.where(live, l, 1)[:, None], 0)
