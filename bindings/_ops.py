@@ -24,7 +24,7 @@ from torch import Tensor
 
 import sagebwd_cp
 from sagebwd_cp.api import attention_backward_arrays
-from sagebwd_cp.problem import GRANULARITIES, LAYOUTS
+from sagebwd_cp.problem import check_granularity, check_layout
 
 NAMESPACE = "sagebwd_cp"
 
@@ -97,18 +97,6 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, do
 
 
 # ------------------------------------------------------------------------------ shape checks for tracing
-
-def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    return layout
-
-
-def check_granularity(granularity) -> str:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
-    return granularity
-
 
 def _check_ranks(layout: str, **arrays) -> None:
     check_layout(layout)

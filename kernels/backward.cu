@@ -88,15 +88,6 @@ static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
 #endif
 
-template <int ROW_BYTES>
-SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
-    constexpr int CHUNKS = ROW_BYTES / 16;
-    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
-    }
-}
-
 // 64 rows of a strided 16-bit array into a swizzled [64][DP] tile; rows >= n_valid and columns
 // >= D are zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
 SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D) {
@@ -188,6 +179,17 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[NT_Q][4], const float (&inv)
 
 // acc[.][.] += (Â B̂)·factor[row half] over head-dim half `dh` (NT_D/2 n-tiles from dh·NT_D/2); Â is
 // the two 32-column k-steps of 16 rows, B̂ a [DP][64] INT8 tile in fragment order.
+// The A fragments of both 32-query k-steps: k-step qh is this warp's own, the other comes from the
+// partner warp (selects, not a runtime index, so the fragments stay in registers).
+SB_DEVICE void both_halves(u32 (&af)[2][4], const u32 (&own)[4], uint4 other, int qh) {
+    const u32 o[4] = {other.x, other.y, other.z, other.w};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        af[0][r] = qh ? o[r] : own[r];
+        af[1][r] = qh ? own[r] : o[r];
+    }
+}
+
 template <bool UNSIGNED_A>
 SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl, int dh,
                               const float (&factor)[2]) {
@@ -274,17 +276,17 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
 
     const int kvalid = min(BKV, a.Lk - j * BKV);
-    load_tile<DP>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, BKV, DP);
-    load_tile<BKV>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, DP, a.Nk_pad);
+    load_tile<DP, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, BKV, DP);
+    load_tile<BKV, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, DP, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
 
     auto load_stage = [&](int it) {
         const int h = hk * group + it / n_i, i = i0 + it % n_i;
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
-        load_tile<DP>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, BQ, DP);
-        load_tile<BQ>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
-        load_tile<BQ>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
+        load_tile<DP, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, BQ, DP);
+        load_tile<BQ, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
+        load_tile<BQ, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
         if (tid < BQ / 4) cp_async_16(st + SDELTA + 16 * tid, a.delta + bhq * a.Nq_pad + i * BQ + 4 * tid);
@@ -486,15 +488,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             dk_psi[0] = dk_psi[1] = psi(m);
         }
         {
-            const uint4 o = frags[(warp ^ KEY_GROUPS) * 32 + lane];
-            // k-step qh is this warp's own fragment (selects, not a runtime index: registers stay registers)
-            const u32 other[4] = {o.x, o.y, o.z, o.w};
             u32 af[2][4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                af[0][r] = qh ? other[r] : pf[r];
-                af[1][r] = qh ? pf[r] : other[r];
-            }
+            both_halves(af, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
@@ -555,15 +550,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         }
         __syncthreads();  // dŜ, the per-query scales and the other half's dŜᵀ are in shared memory
         {
-            const uint4 o = frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane];
-            // k-step qh is this warp's own fragment (selects, not a runtime index: registers stay registers)
-            const u32 other[4] = {o.x, o.y, o.z, o.w};
             u32 af[2][4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                af[0][r] = qh ? other[r] : dsf[r];
-                af[1][r] = qh ? dsf[r] : other[r];
-            }
+            both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
             mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
         }
         if (SB_BIAS) {

@@ -48,16 +48,6 @@ constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned,
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q scale");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
 
-// Copy `rows` rows of ROW_BYTES from global (row stride gstride bytes) into a swizzled tile.
-template <int ROW_BYTES>
-SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
-    constexpr int CHUNKS = ROW_BYTES / 16;
-    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
-    }
-}
-
 // ldmatrix.x4 of B fragments for two n-tiles (rows n0..n0+15 of a k-contiguous tile) at k-step ks.
 template <int ROW_BYTES>
 SB_DEVICE void load_b_pair(u32 (&r)[4], u32 tile, int n0, int ks, int lane) {
@@ -94,10 +84,10 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
-    load_tile<DP>(sQ, q8 + (bhq * Nq_pad + q0) * DP, CTA_Q, DP);
+    load_tile<DP, THREADS>(sQ, q8 + (bhq * Nq_pad + q0) * DP, CTA_Q, DP);
     if (n_tiles > 0) {
-        load_tile<DP>(sKV, kg, BKV, DP);
-        load_tile<BKV>(sKV + K_BYTES, vg, DP, Nk_pad);
+        load_tile<DP, THREADS>(sKV, kg, BKV, DP);
+        load_tile<BKV, THREADS>(sKV + K_BYTES, vg, DP, Nk_pad);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -134,8 +124,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         // at the end of the previous iteration).
         if (j + 1 < n_tiles) {
             const u32 nK = sKV + ((j + 1) & 1) * STAGE_BYTES;
-            load_tile<DP>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, BKV, DP);
-            load_tile<BKV>(nK + K_BYTES, vg + (j + 1) * BKV, DP, Nk_pad);
+            load_tile<DP, THREADS>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, BKV, DP);
+            load_tile<BKV, THREADS>(nK + K_BYTES, vg + (j + 1) * BKV, DP, Nk_pad);
         }
         cp_async_commit();
 

@@ -3,6 +3,7 @@
 // ldmatrix rows or eight cp.async chunks of one column never share a bank.
 #pragma once
 #include "common.cuh"
+#include "cp_async.cuh"
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are ROW_BYTES long.
 template <int ROW_BYTES>
@@ -13,4 +14,15 @@ SB_DEVICE int swizzled_offset(int row, int chunk) {
     const int line = linear >> 7;
     const int c = (linear >> 4) & 7;
     return (line << 7) | ((c ^ (line & 7)) << 4);
+}
+
+// Copy `rows` rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
+// 16 bytes per cp.async, spread over the THREADS threads of the block.
+template <int ROW_BYTES, int THREADS>
+SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
+    constexpr int CHUNKS = ROW_BYTES / 16;
+    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
+    }
 }

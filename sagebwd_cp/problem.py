@@ -50,7 +50,7 @@ class AttentionProblem:
         return (b, heads, length, d) if self.layout == "HND" else (b, length, heads, d)
 
 
-def _check_layout(layout) -> str:
+def check_layout(layout) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -71,7 +71,7 @@ def _dims(desc: ArrayDesc, name: str, layout: str):
 
 def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
                  layout="HND") -> AttentionProblem:
-    layout = _check_layout(layout)
+    layout = check_layout(layout)
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     devices = {(d.device_type, d.device_id) for d in (qd, kd, vd)}
     if len(devices) != 1:

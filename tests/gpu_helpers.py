@@ -7,6 +7,19 @@ import numpy as np
 
 import sagebwd_cp
 
+# The shape grid every kernel is tested on: N = 1, ragged N, Lq != Lk, GQA 4:1, a padded head dim.
+SHAPES = [
+    # (B, Hq, Hkv, Lq, Lk, D)
+    (1, 2, 2, 1, 1, 64),
+    (2, 2, 2, 17, 17, 128),
+    (1, 4, 1, 64, 64, 64),
+    (1, 2, 2, 1000, 1000, 128),
+    (1, 1, 1, 4097, 4097, 64),
+    (1, 4, 1, 100, 1000, 128),
+    (1, 2, 2, 1000, 100, 64),
+    (1, 2, 1, 300, 257, 80),
+]
+
 POISON = {"int8": 0x55, "float32": float("nan"), "float16": float("nan"), "bfloat16": float("nan")}
 
 

@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import cos_sim, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from gpu_helpers import SHAPES, cos_sim, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
 from sagebwd_cp import emulator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 EMU_TOL = {"float16": 2e-3, "bfloat16": 8e-3}
-
-SHAPES = [
-    # (B, Hq, Hkv, Lq, Lk, D)
-    (1, 2, 2, 1, 1, 64),
-    (2, 2, 2, 17, 17, 128),
-    (1, 4, 1, 64, 64, 64),
-    (1, 2, 2, 1000, 1000, 128),
-    (1, 1, 1, 4097, 4097, 64),
-    (1, 4, 1, 100, 1000, 128),
-    (1, 2, 2, 1000, 100, 64),
-    (1, 2, 1, 300, 257, 80),
-]
 
 
 def _run(q, k, v, layout, causal, **kw):
