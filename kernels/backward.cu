@@ -70,9 +70,9 @@ constexpr int SQ = 0;                           // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, fragment token order
 constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
-constexpr int SLSE = SDO + 2 * BQ * DP;         // LSE2[64] f32
-constexpr int SDELTA = SLSE + 4 * BQ;           // δ   [64] f32
-constexpr int STAGE_BYTES = SDELTA + 4 * BQ;
+constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, δ) [64] f32 pairs (row_stats)
+constexpr int SSCALE = SSTATS + 8 * BQ;         // s_Q, s_dO of the query block, f32 (16 bytes)
+constexpr int STAGE_BYTES = SSCALE + 128;         // stages stay 128-byte aligned (the swizzle's XOR addressing)
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
 // Maxima exchanged between warps (f32): per key and query half for P and for dS, per key group
 // and query for dS (dQ's scales), per warp for the paper mode's tile maxima.
@@ -84,6 +84,7 @@ constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's dŜ scale per 
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
 constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
+static_assert(STAGE_BYTES % 128 == 0 && STAGE0 % 128 == 0, "swizzled tiles need 128-byte aligned bases");
 #ifdef SB_SMEM_BYTES
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
 #endif
@@ -128,6 +129,16 @@ template <int ROW_BYTES>
 SB_DEVICE Lanes<ROW_BYTES> b_lanes(int lane) {
     const int m = lane >> 3;
     return Lanes<ROW_BYTES>(((m >> 1) << 3) + (lane & 7), m & 1);
+}
+
+// Two adjacent FP32 atomic adds (8-byte aligned): one vector reduction on sm_90, two before.
+SB_DEVICE void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
 }
 
 SB_DEVICE float quad_max(float v) {
@@ -229,8 +240,7 @@ struct Args {
     const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float* lse2;     // [B][Hq][Lq]
-    const float* delta;    // [B][Hq][Nq_pad], 0 on padded rows
+    const float2* stats;   // [B][Hq][Nq_pad] (LSE2, δ); (+inf, 0) on padded rows
     float* dq_acc;         // [B][Hq][Nq_pad][DP], zeroed
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
@@ -239,15 +249,20 @@ struct Args {
     int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (128 registers without
+// spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and MMA
+// chains. The other variants need more registers than two CTAs leave.
+constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const float* q_mean_, const i8* k8_,
                    const i8* k8t_, const float* k_scale_, const float* bias_, const u16* v_, const u16* dout_,
-                   const i8* dot8_, const float* do_scale_, const float* lse2_, const float* delta_, float* dq_acc_,
+                   const i8* dot8_, const float* do_scale_, const float2* stats_, float* dq_acc_,
                    int* dq_lock_, u16* dk_, u16* dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh,
                    i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad) {
     SB_REQUIRE_SM80();
-    const Args a = {q8_, q8t_, q_scale_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, lse2_,
-                    delta_, dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
+    const Args a = {q8_, q8t_, q_scale_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,
+                    dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
                     Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad};
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -280,24 +295,33 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     load_tile<BKV, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, DP, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
 
-    auto load_stage = [&](int it) {
-        const int h = hk * group + it / n_i, i = i0 + it % n_i;
+    // Query-side tiles of (query head h, query block i) into stage `slot`.
+    auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
-        const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        const u32 st = base + STAGE0 + slot * STAGE_BYTES;
         load_tile<DP, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, BQ, DP);
         load_tile<BQ, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
         load_tile<BQ, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
-        if (tid < BQ / 4) cp_async_16(st + SDELTA + 16 * tid, a.delta + bhq * a.Nq_pad + i * BQ + 4 * tid);
-        if (tid < BQ) {
-            const int row = i * BQ + tid;
-            reinterpret_cast<float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SLSE)[tid] =
-                row < a.Lq ? a.lse2[bhq * a.Lq + row] : __int_as_float(0x7f800000);
+        if (tid < BQ / 2) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + 2 * tid);
+        if (tid == BQ / 2) cp_async_4(st + SSCALE, a.q_scale + bhq * n_qb + i);
+        if (tid == BQ / 2 + 1) cp_async_4(st + SSCALE + 4, a.do_scale + bhq * n_qb + i);
+    };
+    // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
+    const int h_first = hk * group;
+    int h = h_first, i = i0, nh = h_first, ni = i0;
+    auto advance = [&](int& hh, int& ii) {
+        if (++ii == i0 + n_i) {
+            ii = i0;
+            ++hh;
         }
     };
 
-    if (n_it > 0) load_stage(0);
+    if (n_it > 0) {
+        load_stage(nh, ni, 0);
+        advance(nh, ni);
+    }
     cp_async_commit();
 
     const float s_k = a.k_scale[bhk * (a.Nk_pad / BKV) + j];
@@ -316,19 +340,20 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
 
-    for (int it = 0; it < n_it; ++it) {
-        const int h = hk * group + it / n_i, i = i0 + it % n_i;
+    for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         cp_async_wait<0>();
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
-        if (SB_STAGES > 1 && it + 1 < n_it) load_stage(it + 1);
+        if (SB_STAGES > 1 && it + 1 < n_it) {
+            load_stage(nh, ni, (it + 1) % SB_STAGES);
+            advance(nh, ni);
+        }
         cp_async_commit();
 
         const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
-        const float* lse_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SLSE);
-        const float* delta_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SDELTA);
-        const float s_q = a.q_scale[bhq * n_qb + i];
-        const float s_do = a.do_scale[bhq * n_qb + i];
+        const float2* stats_s = reinterpret_cast<const float2*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS);
+        const float* scale_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSCALE);
+        const float s_q = scale_s[0], s_do = scale_s[1];
         const int q0 = i * BQ;
         const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
 
@@ -363,7 +388,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = qcol0 + n * 8 + 2 * t + c;
-                    const float lse = lse_s[col];
+                    const float lse = stats_s[col].x;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int key = key_lo + 8 * half, q = q0 + col;
@@ -441,7 +466,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float dl = delta_s[qcol0 + n * 8 + 2 * t + c];
+                const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].y;
                 ds[n][c] = p[n][c] * (ds[n][c] - dl);
                 ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
             }
@@ -493,27 +518,37 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
-        // dŜ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper).
+        // dŜ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
+        // warp's 32 columns are spread one per lane (lane g·4+t takes column (g/2)·8 + 2t + g%2, one
+        // ψ each) and each thread gathers the inverse scales of its 8 columns by shuffles.
+        {
+            float inv_col[NT_Q][2];
+            if (SB_FINE) {
+                const int col = qcol0 + (g >> 1) * 8 + 2 * t + (g & 1);
+                float m = red[RED_DSQ + col];
 #pragma unroll
-        for (int n = 0; n < NT_Q; ++n)
+                for (int w = 1; w < KEY_GROUPS; ++w) m = fmaxf(m, red[RED_DSQ + w * BQ + col]);
+                const Psi ps = psi(m);
+                if (kw == 0) qscale_s[col] = ps.scale;
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int col = qcol0 + n * 8 + 2 * t + c;
-                float inv;
-                if (SB_FINE) {
-                    float m = red[RED_DSQ + col];
+                for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
-                    for (int w = 1; w < KEY_GROUPS; ++w) m = fmaxf(m, red[RED_DSQ + w * BQ + col]);
-                    const Psi ps = psi(m);
-                    if (kw == 0 && g == 0) qscale_s[col] = ps.scale;
-                    inv = ps.inv;
-                } else {
-                    inv = dk_psi[0].inv;
-                }
+                    for (int c = 0; c < 2; ++c) inv_col[n][c] = __shfl_sync(0xffffffffu, ps.inv, (2 * n + c) * 4 + t);
+            } else {
 #pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    ds_tile[col * DS_PITCH + krow + 8 * half] = static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
+                for (int n = 0; n < NT_Q; ++n) inv_col[n][0] = inv_col[n][1] = dk_psi[0].inv;
             }
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = qcol0 + n * 8 + 2 * t + c;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        ds_tile[col * DS_PITCH + krow + 8 * half] =
+                            static_cast<i8>(quant_byte(ds[n][2 * half + c], inv_col[n][c]) & 0xffu);
+                }
+        }
 
         // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS (this warp's half of it).
         float rs[2] = {0.f, 0.f};
@@ -582,7 +617,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             } else {
                 fq[0] = fq[1] = dk_psi[0].scale * s_k;  // the tile's dS scale
             }
-            float* dq_rows = a.dq_acc + (bhq * a.Nq_pad + q0) * DP;
+            // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
+            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -596,18 +632,11 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                     mma_s8_16832(pq[1], da[kk], b1);
                 }
 #pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    const int col = (nd + x) * 8 + 2 * t;
-                    if (col >= a.D) continue;
+                for (int x = 0; x < 2; ++x)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int r = r_lo + 8 * half;
-                        if (q0 + r >= a.Lq) continue;
-                        float* dst = dq_rows + r * DP + col;
-                        atomicAdd(dst, static_cast<float>(pq[x][2 * half]) * fq[half]);
-                        atomicAdd(dst + 1, static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
-                    }
-                }
+                    for (int half = 0; half < 2; ++half)
+                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
+                                 static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
         }
         if (SB_DETERMINISTIC) {
@@ -617,7 +646,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         }
         if (SB_STAGES == 1 && it + 1 < n_it) {
             __syncthreads();  // the single stage is free
-            load_stage(it + 1);
+            load_stage(nh, ni, 0);
+            advance(nh, ni);
         }
         cp_async_commit();
     }

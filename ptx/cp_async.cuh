@@ -7,6 +7,11 @@ SB_DEVICE void cp_async_16(u32 dst, const void* src, int src_bytes = 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// cp.async.ca.shared.global 4 bytes (a scalar such as a block's scale).
+SB_DEVICE void cp_async_4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
 SB_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // cp.async.wait_group N: wait until at most N committed groups are still in flight.

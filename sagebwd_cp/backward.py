@@ -1,5 +1,5 @@
 """The backward on the GPU: re-derive Q̂, K̂ (deterministic, so identical to the forward's), quantize
-dO, compute δ, run the key-block-owned kernel, convert dQ."""
+dO, gather (LSE2, δ) per query row, run the key-block-owned kernel, convert dQ."""
 from __future__ import annotations
 
 from . import numerics, specs
@@ -41,12 +41,12 @@ def backward_gpu(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: Ar
     nq, nk = qz.nq_pad, qz.nk_pad
     dot8, do_scale = quantize_grad_output_gpu(prob, do, stream)
 
-    delta = empty((B, Hq, nq), "float32", prob.q)
+    stats = empty((B, Hq, nq, 2), "float32", prob.q)  # (LSE2, δ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    launch(rows, "delta_rows", dev, stream, (nq // 8, Hq, B), (256, 1, 1),
-           [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), i32(Hq), i32(Lq), i32(D),
-            i32(nq), ptr(delta)])
+    launch(rows, "row_stats", dev, stream, (nq // 8, Hq, B), (256, 1, 1),
+           [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), i32(Hq), i32(Lq),
+            i32(D), i32(nq), ptr(stats)])
 
     dq_acc = empty((B, Hq, nq, dp), "float32", prob.q)
     memset_async(dq_acc, B * Hq * nq * dp * 4, dev, stream)
@@ -70,7 +70,7 @@ def backward_gpu(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: Ar
     launch(spec, "attention_backward", dev, stream, ((Lk + numerics.BLOCK_KV - 1) // numerics.BLOCK_KV, Hk, B),
            (tiles.threads, 1, 1),
            [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_scale), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale),
-            ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(dot8), ptr(do_scale), ptr(lse2), ptr(delta), ptr(dq_acc),
+            ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(dot8), ptr(do_scale), ptr(stats), ptr(dq_acc),
             ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn), i64(kb), i64(kh),
             i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D), i32(nq), i32(nk)],
            shared=tiles.shared_bytes(dp))

@@ -73,7 +73,7 @@ def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTi
 
 
 def backward_rows_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"backward_rows.{dtype}", "backward_rows.cu", ["delta_rows", "dq_convert", "pack_rows"],
+    return make_spec(f"backward_rows.{dtype}", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"],
                      SB_BF16=int(dtype == "bfloat16"))
 
 
@@ -83,9 +83,10 @@ class BackwardTiles:
     threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
 
     def shared_bytes(self, dp: int) -> int:
-        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, LSE2, δ per stage; dŜ, maxima, scales.
+        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ) rows and the Q̂, dÔ scales
+        # per stage; dŜ.
         # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
-        return 256 * dp + self.stages * (320 * dp + 512) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 16) + 4 * 64 + 2 * 8 * 32 * 16
+        return 256 * dp + self.stages * (320 * dp + 640) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 16) + 4 * 64 + 2 * 8 * 32 * 16
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:
