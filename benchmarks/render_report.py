@@ -1,0 +1,526 @@
+"""Render a results/<device>/ folder: speed.md, accuracy.md, memory.md and the speed charts from the
+JSON files the measuring scripts wrote, and the headline block of README.md (between
+``<!-- headline:start -->`` and ``<!-- headline:end -->``).  Runs anywhere: it needs neither a GPU
+nor torch, and without matplotlib it skips the charts with a message.
+
+    python benchmarks/render_report.py [benchmarks/results/NVIDIA_H200] [--no-readme] [--no-charts]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402
+
+README = os.path.join(report.ROOT, "README.md")
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+IMPL_ORDER = ("sagebwd", "sagebwd[fine]", "sagebwd[paper]", "sageattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+SHORT = {"sagebwd": "ours", "sagebwd[fine]": "ours fine", "sagebwd[paper]": "ours paper", "sageattn": "sageattn",
+         "sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "mem-eff"}
+LONG = {"sagebwd": "SageBwd (ours)", "sagebwd[fine]": "SageBwd fine (ours)", "sagebwd[paper]": "SageBwd paper (ours)",
+        "sageattn": "SageAttention 1.0.6 (Triton)", "sdpa-flash": "FlashAttention2 (SDPA)",
+        "sdpa-cudnn": "cuDNN (SDPA)", "sdpa-efficient": "memory-efficient (SDPA)"}
+COLORS = {"sagebwd": "#d62728", "sagebwd[fine]": "#d62728", "sagebwd[paper]": "#ff9896", "sageattn": "#9467bd",
+          "sdpa-flash": "#1f77b4", "sdpa-cudnn": "#2ca02c", "sdpa-efficient": "#7f7f7f"}
+RATIO_PEERS = ("sdpa-flash", "sdpa-cudnn", "sageattn")
+PASS_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+HEADLINE = {"seqlen": 16384, "head_dim": 128, "causal": False, "dtype": "float16"}
+
+
+def is_ours(impl: str) -> bool:
+    return impl.startswith("sagebwd")
+
+
+def mode_of(impl: str) -> str:
+    """"fine" of "sagebwd[fine]"; the impl itself when it has no mode."""
+    return impl[impl.index("[") + 1:-1] if impl.endswith("]") and "[" in impl else impl
+
+
+def _order(impls) -> list:
+    return sorted(set(impls), key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
+
+
+def _dtypes(names) -> list:
+    """float16 before bfloat16 (the paper's and the headline's dtype first)."""
+    return sorted(set(names), key=lambda n: (n != "float16", n))
+
+
+def seqlen_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def load(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_speed_records(data: dict) -> None:
+    """Raise ValueError if a speed record lacks a required key."""
+    for i, rec in enumerate(data.get("records", [])):
+        missing = [k for k in report.SPEED_RECORD_KEYS if k not in rec]
+        if missing:
+            raise ValueError(f"speed record {i} lacks {missing}: {rec}")
+
+
+def _meta_line(meta: dict) -> str:
+    v = meta.get("versions", {})
+    parts = [f"{meta.get('device', '?')}", f"measured {meta.get('date', '?')}"]
+    if meta.get("commit"):
+        parts.append(f"commit {meta['commit']}")
+    parts += [f"{name} {v[name]}" for name in ("sagebwd_cp", "torch", "cupy", "sageattention") if v.get(name)]
+    return ", ".join(parts) + "."
+
+
+def _fmt(x, spec=".0f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+# ---------------------------------------------------------------------------------------------- speed
+
+def speed_index(data: dict) -> dict:
+    """{(pass, dtype, head_dim, causal, seqlen, impl): tflops}"""
+    return {(r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"], r["impl"]): r["tflops"]
+            for r in data.get("records", [])}
+
+
+def speed_markdown(data: dict, charts=()) -> str:
+    check_speed_records(data)
+    meta = data.get("metadata", {})
+    ceil = meta.get("ceilings", {})
+    i8, f16 = ceil.get("int8_mma_tops"), ceil.get("fp16_mma_tflops")
+    idx = speed_index(data)
+    recs = data.get("records", [])
+    out = [f"# Attention speed, {meta.get('device', '?')}", "", _meta_line(meta), "",
+           "16K tokens per batch (batch = max(1, 16384 / N)), hidden 2048 (heads = 2048 / head dim), HND layout. "
+           "TOPS = FLOPs / time with the forward at 4·B·H·N²·d (half when causal), the backward 2.5x and "
+           "forward+backward 3.5x that. Our backward includes its quantization and pre/postprocessing; "
+           "\"fine\" and \"paper\" are its two scale granularities. Ratios are ours / peer, measured side by side."]
+    if i8 and f16:
+        out.append(f"Ceilings measured in the same run: INT8 mma.sync {i8:.0f} TOPS, 16-bit mma.sync {f16:.0f} TFLOPS; "
+                   "\"% INT8\" is ours against the first, \"FA2 % 16-bit\" FlashAttention2 against the second "
+                   "(cuDNN uses Hopper's wgmma and can pass the mma.sync ceiling).")
+    for pass_ in PASS_TITLE:
+        for dtype in _dtypes(r["dtype"] for r in recs if r["pass"] == pass_):
+            group = [r for r in recs if r["pass"] == pass_ and r["dtype"] == dtype]
+            impls = _order(r["impl"] for r in group)
+            ours = [i for i in impls if is_ours(i)]
+            peers = [p for p in RATIO_PEERS if p in impls]
+            head = ["d", "causal", "N"] + [SHORT.get(i, i) for i in impls] + [f"×{SHORT[p]}" for p in peers]
+            head += ["% INT8"] if i8 and ours else []
+            head += ["FA2 % 16-bit"] if f16 and "sdpa-flash" in impls else []
+            out += ["", f"## {PASS_TITLE[pass_]}, {dtype} (TOPS)", ""]
+            if len(ours) > 1:
+                out.append(f"Ratio and % columns list {' / '.join(SHORT[o] for o in ours)}.")
+                out.append("")
+            out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for d, causal, n in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in group}):
+                t = {i: idx.get((pass_, dtype, d, causal, n, i)) for i in impls}
+                row = [str(d), "yes" if causal else "no", seqlen_label(n)] + [_fmt(t[i]) for i in impls]
+                for p in peers:
+                    row.append(" / ".join("–" if t[o] is None or not t[p] else f"{t[o] / t[p]:.2f}" for o in ours))
+                if i8 and ours:
+                    row.append(" / ".join("–" if t[o] is None else f"{100 * t[o] / i8:.1f}" for o in ours))
+                if f16 and "sdpa-flash" in impls:
+                    row.append(_fmt(None if t["sdpa-flash"] is None else 100 * t["sdpa-flash"] / f16, ".1f"))
+                out.append("| " + " | ".join(row) + " |")
+            chart = chart_name(pass_, dtype)
+            if chart in charts:
+                out += ["", f"![{PASS_TITLE[pass_]}, {dtype}]({chart})"]
+    skipped = data.get("skipped", [])
+    if skipped:
+        out += ["", "## Skipped", ""]
+        groups = {}
+        for s in skipped:
+            groups.setdefault((s["impl"], s["pass"], s["reason"]), []).append(s)
+        for (impl, pass_, reason), items in sorted(groups.items()):
+            where = ", ".join(sorted({f"{s['dtype']} d={s['head_dim']} {'c' if s['causal'] else 'nc'} "
+                                      f"N={seqlen_label(s['seqlen'])}" for s in items}))
+            out.append(f"- {impl} {pass_}: {reason} ({where})")
+    return "\n".join(out) + "\n"
+
+
+def chart_name(pass_: str, dtype: str) -> str:
+    return f"speed_{pass_}_{dtype}.png"
+
+
+def speed_charts(data: dict, outdir: str) -> list:
+    """One PNG per (pass, dtype): a panel per (head dim, causal), bars per impl grouped by N."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no charts", file=sys.stderr)
+        return []
+    recs = data.get("records", [])
+    device = data.get("metadata", {}).get("device", "")
+    idx = speed_index(data)
+    written = []
+    for pass_ in PASS_TITLE:
+        for dtype in _dtypes(r["dtype"] for r in recs if r["pass"] == pass_):
+            group = [r for r in recs if r["pass"] == pass_ and r["dtype"] == dtype]
+            impls = _order(r["impl"] for r in group)
+            dims = sorted({r["head_dim"] for r in group})
+            causals = sorted({r["causal"] for r in group})
+            seqlens = sorted({r["seqlen"] for r in group})
+            fig, axes = plt.subplots(len(dims), len(causals), figsize=(6.4 * len(causals), 3.4 * len(dims)),
+                                     squeeze=False)
+            width = 0.84 / len(impls)
+            for a, d in enumerate(dims):
+                for c, causal in enumerate(causals):
+                    ax = axes[a][c]
+                    top = 0.0
+                    for j, impl in enumerate(impls):
+                        pts = [(x, idx[pass_, dtype, d, causal, n, impl]) for x, n in enumerate(seqlens)
+                               if (pass_, dtype, d, causal, n, impl) in idx]
+                        if not pts:
+                            continue
+                        xs = [x + (j - (len(impls) - 1) / 2) * width for x, _ in pts]
+                        ys = [y for _, y in pts]
+                        top = max(top, max(ys))
+                        bars = ax.bar(xs, ys, width, label=LONG.get(impl, impl), color=COLORS.get(impl),
+                                      edgecolor="black", linewidth=0.3)
+                        ax.bar_label(bars, fmt="%.0f", fontsize=5.5, rotation=90, padding=1.5)
+                    ax.set_xticks(range(len(seqlens)), [seqlen_label(n) for n in seqlens])
+                    ax.set_ylim(0, top * 1.22 if top else 1)
+                    ax.set_xlabel("sequence length")
+                    ax.set_ylabel("TOPS")
+                    ax.set_title(f"head dim {d}, {'causal' if causal else 'non-causal'}", fontsize=10)
+                    ax.grid(axis="y", alpha=0.3)
+                    ax.set_axisbelow(True)
+            handles, labels = [], []
+            for ax in axes.flat:
+                for h, lab in zip(*ax.get_legend_handles_labels()):
+                    if lab not in labels:
+                        handles.append(h)
+                        labels.append(lab)
+            # Title and legend in a band above the panels, sized in inches so any grid looks the same.
+            height = fig.get_figheight()
+            band = (0.75 + 0.2 * ((len(labels) - 1) // 5)) / height
+            fig.tight_layout(rect=(0, 0, 1, 1 - band))
+            fig.suptitle(f"{device}: {PASS_TITLE[pass_]}, {dtype}", y=1 - 0.08 / height, va="top")
+            fig.legend(handles, labels, loc="upper center", ncol=min(5, len(labels)), fontsize=8, frameon=False,
+                       bbox_to_anchor=(0.5, 1 - 0.38 / height))
+            path = os.path.join(outdir, chart_name(pass_, dtype))
+            fig.savefig(path, dpi=130, bbox_inches="tight")
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------- accuracy
+
+TENSOR_LABEL = {"delta": "δ", "P": "P", "P_hat": "P̂ (as dV reads it)", "dS": "dS",
+                "dS_hat_q": "dŜ (as dQ reads it)", "dS_hat_k": "dŜ (as dK reads it)",
+                "O": "O", "dQ": "dQ", "dK": "dK", "dV": "dV"}
+GRADS = ("O", "dQ", "dK", "dV")
+
+
+def _cell(rec) -> str:
+    return "–" if rec is None else f"{rec['cos']:.5f} / {rec['rel_l2']:.4f}"
+
+
+def _shape_key(r) -> tuple:
+    return (r["head_dim"], r["seqlen"], r["batch"], r["heads"], r["dtype"], r["causal"])
+
+
+def _shape_text(key) -> str:
+    d, n, b, h, dtype, causal = key
+    return f"B={b}, H={h}, N={n}, d={d}, {dtype}, {'causal' if causal else 'non-causal'}"
+
+
+def _granularities(recs) -> list:
+    return [g for g in ("fine", "paper") if any(r.get("granularity") == g for r in recs)]
+
+
+def sigma_rows(recs, key, gran) -> dict:
+    """{sigma: {tensor: record}} of one σ-sweep shape and granularity (O has no granularity)."""
+    rows = {}
+    for r in recs:
+        if r["table"] == "sigma" and _shape_key(r) == key and r.get("granularity") in (gran, None):
+            rows.setdefault(r["sigma"], {})[r["tensor"]] = r
+    return rows
+
+
+def accuracy_markdown(data: dict) -> str:
+    meta = data.get("metadata", {})
+    recs = data.get("records", [])
+    src = meta.get("sources", {})
+    out = [f"# Accuracy, {meta.get('device', '?')}", "", _meta_line(meta), "",
+           "CosSim / Rel-L2 against exact FP64 attention and gradients of the same 16-bit inputs"
+           + (f" ({src['reference']})" if src.get("reference") else "") + ". Rel-L2 = ‖x − x_ref‖ / ‖x_ref‖."]
+    sig = [r for r in recs if r["table"] == "sigma"]
+    if sig:
+        out += ["", "## σ sweep (SB26 Table 1 setting)", "",
+                f"q, k ~ N(0, σ²), v and dO ~ N(0, 1); computed by {src.get('sigma', '?')}. The last column is our "
+                "Rel-L2 over the published one (below 1: more accurate than SB26)."]
+        for key in sorted({_shape_key(r) for r in sig}):
+            for gran in _granularities([r for r in sig if _shape_key(r) == key]):
+                rows = sigma_rows(sig, key, gran)
+                out += ["", f"### {_shape_text(key)}, granularity \"{gran}\"", "",
+                        "| σ | O | dQ | dK | dV | Rel-L2 ÷ SB26 (O / dQ / dK / dV) |", "|---|---|---|---|---|---|"]
+                for sigma in sorted(rows):
+                    pub = report.SB26_TABLE1.get(sigma)
+                    ratios = " / ".join("–" if pub is None or t not in rows[sigma] else
+                                        f"{rows[sigma][t]['rel_l2'] / pub[t][1]:.2f}" for t in GRADS)
+                    out.append(f"| {sigma:g} | " + " | ".join(_cell(rows[sigma].get(t)) for t in GRADS)
+                               + f" | {ratios} |")
+        out += ["", "### SB26 Table 1 (published)", "", "| σ | O | dQ | dK | dV |", "|---|---|---|---|---|"]
+        for sigma, row in sorted(report.SB26_TABLE1.items()):
+            out.append(f"| {sigma} | " + " | ".join(f"{row[t][0]:.4f} / {row[t][1]:.4f}" for t in GRADS) + " |")
+    inter = [r for r in recs if r["table"] == "intermediates"]
+    if inter:
+        grans = _granularities(inter)
+        bias = meta.get("inputs", {}).get("bias", {})
+        out += ["", "## Intermediate tensors (SB26 Table 2 setting)", "",
+                f"From the NumPy emulator of the kernels' quantization (the kernels do not expose δ, P, dS), "
+                f"{_shape_text(_shape_key(inter[0]))}, on inputs with a strong K channel bias: "
+                f"{bias.get('description', '')}. P̂ and dŜ are the dequantized 8-bit values the INT8 products "
+                "read. SB26's numbers come from one layer of a real model, not these inputs: a guide to the "
+                "ordering of the errors, not a target.", "",
+                "| tensor | " + " | ".join(f"{g}" for g in grans) + " | SB26 Table 2 |",
+                "|" + "---|" * (len(grans) + 2)]
+        for tensor in TENSOR_LABEL:
+            cells = []
+            for g in grans:
+                hit = [r for r in inter if r["tensor"] == tensor and r.get("granularity") in (g, None)]
+                cells.append(_cell(hit[0]) if hit else "–")
+            if all(c == "–" for c in cells):
+                continue
+            pub = report.SB26_TABLE2.get(tensor)
+            out.append(f"| {TENSOR_LABEL[tensor]} | " + " | ".join(cells) + " | "
+                       + ("–" if pub is None else f"{pub[0]:.4f} / {pub[1]:.4f}") + " |")
+    smooth = [r for r in recs if r["table"] == "smoothing"]
+    if smooth:
+        out += ["", "## Smoothing ablation", "",
+                f"The strong-K-bias inputs above ({_shape_text(_shape_key(smooth[0]))}), computed by "
+                f"{src.get('smoothing', '?')}: no smoothing (smooth_k=False), K-smoothing (the default) and "
+                "Q+K-smoothing (smooth_q=True).", "",
+                "| smoothing | granularity | O | dQ | dK | dV |", "|---|---|---|---|---|---|"]
+        for variant in [v for v in ("none", "K", "Q+K") if any(r["smoothing"] == v for r in smooth)]:
+            for g in _granularities(smooth):
+                cells = []
+                for t in GRADS:
+                    hit = [r for r in smooth if r["smoothing"] == variant and r["tensor"] == t
+                           and r.get("granularity") in (g, None)]
+                    cells.append(_cell(hit[0]) if hit else "–")
+                out.append(f"| {variant} | {g} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+CATEGORIES = ("quantization", "attention", "prepost", "memset", "other")
+CATEGORY_TITLE = {"quantization": "quantization", "attention": "attention kernels", "prepost": "pre/post",
+                  "memset": "memset", "other": "other"}
+
+
+def memory_markdown(data: dict) -> str:
+    meta = data.get("metadata", {})
+    out = [f"# Memory and time shares, {meta.get('device', '?')}", "", _meta_line(meta)]
+    peak = data.get("peak", [])
+    if peak:
+        impls = _order(r["impl"] for r in peak)
+        ours = [i for i in impls if is_ours(i)]
+        peers = [p for p in ("sdpa-flash", "sdpa-cudnn") if p in impls]
+        out += ["", "## Peak memory of one forward+backward (MiB)", "",
+                "torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus what was allocated "
+                "before the call (q, k, v, dO: the \"inputs\" column). Our workspaces come from torch's caching "
+                "allocator for torch inputs; \"CuPy pool\" checks that CuPy's own pool stayed unused.", "",
+                "| d | N | B×H | dtype | causal | inputs | " + " | ".join(SHORT.get(i, i) for i in impls)
+                + "".join(f" | {SHORT[o]} ÷ {SHORT[p]}" for o in ours for p in peers) + " | CuPy pool |",
+                "|" + "---|" * (7 + len(impls) + len(ours) * len(peers))]
+        keys = sorted({(r["head_dim"], r["seqlen"], r["batch"], r["heads"], r["dtype"], r["causal"]) for r in peak})
+        for d, n, b, h, dtype, causal in keys:
+            rows = {r["impl"]: r for r in peak if (r["head_dim"], r["seqlen"], r["batch"], r["heads"], r["dtype"],
+                                                   r["causal"]) == (d, n, b, h, dtype, causal)}
+            any_row = next(iter(rows.values()))
+            cells = [str(d), seqlen_label(n), f"{b}×{h}", dtype, "yes" if causal else "no",
+                     f"{any_row['inputs_mib']:.0f}"]
+            cells += [_fmt(rows[i]["peak_mib"] if i in rows else None) for i in impls]
+            for o in ours:
+                for p in peers:
+                    cells.append("–" if o not in rows or p not in rows else
+                                 f"{rows[o]['peak_mib'] / rows[p]['peak_mib']:.2f}")
+            pools = [r.get("cupy_pool_mib") for r in rows.values() if is_ours(r["impl"])]
+            cells.append(_fmt(max(pools) if pools and None not in pools else None, ".0f"))
+            out.append("| " + " | ".join(cells) + " |")
+    prof = data.get("profile", [])
+    if prof:
+        cats = meta.get("kernel_categories", {})
+        names = "; ".join(f"{CATEGORY_TITLE[c]}: {', '.join(cats[c])}" for c in CATEGORIES if cats.get(c))
+        out += ["", "## Where our time goes (torch.profiler, GPU kernel time per call)", "",
+                (names + "; " if names else "") + "memset: zeroed workspaces; other: any other GPU work. Shares are "
+                "of the summed kernel time; \"outside kernels\" is wall time (CUDA events, no profiler) minus "
+                "that sum: launch gaps and host work the GPU waits on.", "",
+                "| call | d | N | causal | wall ms | kernels ms | " + " | ".join(CATEGORY_TITLE[c] for c in CATEGORIES)
+                + " | outside kernels ms | largest kernels (ms) |",
+                "|" + "---|" * (8 + len(CATEGORIES))]
+        order = list(PASS_TITLE)
+        for r in sorted(prof, key=lambda r: (order.index(r["pass"]) if r["pass"] in order else len(order), r["impl"],
+                                             r["head_dim"], r["seqlen"], r["causal"])):
+            total = r["kernel_ms"] or 1.0
+            shares = [f"{100 * r['categories'].get(c, 0.0) / total:.1f}%" for c in CATEGORIES]
+            top = sorted(r["kernels"].items(), key=lambda kv: -kv[1])[:4]
+            out.append(f"| {r['impl']} {r['pass']} | {r['head_dim']} | {seqlen_label(r['seqlen'])} | "
+                       f"{'yes' if r['causal'] else 'no'} | {r['wall_ms']:.2f} | {r['kernel_ms']:.2f} | "
+                       + " | ".join(shares) + f" | {r['wall_ms'] - r['kernel_ms']:.2f} | "
+                       + ", ".join(f"{k} {v:.2f}" for k, v in top) + " |")
+    skipped = data.get("skipped", [])
+    if skipped:
+        out += ["", "Skipped: " + "; ".join(f"{s['impl']} d={s['head_dim']}: {s['reason']}" for s in skipped)]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- headline
+
+def _pick_headline_shape(records):
+    """(head_dim, causal, dtype, seqlen) for the headline: HEADLINE where measured, else the nearest
+    shape (larger head dim, non-causal, fp16, N = 16K or the longest)."""
+    shapes = {(r["head_dim"], r.get("causal", False), r["dtype"], r["seqlen"]) for r in records}
+    if not shapes:
+        return None
+    h = HEADLINE
+
+    def rank(shape):
+        d, causal, dtype, n = shape
+        return (d != h["head_dim"], -d, causal != h["causal"], dtype != h["dtype"], n != h["seqlen"], -n)
+
+    return min(shapes, key=rank)
+
+
+def headline(speed, accuracy, memory, results_link: str) -> str:
+    """The README block: a few numbers from the JSON files, with links to the full tables."""
+    lines = []
+    device = next((x["metadata"].get("device") for x in (speed, accuracy, memory) if x), "?")
+    if speed:
+        shape = _pick_headline_shape(speed.get("records", []))
+        if shape is not None:
+            d, causal, dtype, n = shape
+            idx = speed_index(speed)
+            date = speed["metadata"].get("date", "?")[:10]
+            lines += [f"Measured on {device} ({date}), N = {seqlen_label(n)}, head dim {d}, "
+                      f"{'causal' if causal else 'non-causal'}, {dtype}; TOPS and ours / peer:", "",
+                      "| pass | ours (TOPS) | × FA2 | × cuDNN |", "|---|---|---|---|"]
+            for pass_ in PASS_TITLE:
+                ours = [i for i in _order(r["impl"] for r in speed["records"] if r["pass"] == pass_) if is_ours(i)]
+                vals = {i: idx.get((pass_, dtype, d, causal, n, i)) for i in ours}
+                ours = [i for i in ours if vals[i] is not None]
+                if not ours:
+                    continue
+                label = PASS_TITLE[pass_] + (f" ({' / '.join(mode_of(i) for i in ours)})" if len(ours) > 1 else "")
+
+                def ratio(peer):
+                    p = idx.get((pass_, dtype, d, causal, n, peer))
+                    return " / ".join(f"{vals[i] / p:.2f}" for i in ours) if p else "–"
+
+                lines.append(f"| {label} | {' / '.join(f'{vals[i]:.0f}' for i in ours)} | {ratio('sdpa-flash')} | "
+                             f"{ratio('sdpa-cudnn')} |")
+            lines.append("")
+    if accuracy:
+        sig = [r for r in accuracy.get("records", []) if r["table"] == "sigma"]
+        keys = sorted({_shape_key(r) for r in sig})
+        if keys:
+            key = keys[0]
+            gran = "fine" if "fine" in _granularities(sig) else (_granularities(sig) or [None])[0]
+            row = sigma_rows(sig, key, gran).get(1)
+            if row:
+                pub = report.SB26_TABLE1[1]
+                lines.append(f"Accuracy at σ = 1 ({_shape_text(key)}, granularity \"{gran}\"), Rel-L2 against FP64: "
+                             + ", ".join(f"{t} {row[t]['rel_l2']:.4f}" for t in GRADS if t in row)
+                             + " (SB26 Table 1: " + ", ".join(f"{pub[t][1]:.4f}" for t in GRADS) + ").")
+                lines.append("")
+    if memory:
+        peak = memory.get("peak", [])
+        shape = _pick_headline_shape(peak)
+        rows = {r["impl"]: r["peak_mib"] for r in peak
+                if shape and (r["head_dim"], r["causal"], r["dtype"], r["seqlen"]) == shape}
+        ours = [i for i in _order(rows) if is_ours(i)]
+        if ours:
+            peers = ", ".join(f"{SHORT[p]} {rows[p]:.0f}" for p in ("sdpa-flash", "sdpa-cudnn") if p in rows)
+            lines.append(f"Peak memory of one forward+backward at N = {seqlen_label(shape[3])}, head dim "
+                         f"{shape[0]}: ours {rows[ours[0]]:.0f} MiB" + (f" ({peers})" if peers else "") + ".")
+            lines.append("")
+    if not lines:
+        return "No benchmark results rendered yet (benchmarks/README.md says how)."
+    names = [("speed", speed), ("accuracy", accuracy), ("memory", memory)]
+    lines.append("Full tables and charts: " + ", ".join(f"[{name}]({results_link}/{name}.md)"
+                                                        for name, x in names if x) + ".")
+    return "\n".join(lines)
+
+
+def update_readme(path: str, block: str) -> None:
+    """Replace what lies between the headline markers, and nothing else."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < 0 or end < start:
+        raise ValueError(f"{path}: no {START} ... {END} block")
+    new = text[:start + len(START)] + "\n" + block.strip("\n") + "\n" + text[end:]
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+
+
+# ---------------------------------------------------------------------------------------------- all
+
+def render(results_dir: str, readme: str | None = README, charts: bool = True) -> list:
+    """Write the Markdown files (and charts) of one results/<device> folder; update ``readme``'s
+    headline block unless it is None.  Returns the paths written."""
+    speed, accuracy, memory = (load(os.path.join(results_dir, f"{n}.json")) for n in ("speed", "accuracy", "memory"))
+    if not (speed or accuracy or memory):
+        raise FileNotFoundError(f"{results_dir}: no speed.json, accuracy.json or memory.json")
+    written = []
+
+    def write(name, text):
+        path = os.path.join(results_dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+
+    if speed:
+        pngs = speed_charts(speed, results_dir) if charts else []
+        written += pngs
+        write("speed.md", speed_markdown(speed, charts=[os.path.basename(p) for p in pngs]))
+    if accuracy:
+        write("accuracy.md", accuracy_markdown(accuracy))
+    if memory:
+        write("memory.md", memory_markdown(memory))
+    if readme is not None:
+        link = os.path.relpath(os.path.abspath(results_dir), os.path.dirname(os.path.abspath(readme)))
+        update_readme(readme, headline(speed, accuracy, memory, link.replace(os.sep, "/")))
+        written.append(readme)
+    for p in written:
+        print(f"wrote {p}", file=sys.stderr)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", help="a results/<device> folder (default: the only one with JSON files)")
+    ap.add_argument("--readme", default=README, help="the README whose headline block to update")
+    ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--no-charts", action="store_true")
+    args = ap.parse_args(argv)
+    target = args.results
+    if target is None:
+        found = sorted({os.path.dirname(p) for n in ("speed", "accuracy", "memory")
+                        for p in glob.glob(os.path.join(report.DEFAULT_RESULTS, "*", f"{n}.json"))})
+        if len(found) != 1:
+            ap.error(f"name a results folder; found {found or 'none'}")
+        target = found[0]
+    render(target, readme=None if args.no_readme else args.readme, charts=not args.no_charts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The benchmark report on the CPU: rendering from synthetic JSON (tables, ratios, the README headline
+block) and a tiny accuracy run through the emulator (``--host``)."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import render_report  # noqa: E402
+import report  # noqa: E402
+import report_speed  # noqa: E402
+
+KEY = dict(dtype="float16", head_dim=128, causal=False, seqlen=16384)
+B, H = report.sweep_shape(16384, 128)
+# TOPS per (pass, impl) at KEY; the ratios below follow from these
+TOPS = {("fwd", "sagebwd"): 150.0, ("fwd", "sdpa-flash"): 300.0, ("fwd", "sdpa-cudnn"): 600.0,
+        ("fwd", "sageattn"): 400.0,
+        ("bwd", "sagebwd[fine]"): 90.0, ("bwd", "sagebwd[paper]"): 120.0, ("bwd", "sdpa-flash"): 300.0,
+        ("bwd", "sdpa-cudnn"): 450.0,
+        ("fwdbwd", "sagebwd[fine]"): 105.0, ("fwdbwd", "sagebwd[paper]"): 140.0, ("fwdbwd", "sdpa-flash"): 350.0,
+        ("fwdbwd", "sdpa-cudnn"): 500.0}
+
+
+def _record(pass_, impl, tops, **over):
+    k = dict(KEY, **over)
+    b, h = report.sweep_shape(k["seqlen"], k["head_dim"])
+    ms = report.flops(pass_, b, h, k["seqlen"], k["head_dim"], k["causal"]) / (tops * 1e12) * 1e3
+    return report_speed.make_record(impl, pass_, k["dtype"], k["head_dim"], k["causal"], k["seqlen"], b, h, ms)
+
+
+def speed_data():
+    recs = [_record(p, i, t) for (p, i), t in TOPS.items()]
+    recs += [_record(p, i, t / 2, seqlen=4096, causal=True) for (p, i), t in TOPS.items()]
+    skipped = [dict(impl="sdpa-efficient", **{"pass": "bwd"}, **KEY, reason="RuntimeError: no kernel")]
+    return {"kind": "speed", "metadata": {"device": "Test GPU", "date": "2026-01-02T03:04:05+00:00",
+                                          "versions": {"sagebwd_cp": "0.1.0"},
+                                          "ceilings": {"int8_mma_tops": 1200.0, "fp16_mma_tflops": 600.0}},
+            "records": recs, "skipped": skipped}
+
+
+def accuracy_data():
+    shape = dict(dtype="float16", batch=1, heads=4, seqlen=1024, head_dim=64, causal=False)
+    recs = [dict(table="sigma", source="gpu", sigma=1, granularity=None, tensor="O", cos=0.99987, rel_l2=0.0159,
+                 **shape)]
+    for gran, rel in (("fine", 0.0197), ("paper", 0.0480)):
+        recs += [dict(table="sigma", source="gpu", sigma=1, granularity=gran, tensor=t, cos=0.9998, rel_l2=rel,
+                      **shape) for t in ("dQ", "dK", "dV")]
+    recs += [dict(table="intermediates", source="emulator", granularity=None, tensor="P", cos=0.9999, rel_l2=0.012,
+                  **shape),
+             dict(table="smoothing", source="gpu", smoothing="none", granularity="fine", tensor="dQ", cos=0.99,
+                  rel_l2=0.11, **shape)]
+    return {"kind": "accuracy", "metadata": {"device": "Test GPU", "sources": {"sigma": "the GPU kernels"}},
+            "records": recs}
+
+
+def memory_data():
+    peak = [dict(impl=i, dtype="float16", head_dim=128, causal=False, seqlen=16384, batch=1, heads=16, peak_mib=m,
+                 inputs_mib=256.0, cupy_pool_mib=0.0)
+            for i, m in (("sagebwd[fine]", 546.0), ("sdpa-flash", 514.0), ("sdpa-cudnn", 387.0))]
+    prof = [dict(impl="sagebwd[fine]", **{"pass": "fwdbwd"}, dtype="float16", head_dim=128, causal=False,
+                 seqlen=16384, batch=1, heads=16, wall_ms=70.0, kernel_ms=68.0,
+                 categories={"quantization": 3.4, "attention": 61.2, "prepost": 2.72, "memset": 0.68},
+                 kernels={"attention_backward": 52.0, "attention_forward": 9.2, "quantize_blocks": 3.0}, launches=12)]
+    return {"kind": "memory", "metadata": {"device": "Test GPU"}, "peak": peak, "profile": prof, "skipped": []}
+
+
+def write_results(tmp_path, parts=("speed", "accuracy", "memory")):
+    target = tmp_path / "results" / report.device_slug("Test GPU")
+    target.mkdir(parents=True)
+    for name, make in (("speed", speed_data), ("accuracy", accuracy_data), ("memory", memory_data)):
+        if name in parts:
+            (target / f"{name}.json").write_text(json.dumps(make()))
+    return target
+
+
+def _row(md: str, start: str) -> str:
+    rows = [line for line in md.splitlines() if line.startswith(start)]
+    assert len(rows) == 1, (start, rows)
+    return rows[0]
+
+
+def test_speed_records_have_the_required_keys_and_tops():
+    rec = report_speed.make_record("sagebwd", "fwd", "float16", 128, False, 16384, 1, 16, 10.0)
+    assert set(report.SPEED_RECORD_KEYS) <= set(rec)
+    assert rec["tflops"] == pytest.approx(4 * 16 * 16384**2 * 128 / 10e-3 / 1e12)
+    causal_bwd = report_speed.make_record("x", "bwd", "float16", 64, True, 4096, 4, 32, 1.0)
+    assert causal_bwd["tflops"] == pytest.approx(2.5 * 4 * 4 * 32 * 4096**2 * 64 / 2 / 1e-3 / 1e12)
+    render_report.check_speed_records(speed_data())
+    bad = speed_data()
+    del bad["records"][0]["tflops"]
+    with pytest.raises(ValueError, match="tflops"):
+        render_report.check_speed_records(bad)
+
+
+def test_sweep_shapes_and_device_folder():
+    assert report.sweep_shape(1024, 64) == (16, 32)
+    assert report.sweep_shape(32768, 128) == (1, 16)
+    assert report.device_slug("NVIDIA H200") == "NVIDIA_H200"
+    calls = []
+    fn = report_speed.alternate(calls.append)
+    for _ in range(4):
+        fn()
+    assert calls == [0, 1, 0, 1]
+
+
+def test_speed_tables_hold_the_right_ratios():
+    md = render_report.speed_markdown(speed_data())
+    fwd = md.split("## forward, float16")[1].split("##")[0]
+    row = _row(fwd, "| 128 | no | 16K |")
+    # ours 150, FA2 300, cuDNN 600, sageattn 400; 150 / 1200 INT8 = 12.5%; FA2 300 / 600 = 50%
+    assert row == "| 128 | no | 16K | 150 | 400 | 300 | 600 | 0.50 | 0.25 | 0.38 | 12.5 | 50.0 |"
+    bwd = md.split("## backward, float16")[1].split("##")[0]
+    row = _row(bwd, "| 128 | no | 16K |")
+    assert "| 90 | 120 | 300 | 450 | 0.30 / 0.40 | 0.20 / 0.27 | 7.5 / 10.0 | 50.0 |" in row
+    fb = md.split("## forward+backward, float16")[1].split("##")[0]
+    assert "0.30 / 0.40 | 0.21 / 0.28" in _row(fb, "| 128 | no | 16K |")
+    assert "| 128 | yes | 4K |" in fb
+    assert "sdpa-efficient bwd: RuntimeError: no kernel" in md
+
+
+def test_accuracy_and_memory_tables():
+    acc = render_report.accuracy_markdown(accuracy_data())
+    fine = acc.split('granularity "fine"')[1].split("###")[0]
+    # O 0.0159 / 0.0160, dQ 0.0197 / 0.0184, dK 0.0197 / 0.0220, dV 0.0197 / 0.0159
+    assert "| 1 | 0.99987 / 0.0159 | 0.99980 / 0.0197 |" in fine
+    assert "0.99 / 1.07 / 0.90 / 1.24 |" in fine
+    assert "| 10 | 0.9933 / 0.1161 |" in acc  # the published table
+    assert "| none | fine | – | 0.99000 / 0.1100 |" in acc
+    mem = render_report.memory_markdown(memory_data())
+    assert "| 128 | 16K | 1×16 | float16 | no | 256 | 546 | 514 | 387 | 1.06 | 1.41 | 0 |" in mem
+    assert "| 70.00 | 68.00 | 5.0% | 90.0% | 4.0% | 1.0% | 0.0% | 2.00 |" in mem
+
+
+README_TEXT = """# Title
+
+Some text that must stay.
+<!-- headline:start -->
+old headline
+<!-- headline:end -->
+Text after, also kept.
+"""
+
+
+def test_readme_headline_is_replaced_between_markers_only(tmp_path):
+    target = write_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    render_report.render(str(target), readme=str(readme), charts=False)
+    text = readme.read_text()
+    head, rest = text.split(render_report.START)
+    block, tail = rest.split(render_report.END)
+    assert head == README_TEXT.split(render_report.START)[0]
+    assert tail == README_TEXT.split(render_report.END)[1]
+    assert "old headline" not in block
+    assert "| forward | 150 | 0.50 | 0.25 |" in block
+    assert "| backward (fine / paper) | 90 / 120 | 0.30 / 0.40 | 0.20 / 0.27 |" in block
+    assert "dQ 0.0197" in block and "0.0184" in block  # ours and SB26 at σ = 1
+    assert "ours 546 MiB (FA2 514, cuDNN 387)" in block
+    assert "(results/Test_GPU/speed.md)" in block
+    for name in ("speed.md", "accuracy.md", "memory.md"):
+        assert (target / name).exists()
+    render_report.render(str(target), readme=str(readme), charts=False)
+    assert readme.read_text() == text  # idempotent
+
+    readme.write_text("no markers here\n")
+    with pytest.raises(ValueError, match="headline"):
+        render_report.render(str(target), readme=str(readme), charts=False)
+    assert readme.read_text() == "no markers here\n"
+
+
+def test_headline_with_only_some_results(tmp_path):
+    target = write_results(tmp_path, parts=("accuracy",))
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    render_report.render(str(target), readme=str(readme), charts=False)
+    block = readme.read_text().split(render_report.START)[1].split(render_report.END)[0]
+    assert "TOPS" not in block and "dQ 0.0197" in block and "[accuracy]" in block and "[speed]" not in block
+
+
+def test_charts(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = write_results(tmp_path, parts=("speed",))
+    written = render_report.render(str(target), readme=None)
+    pngs = sorted(os.path.basename(p) for p in written if p.endswith(".png"))
+    assert pngs == ["speed_bwd_float16.png", "speed_fwd_float16.png", "speed_fwdbwd_float16.png"]
+    assert all((target / p).stat().st_size > 1000 for p in pngs)
+    assert "![forward, float16](speed_fwd_float16.png)" in (target / "speed.md").read_text()
+
+
+def test_host_accuracy_run_on_the_emulator(tmp_path):
+    import report_accuracy
+
+    out = tmp_path / "acc.json"
+    rc = report_accuracy.main(["--host", "--out", str(out), "--configs", "64:64", "--sigmas", "1", "3",
+                               "--heads", "1", "--bias-shape", "64:64"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["metadata"]["device"] == "host-emulator"
+    recs = data["records"]
+    for r in recs:
+        assert math.isfinite(r["cos"]) and math.isfinite(r["rel_l2"]), r
+        assert 0 < r["cos"] <= 1 + 1e-12, r
+        assert "non_finite" not in r
+    sig = {(r["sigma"], r["granularity"], r["tensor"]) for r in recs if r["table"] == "sigma"}
+    assert sig == {(s, None, "O") for s in (1, 3)} | {(s, g, t) for s in (1, 3) for g in ("fine", "paper")
+                                                      for t in ("dQ", "dK", "dV")}
+    assert {r["tensor"] for r in recs if r["table"] == "intermediates"} >= {"delta", "P", "dS", "O", "dQ", "dK", "dV"}
+    assert {r["smoothing"] for r in recs if r["table"] == "smoothing"} == {"none", "K", "Q+K"}
+    assert "host-emulator" in render_report.accuracy_markdown(data)
+
+
+def test_host_accuracy_needs_out():
+    import report_accuracy
+
+    with pytest.raises(SystemExit):
+        report_accuracy.main(["--host"])
