@@ -92,11 +92,16 @@ static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes mus
 // 64 rows of a strided 16-bit array into a swizzled [64][DP] tile; rows >= n_valid and columns
 // >= D are zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
 SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D) {
-    constexpr int CHUNKS = 2 * DP / 16;
-    for (int i = threadIdx.x; i < 64 * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        const bool ok = r < n_valid && c * 8 < D;
-        cp_async_16(smem + swizzled_offset<2 * DP>(r, c), ok ? g + r * row_stride + c * 8 : g, ok ? 16 : 0);
+    constexpr int CHUNKS = 2 * DP / 16, ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && 64 % ROWS_PER_PASS == 0, "passes must cover whole rows");
+    const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+    const u16* src = g + r0 * row_stride + c * 8;
+    const bool col_ok = c * 8 < D;
+#pragma unroll
+    for (int k = 0; k < 64 / ROWS_PER_PASS; ++k) {
+        const int r = r0 + k * ROWS_PER_PASS;
+        const bool ok = col_ok && r < n_valid;
+        cp_async_16(smem + swizzled_offset<2 * DP>(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
     }
 }
 
@@ -149,6 +154,27 @@ SB_DEVICE float quad_max(float v) {
 SB_DEVICE float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Max over the 8 lanes of equal t (lanes t, t+4, ..., t+28) of eight values v[0..7], scattered:
+// lane g (= lane / 4) returns the max of v[g]. Three butterfly steps halve the values each time
+// (7 shuffles instead of 24): at step `bit`, a lane keeps the half of its values whose index has
+// that bit equal to its own and sends the other half to its partner.
+SB_DEVICE float spread_max8(const float (&v)[8], int g) {
+    float w4[4], w2[2];
+    const bool b2 = g & 4, b1 = g & 2, b0 = g & 1;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        const float keep = b2 ? v[4 + x] : v[x], send = b2 ? v[x] : v[4 + x];
+        w4[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16));
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const float keep = b1 ? w4[2 + x] : w4[x], send = b1 ? w4[x] : w4[2 + x];
+        w2[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+    }
+    const float keep = b0 ? w2[1] : w2[0], send = b0 ? w2[0] : w2[1];
+    return fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
 }
 
 SB_DEVICE float warp_max(float v) {
@@ -291,17 +317,17 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
 
     const int kvalid = min(BKV, a.Lk - j * BKV);
-    load_tile<DP, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, BKV, DP);
-    load_tile<BKV, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, DP, a.Nk_pad);
+    load_tile<DP, BKV, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
+    load_tile<BKV, DP, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`.
     auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        load_tile<DP, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, BQ, DP);
-        load_tile<BQ, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
-        load_tile<BQ, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, DP, a.Nq_pad);
+        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
+        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
         if (tid < BQ / 2) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + 2 * tid);
@@ -486,16 +512,13 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 red[RED_DSK + qh * BKV + krow] = ds_row[0];
                 red[RED_DSK + qh * BKV + krow + 8] = ds_row[1];
             }
+            float colmax[2 * NT_Q];  // column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    float m = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-                    if (g == 0) red[RED_DSQ + kw * BQ + qcol0 + n * 8 + 2 * t + c] = m;
-                }
+                for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
+            const float m = spread_max8(colmax, g);
+            red[RED_DSQ + kw * BQ + qcol0 + (g >> 1) * 8 + 2 * t + (g & 1)] = m;
         } else {
             const float m = warp_max(fmaxf(ds_row[0], ds_row[1]));
             if (lane == 0) red[RED_TILE + WARPS + warp] = m;

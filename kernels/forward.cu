@@ -84,10 +84,10 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
-    load_tile<DP, THREADS>(sQ, q8 + (bhq * Nq_pad + q0) * DP, CTA_Q, DP);
+    load_tile<DP, CTA_Q, THREADS>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
     if (n_tiles > 0) {
-        load_tile<DP, THREADS>(sKV, kg, BKV, DP);
-        load_tile<BKV, THREADS>(sKV + K_BYTES, vg, DP, Nk_pad);
+        load_tile<DP, BKV, THREADS>(sKV, kg, DP);
+        load_tile<BKV, DP, THREADS>(sKV + K_BYTES, vg, Nk_pad);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -124,8 +124,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         // at the end of the previous iteration).
         if (j + 1 < n_tiles) {
             const u32 nK = sKV + ((j + 1) & 1) * STAGE_BYTES;
-            load_tile<DP, THREADS>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, BKV, DP);
-            load_tile<BKV, THREADS>(nK + K_BYTES, vg + (j + 1) * BKV, DP, Nk_pad);
+            load_tile<DP, BKV, THREADS>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, DP);
+            load_tile<BKV, DP, THREADS>(nK + K_BYTES, vg + (j + 1) * BKV, Nk_pad);
         }
         cp_async_commit();
 

@@ -16,13 +16,20 @@ SB_DEVICE int swizzled_offset(int row, int chunk) {
     return (line << 7) | ((c ^ (line & 7)) << 4);
 }
 
-// Copy `rows` rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
-// 16 bytes per cp.async, spread over the THREADS threads of the block.
-template <int ROW_BYTES, int THREADS>
-SB_DEVICE void load_tile(u32 smem, const i8* g, int rows, i64 gstride) {
-    constexpr int CHUNKS = ROW_BYTES / 16;
-    for (int i = threadIdx.x; i < rows * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), g + r * gstride + c * 16);
+// Copy ROWS rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
+// 16 bytes per cp.async, spread over the THREADS threads of the block. Every count is a
+// compile-time constant, so the copy unrolls and a thread's addresses advance by constant steps.
+template <int ROW_BYTES, int ROWS, int THREADS>
+SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride) {
+    constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
+    static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+    const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+    const i8* src = g + r0 * gstride + c * 16;
+#pragma unroll
+    for (int k = 0; k < (TOTAL + THREADS - 1) / THREADS; ++k) {
+        const int r = r0 + k * ROWS_PER_PASS;
+        if (TOTAL % THREADS == 0 || r < ROWS)
+            cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), src + k * ROWS_PER_PASS * gstride);
     }
 }
