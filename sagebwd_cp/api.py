@@ -63,12 +63,12 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
-    arrays = (q, k, v) if out is None else (q, k, v, out)
-    sig = _signatures(arrays)
+    options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
+               bool(return_lse))
+    sig = _signatures((q, k, v) if out is None else (q, k, v, out))
     key = None
     if sig is not None:
-        key = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
-               bool(return_lse), sig[1])
+        key = (options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
             return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved)
@@ -79,11 +79,15 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     from .forward import forward_plan
 
     out_desc = check_output(out, prob) if out is not None else None
-    plan = forward_plan(prob, out_desc, training, return_lse)
-    if key is not None:
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc) if d is not None]
+    plan = None
+    if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
+        key = (options, _signatures(descs)[1])
+        plan = cached_plan(key)
+    if plan is None:
+        plan = forward_plan(prob, out_desc, training, return_lse)
         remember_plan(key, plan)
-    ptrs = [d.ptr for d in (prob.q, prob.k, prob.v, out_desc) if d is not None]
-    return _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved)
+    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved)
 
 
 def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
@@ -185,11 +189,12 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
               prob: AttentionProblem | None = None):
     """(dq, dk, dv).  ``prob`` (with ``out`` and ``lse2`` descriptors) comes from a saved forward state;
     without it the arrays are checked here.  CUDA arrays replay a cached plan as in ``run_forward``."""
+    options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
+               bool(deterministic))
     sig = _signatures((q, k, v, out, lse2, do))
     key = None
     if sig is not None:
-        key = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
-               bool(deterministic), sig[1])
+        key = (options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
             return tuple(plan.run(sig[0])[0])
@@ -203,10 +208,15 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
     if prob.on_gpu:
         from .backward import backward_plan
 
-        plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic))
-        if key is not None:
+        descs = (prob.q, prob.k, prob.v, out, lse2, dd)
+        plan = None
+        if key is None:  # arrays without a cheap signature: key the plan by their descriptors
+            key = (options, _signatures(descs)[1])
+            plan = cached_plan(key)
+        if plan is None:
+            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic))
             remember_plan(key, plan)
-        return tuple(plan.run([prob.q.ptr, prob.k.ptr, prob.v.ptr, out.ptr, lse2.ptr, dd.ptr])[0])
+        return tuple(plan.run([d.ptr for d in descs])[0])
     lse2_host = lse2.obj if isinstance(lse2.obj, np.ndarray) else np.from_dlpack(lse2.obj)
     state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
                                     lse2_host, causal=prob.causal, softmax_scale=prob.softmax_scale,

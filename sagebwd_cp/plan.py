@@ -14,6 +14,7 @@ them all.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -103,7 +104,7 @@ class LaunchPlan:
         self.workspace_bytes = workspace_bytes
         self.zero_bytes = zero_bytes
         self.steps = steps
-        self.problem = problem  # the AttentionProblem the plan was built from (its descriptors are stale)
+        self.problem = _detached(problem)  # what the plan was built from (pointers stale, arrays dropped)
         self.read_stream = stream_reader(framework)
         self._lock = threading.Lock()  # the packed arguments are shared: one call at a time packs and launches
 
@@ -149,6 +150,16 @@ class LaunchPlan:
 
         p = describe(workspace, "workspace").ptr
         return _round_up(p, WORKSPACE_ALIGN) - p
+
+
+def _detached(problem):
+    """``problem`` (a dataclass) with its ArrayDescs no longer referring to the caller's arrays: a
+    cached plan must not keep the first call's tensors alive."""
+    if problem is None:
+        return None
+    arrays = {f.name: dataclasses.replace(getattr(problem, f.name), obj=None, keepalive=None)
+              for f in dataclasses.fields(problem) if isinstance(getattr(problem, f.name), ArrayDesc)}
+    return dataclasses.replace(problem, **arrays)
 
 
 class PlanBuilder:

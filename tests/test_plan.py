@@ -2,6 +2,7 @@
 pointer updates, with every GPU call replaced by a recorder (no device needed).  The packed
 arguments are also checked against the kernels' own parameter lists (NVRTC's PTX)."""
 import ctypes
+import dataclasses
 import re
 import struct
 
@@ -183,6 +184,44 @@ def test_same_key_same_plan_and_no_second_check(gpu, monkeypatch):
     out = sagebwd_cp.attention(q2, k2, v2, causal=True)
     assert len(plan._plans) == 1 and next(iter(plan._plans.values())) is built
     assert out.ptr == gpu.allocations[-2][0]  # the output came from the plan's allocation (then the workspace)
+
+
+def test_arrays_without_a_cheap_signature_reuse_a_plan_keyed_by_their_descriptors(gpu, monkeypatch):
+    import sagebwd_cp.forward as forward
+
+    builds = []
+    real = forward.forward_plan
+    monkeypatch.setattr(forward, "forward_plan", lambda *a: builds.append(1) or real(*a))
+
+    class Opaque:  # an array type with no cheap signature (as JAX or a plain DLPack producer)
+        def __init__(self, desc):
+            self.desc = desc
+
+    import sagebwd_cp.problem as problem
+
+    real_describe = problem.describe
+    monkeypatch.setattr(problem, "describe", lambda x, name="array": real_describe(getattr(x, "desc", x), name))
+    for shift in range(3):
+        q, k, v = (Opaque(dataclasses.replace(x, ptr=x.ptr + (shift << 30))) for x in qkv())
+        sagebwd_cp.attention(q, k, v, causal=True)
+    assert builds == [1] and len(plan._plans) == 1
+    assert len(gpu.launches()) == 3 * 3
+
+
+def test_a_cached_plan_keeps_no_array_alive(gpu):
+    import gc
+    import weakref
+
+    class Tensor:  # stands for the caller's array object behind a descriptor
+        pass
+
+    t = Tensor()
+    q, k, v = (dataclasses.replace(x, obj=t) for x in qkv())
+    sagebwd_cp.attention_forward(q, k, v)
+    ref = weakref.ref(t)
+    del t, q, k, v
+    gc.collect()
+    assert ref() is None and len(plan._plans) == 1
 
 
 @pytest.mark.parametrize("change", ["strides", "options", "alignment", "dtype", "out"])
