@@ -2,6 +2,8 @@
 // layout the later products read: row-major [B][H][N_pad][D_pad] (reduction over d) and/or the
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
+// Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
+// sums behind μ_K).
 //
 // Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per scale block).
 #include "common.cuh"

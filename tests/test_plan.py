@@ -390,3 +390,36 @@ def test_packed_arguments_match_every_kernel_signature(gpu):
     entries = {e for _, e in checked}
     assert entries == {"token_sum", "quantize_tensors", "smooth_q_bias", "attention_forward", "natural_lse",
                        "delta_rows", "pack_rows", "attention_backward", "dq_convert"}
+
+
+# ------------------------------------------------------------------------------ allocation helpers
+
+def test_user_allocator_results_must_be_contiguous():
+    from sagebwd_cp import arrays
+
+    calls = []
+
+    def alloc(shape, dtype, device_id):
+        calls.append((shape, dtype, device_id))
+        return np.empty(shape, dtype=dtype)
+
+    sagebwd_cp.set_allocator(alloc)
+    try:
+        obj, p = arrays.allocate((1000,), "uint8", "torch", 0)
+        assert calls == [((1000,), "uint8", 0)] and p == obj.ctypes.data
+        sagebwd_cp.set_allocator(lambda shape, dtype, device_id: np.empty(shape[::-1], dtype=dtype).T)
+        with pytest.raises(ValueError, match=r"allocator result: expected a contiguous array of shape \(2, 3\)"):
+            arrays.allocate((2, 3), "float32", "torch", 0)
+    finally:
+        sagebwd_cp.set_allocator(None)
+
+
+def test_byte_view_of_a_torch_buffer():
+    torch = pytest.importorskip("torch")
+    from sagebwd_cp import arrays
+
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    d = arrays.byte_view(buf, 512, (2, 3, 4), "float32")
+    assert d.ptr == buf.data_ptr() + 512 and d.shape == (2, 3, 4) and d.dtype == "float32"
+    d.obj[1, 2, 3] = 1.5
+    assert buf[512 + 4 * 23:512 + 4 * 24].view(torch.float32).item() == 1.5
