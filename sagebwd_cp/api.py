@@ -186,7 +186,7 @@ def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
 
 
 def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-              prob: AttentionProblem | None = None):
+                 prob: AttentionProblem | None = None):
     """(dq, dk, dv).  ``prob`` (with ``out`` and ``lse2`` descriptors) comes from a saved forward state;
     without it the arrays are checked here.  CUDA arrays replay a cached plan as in ``run_forward``."""
     options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,

@@ -79,18 +79,6 @@ class Step:
         self.args = args
         self.slots = slots  # ((word index in args, pointer-table index, byte offset), ...)
 
-    @property
-    def grid(self) -> tuple:
-        return self.head[1:4]
-
-    @property
-    def block(self) -> tuple:
-        return self.head[4:7]
-
-    @property
-    def shared(self) -> int:
-        return self.head[7]
-
 
 class LaunchPlan:
     """Everything one call launches; ``run`` replays it with the call's pointers."""
@@ -265,7 +253,10 @@ def cached_plan(key):
 
 def remember_plan(key, plan: LaunchPlan) -> None:
     if len(_plans) >= MAX_PLANS:
-        del _plans[next(iter(_plans))]  # the oldest
+        try:
+            _plans.pop(next(iter(_plans)), None)  # the oldest
+        except (RuntimeError, StopIteration):  # another thread changed the cache meanwhile
+            pass
     try:
         _plans[key] = plan
     except TypeError:
