@@ -39,7 +39,8 @@ def measure_ceilings():
     import torch
 
     from sagebwd_cp import specs
-    from sagebwd_cp.launch import i32, launch, ptr
+    from sagebwd_cp.launch import i32, ptr
+    from sagebwd_cp.plan import launch_now
 
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -48,8 +49,8 @@ def measure_ceilings():
     res = {}
     for entry, flops_per_mma in (("int8_mma_ceiling", 2 * 16 * 8 * 32), ("fp16_mma_ceiling", 2 * 16 * 8 * 16)):
         def run():
-            launch(specs.ceiling_spec(), entry, dev, torch.cuda.current_stream().cuda_stream, (blocks, 1, 1),
-                   (threads, 1, 1), [ptr(out.data_ptr()), i32(iters)])
+            launch_now(specs.ceiling_spec(), entry, dev, torch.cuda.current_stream().cuda_stream, (blocks, 1, 1),
+                       (threads, 1, 1), [ptr(out.data_ptr()), i32(iters)])
         ms = timed(run, reps=5)
         mmas = blocks * (threads // 32) * iters * 8
         res[entry] = mmas * flops_per_mma / (ms * 1e-3) / 1e12

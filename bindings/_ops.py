@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import sagebwd_cp
-from sagebwd_cp.api import attention_backward_arrays
+from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.problem import check_granularity, check_layout
 
 NAMESPACE = "sagebwd_cp"
@@ -53,46 +52,41 @@ def _as_tensor(x, dtype: Optional[torch.dtype] = None) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _options(causal, softmax_scale, smooth_k, smooth_q, layout) -> dict:
-    return dict(causal=bool(causal), softmax_scale=softmax_scale, smooth_k=bool(smooth_k), smooth_q=bool(smooth_q),
-                layout=layout)
-
-
 def inference_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                    smooth_q: bool, layout: str) -> Tensor:
     """Attention output only (no LSE, nothing kept for a backward)."""
-    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
     if q.is_cuda:
-        with torch.cuda.device(q.device):
-            return _as_tensor(sagebwd_cp.attention(q, k, v, **opts))
-    return _as_tensor(sagebwd_cp.attention(_host(q), _host(k), _host(v), **opts), q.dtype)
+        # The core reads q's device and torch's current stream on it, and switches devices if needed.
+        out, _, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, False, False, False)
+        return _as_tensor(out)
+    out, _, _ = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
+                         False, False, False)
+    return _as_tensor(out, q.dtype)
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                  smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
     """(out, lse2): the output and the base-2 LSE (B, Hq, Lq) float32 that the backward needs."""
-    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
     if q.is_cuda:
-        with torch.cuda.device(q.device):
-            out, saved = sagebwd_cp.attention_forward(q, k, v, **opts)
-        return _as_tensor(out), _as_tensor(saved.lse2.obj)
-    out, saved = sagebwd_cp.attention_forward(_host(q), _host(k), _host(v), **opts)
-    return _as_tensor(out, q.dtype), _as_tensor(saved.lse2.obj)
+        out, _, lse2 = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, True, False, False)
+        return _as_tensor(out), _as_tensor(lse2)
+    out, _, lse2 = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
+                            True, False, False)
+    return _as_tensor(out, q.dtype), _as_tensor(lse2)
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, dout: Tensor, causal: bool,
                   softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each in its input's layout and q's dtype."""
-    opts = _options(causal, softmax_scale, smooth_k, smooth_q, layout)
-    opts.update(granularity=granularity, deterministic=bool(deterministic))
     if dout.stride(-1) != 1 or not dout.is_contiguous():
         dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed
     if q.is_cuda:
-        with torch.cuda.device(q.device):
-            grads = attention_backward_arrays(q, k, v, out, lse2, dout, **opts)
+        grads = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                          deterministic)
         return tuple(_as_tensor(g) for g in grads)
-    grads = attention_backward_arrays(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), **opts)
+    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
+                      smooth_k, smooth_q, layout, granularity, deterministic)
     return tuple(_as_tensor(g, q.dtype) for g in grads)
 
 

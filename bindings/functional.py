@@ -77,7 +77,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     _ops.check_layout(layout)
     _ops.check_granularity(granularity)
     q, k, v = _unify_dtypes(q, k, v)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # one check per call in the usual case
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     causal, smooth_k, smooth_q, deterministic = bool(causal), bool(smooth_k), bool(smooth_q), bool(deterministic)

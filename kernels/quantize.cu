@@ -2,6 +2,8 @@
 // layout the later products read: row-major [B][H][N_pad][D_pad] (reduction over d) and/or the
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
+// Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
+// sums behind μ_K).
 //
 // Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per scale block).
 #include "common.cuh"
@@ -33,7 +35,7 @@ SB_DEVICE float block_max(float v, float* red) {
     return m;
 }
 
-// One CTA quantizes one block of 64 rows of one (batch, head).
+// One CTA quantizes one block of 64 rows (blk) of one (batch b, head h).
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
 // mean_sum (optional, [B][H][D_pad] float64 token sums): μ = float32(sum / N) is subtracted after
@@ -41,17 +43,15 @@ SB_DEVICE float block_max(float v, float* red) {
 // block_mean_out (optional, [B][H][N_pad/64][D_pad]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing).
 // rows_out / t_out (optional): the two layouts; permute_t selects the fragment token order.
-extern "C" __global__ void __launch_bounds__(QTHREADS)
-quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
-                int N_pad, float prescale, const double* __restrict__ mean_sum, float* __restrict__ mean_out,
-                float* __restrict__ block_mean_out, i8* __restrict__ rows_out, i8* __restrict__ t_out,
-                int permute_t, float* __restrict__ scale_out) {
-    SB_REQUIRE_SM80();
+SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
+                              int N_pad, float prescale, const double* __restrict__ mean_sum,
+                              float* __restrict__ mean_out, float* __restrict__ block_mean_out,
+                              i8* __restrict__ rows_out, i8* __restrict__ t_out, int permute_t,
+                              float* __restrict__ scale_out, int blk, int h, int b) {
     __shared__ float tile[QBLOCK][MAX_DPAD + 1];
     __shared__ double colsum[QTHREADS];
     __shared__ float red[QTHREADS / 32];
     __shared__ float mu[MAX_DPAD];
-    const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int row0 = blk * QBLOCK;
     const int nvalid = max(0, min(QBLOCK, N - row0));
     const u16* xs = x + b * sb + h * sh;
@@ -135,9 +135,46 @@ quantize_blocks(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
     }
 }
 
+// One tensor of a quantize_tensors launch: quantize_block's arguments, and its CTA count
+// (N_pad / 64 blocks times H heads; 0 for an absent tensor).  Pointers first, then 8-byte, then
+// 4-byte fields: no padding, so the host packs it field by field (sagebwd_cp/forward.py).
+struct QuantizeJob {
+    const u16* x;
+    const double* mean_sum;
+    float* mean_out;
+    float* block_mean_out;
+    i8* rows_out;
+    i8* t_out;
+    float* scale_out;
+    i64 sb, sh, sn;
+    int H, N, N_pad, permute_t;
+    float prescale;
+    int ctas;
+};
+static_assert(sizeof(QuantizeJob) == 7 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
+
+// Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
+// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch.  Each CTA computes exactly what
+// a launch of one tensor computed for its (block, head).
+extern "C" __global__ void __launch_bounds__(QTHREADS)
+quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) {
+    SB_REQUIRE_SM80();
+    int cta = blockIdx.x;
+    const int which = cta < a.ctas ? 0 : (cta < a.ctas + b.ctas ? 1 : 2);
+    cta -= which == 0 ? 0 : (which == 1 ? a.ctas : a.ctas + b.ctas);
+    // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
+#define SB_JOB(field) (which == 0 ? a.field : (which == 1 ? b.field : c.field))
+    const int blocks = SB_JOB(N_pad) / QBLOCK;
+    quantize_block(SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, D_pad, SB_JOB(N_pad),
+                   SB_JOB(prescale), SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out),
+                   SB_JOB(t_out), SB_JOB(permute_t), SB_JOB(scale_out), cta % blocks, cta / blocks, blockIdx.z);
+#undef SB_JOB
+}
+
 // Partial token sums for μ_K: one CTA per 256 tokens of one (batch, head) adds its float64 column
 // sums into sum_out ([B][H][D_pad], zeroed by the caller). The sums of 16-bit values are exact in
-// float64 for realistic ranges, so the atomics' order does not matter.
+// float64 for realistic ranges, so the atomics' order does not matter.  With one CTA per
+// (batch, head) (N <= 256) the CTA stores its sum (0 + t == t), so sum_out needs no zeroing.
 #define MEAN_TOKENS 256
 extern "C" __global__ void __launch_bounds__(QTHREADS)
 token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
@@ -158,6 +195,10 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
     if (threadIdx.x < D) {
         double t = 0.0;
         for (int p = 0; p < per_col; ++p) t += part[p * D_pad + threadIdx.x];
-        atomicAdd(sum_out + (static_cast<i64>(b) * H + h) * D_pad + threadIdx.x, t);
+        double* dst = sum_out + (static_cast<i64>(b) * H + h) * D_pad + threadIdx.x;
+        if (gridDim.x == 1)
+            *dst = t;
+        else
+            atomicAdd(dst, t);
     }
 }

@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 
 from . import emulator
-from .arrays import ArrayDesc, describe
+from .arrays import ArrayDesc, describe, signature
+from .plan import cached_plan, remember_plan
 from .problem import AttentionProblem, check_granularity, check_output, make_problem
 
 
@@ -43,18 +44,71 @@ def _emulator_dtype(dtype: str) -> str:
     return dtype if dtype in ("float16", "bfloat16") else "float32"
 
 
-def _forward(q, k, v, *, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse):
-    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                        smooth_q=smooth_q, layout=layout)
-    if prob.on_gpu:
-        from .forward import forward_gpu
+def _signatures(arrays):
+    """(pointers, keys) of the arrays (see arrays.signature), or None if one has no cheap signature."""
+    ptrs, keys = [], []
+    for x in arrays:
+        s = signature(x)
+        if s is None:
+            return None
+        ptrs.append(s[0])
+        keys.append(s[1])
+    return ptrs, tuple(keys)
 
-        out_desc = check_output(out, prob) if out is not None else None
-        out_desc, lse2, lse = forward_gpu(prob, out_desc, training, return_lse)
-        saved = AttentionSaved(prob, out_desc, lse2) if training else None
-        return out_desc.obj, (lse.obj if lse is not None else None), saved
+
+def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved):
+    """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the base-2
+    LSE array (training only), or None.
+
+    CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
+    plan (plan.py) without checking or describing anything again; a new combination is checked in
+    full (make_problem) and its plan built and cached."""
+    options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
+               bool(return_lse))
+    sig = _signatures((q, k, v) if out is None else (q, k, v, out))
+    key = None
+    if sig is not None:
+        key = (options, sig[1])
+        plan = cached_plan(key)
+        if plan is not None:
+            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved)
+    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                        layout=layout)
+    if not prob.on_gpu:
+        return _host_forward(prob, out, training, return_lse, want_saved)
+    from .forward import forward_plan
+
+    out_desc = check_output(out, prob) if out is not None else None
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc) if d is not None]
+    plan = None
+    if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
+        key = (options, _signatures(descs)[1])
+        plan = cached_plan(key)
+    if plan is None:
+        plan = forward_plan(prob, out_desc, training, return_lse)
+        remember_plan(key, plan)
+    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved)
+
+
+def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
+    objs, _ = plan.run(ptrs)
+    allocated = iter(objs)  # forward_plan's outputs: out (unless given), lse2 (training), lse (return_lse)
+    o = out if out is not None else next(allocated)
+    lse2 = next(allocated) if training else None
+    lse = next(allocated) if return_lse else None
+    if training and want_saved:
+        # The plan's problem has the first call's descriptors: describe this call's arrays.
+        prob = dataclasses.replace(plan.problem, q=describe(q, "q"), k=describe(k, "k"), v=describe(v, "v"))
+        out_desc = describe(o, "out")
+        out_desc.dtype = prob.dtype  # CuPy holds bfloat16 outputs as uint16
+        return o, lse, AttentionSaved(prob, out_desc, describe(lse2, "lse2"))
+    return o, lse, lse2
+
+
+def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
     if prob.dtype == "bfloat16":
         raise TypeError("q: bfloat16 host arrays are not supported by NumPy; pass float32 values or a CUDA array")
+    layout = prob.layout
     qh, kh, vh = (_host_array(d, layout) for d in (prob.q, prob.k, prob.v))
     o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                              smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
@@ -67,7 +121,7 @@ def _forward(q, k, v, *, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     saved = None
     if training:
         lse2 = np.ascontiguousarray(state["lse2"][:, :, :prob.len_q])
-        saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2"))
+        saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2")) if want_saved else lse2
     return o, (lse.astype(np.float32) if return_lse else None), saved
 
 
@@ -81,16 +135,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
     natural-log logsumexp, shape (B, Hq, Lq), float32.
     """
-    o, lse, _ = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                         layout=layout, out=out, training=False, return_lse=return_lse)
+    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False)
     return (o, lse) if return_lse else o
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
                       out=None, return_lse=False):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
-    o, lse, saved = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                             smooth_q=smooth_q, layout=layout, out=out, training=True, return_lse=return_lse)
+    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True)
     return (o, lse, saved) if return_lse else (o, saved)
 
 
@@ -102,7 +154,9 @@ def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULA
     dQ accumulation so repeated runs are bitwise identical (slower); dK and dV always are."""
     if not isinstance(saved, AttentionSaved):
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
-    return _backward(saved.problem, saved.out, saved.lse2, do, granularity, deterministic)
+    p = saved.problem
+    return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, p.causal, p.softmax_scale, p.smooth_k, p.smooth_q,
+                     p.layout, granularity, deterministic, p)
 
 
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
@@ -110,9 +164,8 @@ def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_s
     """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
     ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
     and dO.  The options must be those of the forward."""
-    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                        smooth_q=smooth_q, layout=layout)
-    return _backward(prob, check_output(out, prob), describe(lse2, "lse2"), do, granularity, deterministic)
+    return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                     deterministic)
 
 
 def lse2_shape(batch: int, heads_q: int, len_q: int) -> tuple:
@@ -132,15 +185,38 @@ def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
         raise ValueError(f"lse2: expected a contiguous array, got strides {lse2.strides}")
 
 
-def _backward(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do, granularity, deterministic):
+def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
+                 prob: AttentionProblem | None = None):
+    """(dq, dk, dv).  ``prob`` (with ``out`` and ``lse2`` descriptors) comes from a saved forward state;
+    without it the arrays are checked here.  CUDA arrays replay a cached plan as in ``run_forward``."""
+    options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
+               bool(deterministic))
+    sig = _signatures((q, k, v, out, lse2, do))
+    key = None
+    if sig is not None:
+        key = (options, sig[1])
+        plan = cached_plan(key)
+        if plan is not None:
+            return tuple(plan.run(sig[0])[0])
+    if prob is None:
+        prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                            smooth_q=smooth_q, layout=layout)
+        out, lse2 = check_output(out, prob), describe(lse2, "lse2")
     check_granularity(granularity)
     dd = check_output(do, prob, "do")
     _check_lse2(lse2, prob)
     if prob.on_gpu:
-        from .backward import backward_gpu
+        from .backward import backward_plan
 
-        grads = backward_gpu(prob, out, lse2, dd, granularity, bool(deterministic))
-        return tuple(g.obj for g in grads)
+        descs = (prob.q, prob.k, prob.v, out, lse2, dd)
+        plan = None
+        if key is None:  # arrays without a cheap signature: key the plan by their descriptors
+            key = (options, _signatures(descs)[1])
+            plan = cached_plan(key)
+        if plan is None:
+            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic))
+            remember_plan(key, plan)
+        return tuple(plan.run([d.ptr for d in descs])[0])
     lse2_host = lse2.obj if isinstance(lse2.obj, np.ndarray) else np.from_dlpack(lse2.obj)
     state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
                                     lse2_host, causal=prob.causal, softmax_scale=prob.softmax_scale,

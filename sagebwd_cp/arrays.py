@@ -133,6 +133,49 @@ def describe(x, name: str = "array") -> ArrayDesc:
 
 
 # ---------------------------------------------------------------------------------------------
+# Per-call reads for the launch-plan cache: what ``describe`` would read, straight from the
+# attributes of the common array types.
+
+def _torch_signature(x):
+    p = x.data_ptr()
+    return p, (x.shape, x.stride(), x.dtype, x.get_device(), p % 16)
+
+
+def _cupy_signature(x):
+    p = x.data.ptr
+    return p, (x.shape, x.strides, x.dtype, x.data.device_id, p % 16)
+
+
+def _desc_signature(x):
+    p = x.ptr
+    return p, (x.shape, x.strides, x.dtype, x.device_type, x.device_id, x.framework, p % 16)
+
+
+_signature_readers: dict = {}
+
+
+def _pick_signature_reader(x):
+    if isinstance(x, ArrayDesc):
+        return _desc_signature
+    fw = _framework(x)
+    if fw == "torch" and hasattr(x, "data_ptr"):
+        return _torch_signature
+    if fw == "cupy" and hasattr(x, "data") and hasattr(x, "strides"):
+        return _cupy_signature
+    return None
+
+
+def signature(x):
+    """``(pointer, key)`` for a torch tensor, a CuPy array or an ArrayDesc: ``key`` holds everything
+    ``describe`` reads but the pointer (shape, strides, dtype, device; type-specific values, so equal
+    keys mean equal descriptors) plus the pointer's alignment mod 16.  ``None`` for other objects."""
+    reader = _signature_readers.get(type(x), False)
+    if reader is False:
+        reader = _signature_readers[type(x)] = _pick_signature_reader(x)
+    return reader(x) if reader is not None else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Allocation: outputs and workspaces come from the framework of the inputs (torch inputs ->
 # torch's caching allocator, so training never grows a second pool), or from a user allocator.
 
@@ -142,13 +185,15 @@ _user_allocator = None
 def set_allocator(fn) -> None:
     """Route every device allocation through ``fn(shape, dtype_name, device_id) -> array``.
 
-    The array must support DLPack (or be a torch tensor).  ``None`` restores the default.
+    The array must be contiguous and support DLPack (or be a torch tensor).  ``None`` restores the
+    default.
     """
     global _user_allocator
     _user_allocator = fn
 
 
 _TORCH_DTYPES = {}
+_TORCH_DEVICES = {}
 
 
 def _torch_dtype(name: str):
@@ -161,34 +206,92 @@ def _torch_dtype(name: str):
     return _TORCH_DTYPES[name]
 
 
+def _torch_device(device_id: int):
+    dev = _TORCH_DEVICES.get(device_id)
+    if dev is None:
+        import torch
+
+        dev = _TORCH_DEVICES[device_id] = torch.device("cuda", device_id)
+    return dev
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def allocate(shape: tuple, dtype: str, framework: str, device_id: int):
+    """``(array, pointer)``: uninitialized contiguous device memory of ``dtype`` on ``device_id``, from
+    the user allocator if one is set, else torch's caching allocator for ``framework`` "torch", else
+    CuPy's pool (bfloat16 as raw 16-bit storage: CuPy has no bfloat16 dtype)."""
+    if _user_allocator is not None:
+        d = describe(_user_allocator(shape, dtype, device_id), "allocator result")
+        if tuple(d.shape) != shape or d.strides != contiguous_strides(shape):
+            raise ValueError(f"allocator result: expected a contiguous array of shape {shape}, got shape "
+                             f"{tuple(d.shape)} and strides {d.strides}")
+        return d.obj, d.ptr
+    if framework == "torch":
+        import torch
+
+        t = torch.empty(shape, dtype=_torch_dtype(dtype), device=_torch_device(device_id))
+        return t, t.data_ptr()
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        arr = cupy.empty(shape, dtype=cupy.uint16 if dtype == "bfloat16" else dtype)
+    return arr, arr.data.ptr
+
+
 def empty(shape, dtype: str, like: ArrayDesc) -> ArrayDesc:
     """Uninitialized device memory of ``dtype`` on ``like``'s device, from ``like``'s framework."""
     shape = tuple(int(s) for s in shape)
-    if _user_allocator is not None:
-        return describe(_user_allocator(shape, dtype, like.device_id), "allocator result")
-    if like.framework == "torch":
+    obj, _ = allocate(shape, dtype, like.framework, like.device_id)
+    d = describe(obj, "workspace")
+    if _user_allocator is None and like.framework != "torch" and dtype == "bfloat16":
+        d.dtype = "bfloat16"
+    return d
+
+
+def byte_view(buffer, byte_offset: int, shape: tuple, dtype: str) -> ArrayDesc:
+    """An ArrayDesc of ``shape`` and ``dtype`` over bytes of a 1-D uint8 ``buffer`` from ``allocate``
+    (a torch tensor or a CuPy array), its ``obj`` a view of the buffer's framework."""
+    shape = tuple(int(s) for s in shape)
+    if _framework(buffer) == "torch":
+        nbytes = int(np.prod(shape)) * _torch_dtype(dtype).itemsize
+        view = buffer[byte_offset:byte_offset + nbytes].view(_torch_dtype(dtype)).view(shape)
+        return describe(view, "workspace")
+    if _framework(buffer) == "cupy":
+        import cupy
+
+        arr = cupy.ndarray(shape, dtype=cupy.uint16 if dtype == "bfloat16" else dtype, memptr=buffer.data + byte_offset)
+        d = describe(arr, "workspace")
+        d.dtype = dtype
+        return d
+    raise TypeError(f"workspace: expected a torch tensor or a CuPy array to view, got {type(buffer).__name__}")
+
+
+def stream_reader(framework: str):
+    """``read(device_id) -> stream handle``: the caller's current stream on a device, torch's for torch
+    arrays, else CuPy's."""
+    if framework == "torch":
         import torch
 
-        return describe(torch.empty(shape, dtype=_torch_dtype(dtype), device=f"cuda:{like.device_id}"), "workspace")
-    import cupy
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's code uses
+        if raw is not None:
+            return raw
+        return lambda device_id: torch.cuda.current_stream(device_id).cuda_stream
 
-    with cupy.cuda.Device(like.device_id):
-        if dtype == "bfloat16":
-            # CuPy has no bfloat16 dtype: hand out raw 16-bit storage.
-            arr = cupy.empty(shape, dtype=cupy.uint16)
-            d = describe(arr, "workspace")
-            d.dtype = "bfloat16"
-            return d
-        return describe(cupy.empty(shape, dtype=dtype), "workspace")
+    def cupy_stream(device_id):
+        import cupy
+
+        return cupy.cuda.get_current_stream(device_id).ptr
+
+    return cupy_stream
 
 
 def current_stream(desc: ArrayDesc) -> int:
     """The caller's current stream on ``desc``'s device: torch's for torch arrays, else CuPy's."""
-    if desc.framework == "torch":
-        import torch
-
-        return torch.cuda.current_stream(desc.device_id).cuda_stream
-    import cupy
-
-    with cupy.cuda.Device(desc.device_id):
-        return cupy.cuda.get_current_stream().ptr
+    return stream_reader(desc.framework)(desc.device_id)

@@ -243,3 +243,12 @@ def get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int
             fn.max_dynamic_shared_size_bytes = dynamic_smem
         _smem_opt_in[mkey] = dynamic_smem
     return fn
+
+
+def get_function_pointer(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int = 0) -> int:
+    """The driver handle (CUfunction) of ``get_function``'s kernel, loaded on ``device_id``."""
+    import cupy
+
+    fn = get_function(spec, entry, device_id, dynamic_smem)
+    with cupy.cuda.Device(device_id):
+        return fn.kernel.ptr  # RawKernel loads its module on the current device

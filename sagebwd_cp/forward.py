@@ -1,11 +1,17 @@
-"""The forward on the GPU: quantize Q, K, V into the layouts the products read, then attend."""
+"""The forward on the GPU: quantize Q, K, V into the layouts the products read, then attend.
+
+The functions without ``_gpu`` record launches into a ``PlanBuilder`` (``plan.py``), with workspace
+sub-buffers and outputs as symbolic pointers; ``forward_plan`` assembles them into the plan a call
+replays.  The ``_gpu`` functions run a piece now and return descriptors (tests and benchmarks).
+"""
 from __future__ import annotations
 
 import dataclasses
 
 from . import numerics, specs
-from .arrays import ArrayDesc, current_stream, empty
-from .launch import f32, i32, i64, launch, memset_async, ptr, shared_memory_limit
+from .arrays import ArrayDesc, byte_view
+from .launch import f32, i32, i64, ptr, shared_memory_limit, struct_arg
+from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
 QUANT_THREADS = 256
@@ -18,7 +24,8 @@ def _round_up(x: int, m: int) -> int:
 
 @dataclasses.dataclass
 class Quantized:
-    """Q̂, K̂, V̂ in every layout the kernels read, with their scales (see numerics.py)."""
+    """Q̂, K̂, V̂ (and dÔ for the backward) in every layout the kernels read, with their scales (see
+    numerics.py).  Buffers while a plan is recorded; ArrayDescs from ``quantize_inputs_gpu``."""
 
     q8: ArrayDesc  # [B][Hq][Nq_pad][Dp]
     q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
@@ -33,107 +40,173 @@ class Quantized:
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
     nq_pad: int
     nk_pad: int
+    dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
+    do_scale: ArrayDesc | None = None  # [B][Hq][Nq_pad/64]
 
 
-def quantize_inputs_gpu(prob: AttentionProblem, backward: bool, stream: int) -> Quantized:
+def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t,
+                  permute, scale):
+    """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field)."""
+    sb, sh, sn = prob.bhnd_strides(src)
+    return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale),
+                      i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(permute), f32(prescale),
+                      i32(npad // numerics.BLOCK_Q * heads))
+
+
+_NO_JOB = struct_arg(*(ptr(None),) * 7, *(i64(0),) * 3, *(i32(0),) * 4, f32(0.0), i32(0))
+
+
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
+    """Up to three tensors in one launch (CTAs of job 0, then 1, then 2)."""
+    ctas = sum(job.value[-1].value for job in jobs)
+    jobs = list(jobs) + [_NO_JOB] * (3 - len(jobs))
+    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (QUANT_THREADS, 1, 1),
+                jobs + [i32(prob.head_dim), i32(prob.padded_head_dim)])
+
+
+def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
-    quantization is deterministic) and also needs their transposes, but not V̂."""
+    quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
+    backward), dO is quantized in the same launch (see ``quantize_grad_output``)."""
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
     nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, specs.TOKEN_PAD)
-    dev, like = prob.q.device_id, prob.q
     spec = specs.quantize_spec(prob.dtype)
-    block = (QUANT_THREADS, 1, 1)
-
-    def quantize(src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t, permute, scale):
-        sb, sh, sn = prob.bhnd_strides(src)
-        launch(spec, "quantize_blocks", dev, stream, (npad // numerics.BLOCK_Q, heads, B), block,
-               [ptr(src), i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(D), i32(dp), i32(npad), f32(prescale),
-                ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), i32(permute), ptr(scale)])
 
     k_mean = k_sum = None
     if prob.smooth_k:
-        k_mean = empty((B, Hk, dp), "float32", like)
-        k_sum = empty((B, Hk, dp), "float64", like)
-        memset_async(k_sum, B * Hk * dp * 8, dev, stream)
+        chunks = (Lk + TOKENS_PER_SUM - 1) // TOKENS_PER_SUM
+        k_mean = plan.workspace("k_mean", (B, Hk, dp), "float32")
+        # Several chunks add into the sums atomically; a single one stores them (quantize.cu token_sum).
+        k_sum = plan.workspace("k_sum", (B, Hk, dp), "float64", zeroed=chunks > 1)
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        launch(spec, "token_sum", dev, stream, ((Lk + TOKENS_PER_SUM - 1) // TOKENS_PER_SUM, Hk, B), block,
-               [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
+        plan.launch(spec, "token_sum", (chunks, Hk, B), (QUANT_THREADS, 1, 1),
+                    [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
-    q8 = empty((B, Hq, nq, dp), "int8", like)
-    q8t = empty((B, Hq, dp, nq), "int8", like) if backward else None
-    q_scale = empty((B, Hq, nq // numerics.BLOCK_Q), "float32", like)
-    q_mean = empty((B, Hq, nq // numerics.BLOCK_Q, dp), "float32", like) if prob.smooth_q else None
-    quantize(prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8, q8t, 1, q_scale)
+    q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
+    q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8") if backward else None
+    q_scale = plan.workspace("q_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
+    q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
+    jobs = [_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8,
+                          q8t, 1, q_scale)]
 
-    k8 = empty((B, Hk, nk, dp), "int8", like)
-    k8t = empty((B, Hk, dp, nk), "int8", like) if backward else None
-    k_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
-    quantize(prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, 0, k_scale)
+    k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
+    k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8") if backward else None
+    k_scale = plan.workspace("k_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, 0, k_scale))
 
     vt8 = v_scale = None
     if not backward:
-        vt8 = empty((B, Hk, dp, nk), "int8", like)
-        v_scale = empty((B, Hk, nk // numerics.BLOCK_KV), "float32", like)
-        quantize(prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale)
+        vt8 = plan.workspace("vt8", (B, Hk, dp, nk), "int8")
+        v_scale = plan.workspace("v_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
+        jobs.append(_quantize_job(prob, prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale))
+    dot8 = do_scale = None
+    if do is not None:
+        dot8, do_scale, job = _grad_output_job(plan, prob, do)
+        jobs.append(job)
+    _launch_quantize(plan, prob, jobs)
 
     bias = None
     if prob.smooth_q:
-        bias = empty((B, Hq, nq // numerics.BLOCK_Q, nk), "float32", like)
+        bias = plan.workspace("bias", (B, Hq, nq // numerics.BLOCK_Q, nk), "float32")
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        launch(specs.bias_spec(), "smooth_q_bias", dev, stream, ((nk + 127) // 128, nq // numerics.BLOCK_Q, B * Hq),
-               (128, 1, 1), [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Hk), i32(Lk), i32(D), i32(dp),
-                             i32(nq), i32(nk), ptr(q_mean), ptr(k_mean), ptr(bias), i32(prob.dtype == "bfloat16")])
-    return Quantized(q8, q8t, q_scale, q_mean, k8, k8t, k_scale, k_mean, vt8, v_scale, bias, nq, nk)
+        plan.launch(specs.bias_spec(), "smooth_q_bias", ((nk + 127) // 128, nq // numerics.BLOCK_Q, B * Hq),
+                    (128, 1, 1), [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Hk), i32(Lk), i32(D), i32(dp),
+                                  i32(nq), i32(nk), ptr(q_mean), ptr(k_mean), ptr(bias),
+                                  i32(prob.dtype == "bfloat16")])
+    return Quantized(q8, q8t, q_scale, q_mean, k8, k8t, k_scale, k_mean, vt8, v_scale, bias, nq, nk, dot8, do_scale)
 
 
-def attend_gpu(prob: AttentionProblem, qz: Quantized, out: ArrayDesc, lse2: ArrayDesc | None, stream: int) -> None:
+def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
+    """dÔ for dV = P̂ᵀdÔ: ψ per 64 rows of dO, stored transposed ([B][Hq][Dp][Nq_pad]) in the
+    fragment token order of register-fed products, with scales [B][Hq][Nq_pad/64]."""
+    B, Hq, Lq, dp = prob.batch, prob.heads_q, prob.len_q, prob.padded_head_dim
+    nq = _round_up(Lq, specs.TOKEN_PAD)
+    dot8 = plan.workspace("dot8", (B, Hq, dp, nq), "int8")
+    scale = plan.workspace("do_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
+    return dot8, scale, _quantize_job(prob, do, Hq, Lq, nq, 1.0, None, None, None, None, dot8, 1, scale)
+
+
+def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
     tiles = specs.forward_tiles(dp, shared_memory_limit(dev))
     spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles)
     ob, oh, on = prob.bhnd_strides(out)
     grid = ((prob.len_q + tiles.cta_q - 1) // tiles.cta_q, prob.heads_q, prob.batch)
-    launch(spec, "attention_forward", dev, stream, grid, (tiles.threads, 1, 1),
-           [ptr(qz.q8), ptr(qz.q_scale), ptr(qz.k8), ptr(qz.k_scale), ptr(qz.vt8), ptr(qz.v_scale), ptr(qz.bias),
-            ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), i32(prob.heads_q), i32(prob.heads_kv), i32(prob.len_q),
-            i32(prob.len_k), i32(prob.head_dim), i32(qz.nq_pad), i32(qz.nk_pad)],
-           shared=tiles.shared_bytes(dp))
+    plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
+                [ptr(qz.q8), ptr(qz.q_scale), ptr(qz.k8), ptr(qz.k_scale), ptr(qz.vt8), ptr(qz.v_scale), ptr(qz.bias),
+                 ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), i32(prob.heads_q), i32(prob.heads_kv),
+                 i32(prob.len_q), i32(prob.len_k), i32(prob.head_dim), i32(qz.nq_pad), i32(qz.nk_pad)],
+                shared=tiles.shared_bytes(dp))
 
 
-def natural_lse_gpu(prob: AttentionProblem, qz: Quantized, lse2: ArrayDesc, stream: int) -> ArrayDesc:
-    """[B][Hq][Lq] float32 natural-log LSE, K-smoothing's shift added back."""
-    lse = empty((prob.batch, prob.heads_q, prob.len_q), "float32", prob.q)
+def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, lse) -> None:
+    """lse: [B][Hq][Lq] float32 natural-log LSE, K-smoothing's shift added back."""
     sb, sh, sn = prob.bhnd_strides(prob.q)
-    launch(specs.lse_spec(prob.dtype), "natural_lse", prob.q.device_id, stream,
-           ((prob.len_q + 127) // 128, prob.heads_q, prob.batch), (128, 1, 1),
-           [ptr(prob.q), i64(sb), i64(sh), i64(sn), i32(prob.heads_q), i32(prob.heads_kv), i32(prob.len_q),
-            i32(prob.head_dim), i32(prob.padded_head_dim), f32(prob.softmax_scale), ptr(qz.k_mean),
-            ptr(lse2), ptr(lse)])
-    return lse
+    plan.launch(specs.lse_spec(prob.dtype), "natural_lse", ((prob.len_q + 127) // 128, prob.heads_q, prob.batch),
+                (128, 1, 1),
+                [ptr(prob.q), i64(sb), i64(sh), i64(sn), i32(prob.heads_q), i32(prob.heads_kv), i32(prob.len_q),
+                 i32(prob.head_dim), i32(prob.padded_head_dim), f32(prob.softmax_scale), ptr(qz.k_mean),
+                 ptr(lse2), ptr(lse)])
 
 
-def forward_gpu(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool):
-    """Run the forward; returns (out desc, base-2 LSE desc [B][Hq][Lq] or None, natural LSE desc or None)."""
-    stream = current_stream(prob.q)
-    qz = quantize_inputs_gpu(prob, False, stream)
+FORWARD_INPUTS = ("q", "k", "v", "out")
+
+
+def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool) -> LaunchPlan:
+    """The plan of one forward.  Inputs: q, k, v (and out when the caller passes it); outputs, in
+    this order, those of "out", "lse2" (training) and "lse" (return_lse) that are allocated."""
+    inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs)
+    qz = quantize_inputs(plan, prob, False)
     if out is None:
-        out = empty(prob.shape(prob.heads_q, prob.len_q), prob.dtype, prob.q)
-    lse2 = empty((prob.batch, prob.heads_q, prob.len_q), "float32", prob.q) if (training or return_lse) else None
-    attend_gpu(prob, qz, out, lse2, stream)
-    lse = natural_lse_gpu(prob, qz, lse2, stream) if return_lse else None
-    return out, (lse2 if training else None), lse
+        out = plan.output("out", prob.shape(prob.heads_q, prob.len_q), prob.dtype)
+    lse_shape = (prob.batch, prob.heads_q, prob.len_q)
+    lse2 = None
+    if training:
+        lse2 = plan.output("lse2", lse_shape, "float32")
+    elif return_lse:
+        lse2 = plan.workspace("lse2", lse_shape, "float32")
+    attend(plan, prob, qz, out, lse2)
+    if return_lse:
+        natural_lse(plan, prob, qz, lse2, plan.output("lse", lse_shape, "float32"))
+    return plan.build(problem=prob)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces run now, for tests and benchmarks: descriptors of views into the workspace they used.
+
+def run_now(plan: PlanBuilder, stream: int, recorded):
+    """Build ``plan`` (constants allowed), run it on ``stream``, and return ``recorded`` (a Buffer, or a
+    Quantized / tuple holding Buffers) with each Buffer replaced by a descriptor viewing it."""
+    built = plan.build(cacheable=False)
+    _, workspace = built.run([desc.ptr for _, desc in plan.inputs], stream)
+    base = built.workspace_base_offset(workspace) if workspace is not None else 0
+
+    def view(x):
+        return byte_view(workspace, base + x.offset, x.shape, x.dtype) if isinstance(x, Buffer) else x
+
+    if isinstance(recorded, Quantized):
+        return dataclasses.replace(recorded, **{f.name: view(getattr(recorded, f.name))
+                                                for f in dataclasses.fields(recorded)})
+    return tuple(view(x) for x in recorded)
+
+
+def quantize_inputs_gpu(prob: AttentionProblem, backward: bool, stream: int) -> Quantized:
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, [("q", prob.q), ("k", prob.k), ("v", prob.v)])
+    return run_now(plan, stream, quantize_inputs(plan, prob, backward))
 
 
 def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int):
-    """dÔ for dV = P̂ᵀdÔ: ψ per 64 rows of dO, stored transposed ([B][Hq][Dp][Nq_pad]) in the
-    fragment token order of register-fed products; returns (dÔᵀ, scales [B][Hq][Nq_pad/64])."""
-    B, Hq, Lq, D, dp = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim
-    nq = _round_up(Lq, specs.TOKEN_PAD)
-    dot8 = empty((B, Hq, dp, nq), "int8", prob.q)
-    scale = empty((B, Hq, nq // numerics.BLOCK_Q), "float32", prob.q)
-    sb, sh, sn = prob.bhnd_strides(do)
-    launch(specs.quantize_spec(prob.dtype), "quantize_blocks", prob.q.device_id, stream,
-           (nq // numerics.BLOCK_Q, Hq, B), (QUANT_THREADS, 1, 1),
-           [ptr(do), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Lq), i32(D), i32(dp), i32(nq), f32(1.0), ptr(None),
-            ptr(None), ptr(None), ptr(None), ptr(dot8), i32(1), ptr(scale)])
-    return dot8, scale
+    """(dÔᵀ, scales) for ``do`` alone (the backward quantizes dO in its Q, K launch)."""
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, [("do", do)])
+    dot8, scale, job = _grad_output_job(plan, prob, do)
+    _launch_quantize(plan, prob, [job])
+    return run_now(plan, stream, (dot8, scale))
+
+
+def attend_gpu(prob: AttentionProblem, qz: Quantized, out: ArrayDesc, lse2: ArrayDesc | None, stream: int) -> None:
+    """The attention kernel alone, on quantized inputs from ``quantize_inputs_gpu`` (benchmarks)."""
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, [])
+    attend(plan, prob, qz, out, lse2)
+    run_now(plan, stream, ())

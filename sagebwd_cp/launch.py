@@ -1,54 +1,134 @@
-"""Kernel launches on the caller's stream, with arguments typed the way the kernels declare them."""
+"""Kernel arguments packed once into the driver's format.
+
+The arguments of one launch are laid out in one buffer, each value at its natural alignment (a
+struct argument laid out as C lays out a struct), next to the array of pointers to them that
+``cuLaunchKernel`` reads (``kernelParams``).  Pointer values that are only known per call (the
+caller's arrays, the workspace) are written as 0 and listed in ``PackedArgs.symbolic``: a launch
+plan (``plan.py``) rewrites just those words before each launch.
+"""
 from __future__ import annotations
+
+import ctypes
+import struct
+from typing import NamedTuple
 
 import numpy as np
 
-from . import compiler
 from .arrays import ArrayDesc
 
-_streams: dict = {}
 _device_limits: dict = {}
 
 
-def ptr(x) -> np.uint64:
-    """A device pointer argument; ``None`` is the null pointer."""
-    if x is None:
-        return np.uint64(0)
-    return np.uint64(x.ptr if isinstance(x, ArrayDesc) else x)
+class KernelArg(NamedTuple):
+    """One kernel argument: ``kind`` is "ptr", "i32", "i64", "f32" or "struct" (``value`` then
+    holds the struct's fields, themselves KernelArgs, in declaration order)."""
+
+    kind: str
+    value: object
 
 
-def i32(x) -> np.int32:
-    return np.int32(x)
+_SCALAR_FORMATS = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
 
 
-def i64(x) -> np.int64:
-    return np.int64(x)
+def ptr(x) -> KernelArg:
+    """A device pointer: ``None`` (null), an int, an ArrayDesc, or a plan's symbolic pointer."""
+    return KernelArg("ptr", x)
 
 
-def f32(x) -> np.float32:
-    return np.float32(x)
+def i32(x) -> KernelArg:
+    return KernelArg("i32", int(x))
 
 
-def stream_object(stream_ptr: int):
-    import warnings
-
-    import cupy
-
-    s = _streams.get(stream_ptr)
-    if s is None:
-        with warnings.catch_warnings():
-            # Stream.from_external wants a __cuda_stream__ object; a raw handle is what we hold.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            s = cupy.cuda.ExternalStream(stream_ptr)
-        _streams[stream_ptr] = s
-    return s
+def i64(x) -> KernelArg:
+    return KernelArg("i64", int(x))
 
 
-def memset_async(desc, nbytes: int, device_id: int, stream_ptr: int) -> None:
-    import cupy
+def f32(x) -> KernelArg:
+    # Rounded to float32 once, as NumPy rounds (inf rather than an error past the float32 range).
+    with np.errstate(over="ignore"):
+        return KernelArg("f32", float(np.float32(x)))
 
-    with cupy.cuda.Device(device_id):
-        cupy.cuda.runtime.memsetAsync(desc.ptr, 0, nbytes, stream_ptr)
+
+def struct_arg(*fields: KernelArg) -> KernelArg:
+    return KernelArg("struct", tuple(fields))
+
+
+def _size_align(arg: KernelArg) -> tuple:
+    if arg.kind != "struct":
+        size = struct.calcsize(_SCALAR_FORMATS[arg.kind])
+        return size, size
+    pos, align = 0, 1
+    for field in arg.value:
+        size, a = _size_align(field)
+        pos = -(-pos // a) * a + size
+        align = max(align, a)
+    return -(-pos // align) * align, align
+
+
+class PackedArgs:
+    """The arguments of one launch in ``kernelParams`` form.
+
+    ``offsets[i]`` and ``sizes[i]`` locate argument i in ``buffer``; ``params_ptr`` is the address of
+    the pointer array for the driver; ``words`` views the buffer as 64-bit words, and
+    ``symbolic`` lists ``(word index, value)`` for each pointer whose value is neither None, an int
+    nor an ArrayDesc (written as 0 here, for a plan to fill in per call)."""
+
+    def __init__(self, args):
+        self.offsets, self.sizes, fields = [], [], []
+        pos = 0
+        for arg in args:
+            size, align = _size_align(arg)
+            pos = -(-pos // align) * align
+            self.offsets.append(pos)
+            self.sizes.append(size)
+            self._flatten(arg, pos, fields)
+            pos += size
+        self.nbytes = pos
+        self.buffer = ctypes.create_string_buffer(max(8, -(-pos // 8) * 8))  # malloc'd: 16-byte aligned
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * max(1, len(args)))(*(base + off for off in self.offsets))
+        self.params_ptr = ctypes.addressof(self.params)
+        self.words = memoryview(self.buffer).cast("B").cast("Q")
+        self.symbolic = []
+        for offset, kind, value in fields:
+            if kind == "ptr":
+                if value is None or isinstance(value, (int, np.integer)):
+                    value = int(value or 0)
+                elif isinstance(value, ArrayDesc):
+                    value = value.ptr
+                else:
+                    self.symbolic.append((offset // 8, value))
+                    value = 0
+            struct.pack_into(_SCALAR_FORMATS[kind], self.buffer, offset, value)
+
+    @staticmethod
+    def _flatten(arg: KernelArg, offset: int, out: list) -> None:
+        if arg.kind != "struct":
+            out.append((offset, arg.kind, arg.value))
+            return
+        pos = 0
+        for field in arg.value:
+            size, align = _size_align(field)
+            pos = -(-pos // align) * align
+            PackedArgs._flatten(field, offset + pos, out)
+            pos += size
+
+    def argument_bytes(self, index: int) -> bytes:
+        """The bytes the driver copies for argument ``index``."""
+        return self.buffer.raw[self.offsets[index]:self.offsets[index] + self.sizes[index]]
+
+
+_cuda_modules = None
+
+
+def cuda() -> tuple:
+    """(cupy.cuda.runtime, cupy.cuda.driver), imported once (not per call)."""
+    global _cuda_modules
+    if _cuda_modules is None:
+        from cupy.cuda import driver, runtime
+
+        _cuda_modules = runtime, driver
+    return _cuda_modules
 
 
 def shared_memory_limit(device_id: int) -> int:
@@ -60,11 +140,3 @@ def shared_memory_limit(device_id: int) -> int:
         lim = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
         _device_limits[device_id] = lim
     return lim
-
-
-def launch(spec, entry, device_id, stream_ptr, grid, block, args, shared=0):
-    import cupy
-
-    fn = compiler.get_function(spec, entry, device_id, shared)
-    with cupy.cuda.Device(device_id):
-        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared, stream=stream_object(stream_ptr))

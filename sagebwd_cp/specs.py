@@ -18,7 +18,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def quantize_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_blocks", "token_sum"],
+    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_tensors", "token_sum"],
                      SB_BF16=int(dtype == "bfloat16"))
 
 

@@ -1,0 +1,275 @@
+"""Launch plans: what one call of the attention launches, resolved once and replayed per call.
+
+A plan is built from the first call with a given key (shapes, strides, dtypes, device, layout,
+options, pointer alignments: everything that decides the launches) and holds the loaded kernels,
+their grids, blocks and shared memory, the packed arguments, the workspace layout and the arrays to
+allocate.  A later call with the same key reads its stream, allocates its outputs and ONE workspace
+buffer, writes the new pointers into the packed arguments and launches: no validation, no kernel
+specs, no per-argument conversion.
+
+Pointers a plan fills in per call come from a table: the caller's arrays (``inputs``, in order),
+then the outputs it allocates, then the workspace base.  The workspace is carved into sub-buffers
+at ``WORKSPACE_ALIGN``-byte offsets, the ones that must start zeroed first, so one memset covers
+them all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+from . import compiler
+from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
+from .launch import PackedArgs, cuda
+
+WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
+MAX_PLANS = 1024  # cached plans; the oldest is dropped past this (e.g. many distinct sequence lengths)
+
+_ITEMSIZE = {"int8": 1, "uint8": 1, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4, "float64": 8}
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class Buffer:
+    """A sub-buffer of the call's workspace (``offset`` is set when the plan is built)."""
+
+    def __init__(self, name: str, shape: tuple, dtype: str, zeroed: bool):
+        self.name, self.shape, self.dtype, self.zeroed = name, tuple(int(s) for s in shape), dtype, zeroed
+        self.strides = contiguous_strides(self.shape)
+        self.nbytes = math.prod(self.shape) * _ITEMSIZE[dtype]
+        self.offset = None
+
+    def __repr__(self):
+        return f"Buffer({self.name!r}, {self.shape}, {self.dtype}, offset={self.offset})"
+
+
+class Output:
+    """An array allocated per call and returned to the caller (contiguous)."""
+
+    def __init__(self, name: str, shape: tuple, dtype: str):
+        self.name, self.shape, self.dtype = name, tuple(int(s) for s in shape), dtype
+        self.strides = contiguous_strides(self.shape)
+
+    def __repr__(self):
+        return f"Output({self.name!r}, {self.shape}, {self.dtype})"
+
+
+def carve(buffers) -> tuple:
+    """Assign each Buffer its offset: zeroed buffers first, every offset a multiple of
+    WORKSPACE_ALIGN.  Returns (total bytes, bytes to zero from offset 0)."""
+    pos = zero_bytes = 0
+    for buf in sorted(buffers, key=lambda b: not b.zeroed):  # stable: zeroed first, else in order
+        buf.offset = pos
+        pos = _round_up(pos + buf.nbytes, WORKSPACE_ALIGN)
+        if buf.zeroed:
+            zero_bytes = buf.offset + buf.nbytes
+    return pos, zero_bytes
+
+
+class Step:
+    """One launch of a plan."""
+
+    __slots__ = ("spec", "entry", "head", "args", "slots")
+
+    def __init__(self, spec, entry, function: int, grid, block, shared: int, args: PackedArgs, slots: tuple):
+        self.spec, self.entry = spec, entry
+        self.head = (function, *grid, *block, shared)  # cuLaunchKernel's arguments before the stream
+        self.args = args
+        self.slots = slots  # ((word index in args, pointer-table index, byte offset), ...)
+
+
+class LaunchPlan:
+    """Everything one call launches; ``run`` replays it with the call's pointers."""
+
+    def __init__(self, device_id: int, framework: str, inputs: tuple, outputs: list, workspace_bytes: int,
+                 zero_bytes: int, steps: list, problem=None):
+        self.device_id = device_id
+        self.framework = framework  # whose allocator and current stream a call uses
+        self.inputs = inputs  # names of the caller's arrays, in the order ``run`` takes their pointers
+        self.outputs = outputs  # Output objects, allocated per call in this order
+        self.workspace_bytes = workspace_bytes
+        self.zero_bytes = zero_bytes
+        self.steps = steps
+        self.problem = _detached(problem)  # what the plan was built from (pointers stale, arrays dropped)
+        self.read_stream = stream_reader(framework)
+        self._lock = threading.Lock()  # the packed arguments are shared: one call at a time packs and launches
+
+    def run(self, input_ptrs, stream: int | None = None):
+        """Launch for arrays at ``input_ptrs``; returns (output arrays, workspace array or None)."""
+        dev = self.device_id
+        if stream is None:
+            stream = self.read_stream(dev)
+        fw = self.framework
+        objs, table = [], list(input_ptrs)
+        for out in self.outputs:
+            obj, p = allocate(out.shape, out.dtype, fw, dev)
+            objs.append(obj)
+            table.append(p)
+        workspace = None
+        if self.workspace_bytes:
+            # Room to align the base: a user allocator need not return 256-byte aligned memory.
+            workspace, p = allocate((self.workspace_bytes + WORKSPACE_ALIGN,), "uint8", fw, dev)
+            table.append(_round_up(p, WORKSPACE_ALIGN))
+        runtime, driver = cuda()
+        launch_kernel = driver.launchKernel
+        with self._lock:
+            # The device must be current for the driver; the usual case costs two cheap queries.
+            previous = runtime.getDevice()
+            if previous != dev or not driver.ctxGetCurrent():
+                runtime.setDevice(dev)  # also binds the device's primary context to this thread
+            try:
+                if self.zero_bytes:
+                    runtime.memsetAsync(table[-1], 0, self.zero_bytes, stream)
+                for step in self.steps:
+                    words = step.args.words
+                    for word, source, offset in step.slots:
+                        words[word] = table[source] + offset
+                    launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+            finally:
+                if previous != dev:
+                    runtime.setDevice(previous)
+        return objs, workspace
+
+    def workspace_base_offset(self, workspace) -> int:
+        """Where the aligned base lies in a workspace array that ``run`` returned."""
+        from .arrays import describe
+
+        p = describe(workspace, "workspace").ptr
+        return _round_up(p, WORKSPACE_ALIGN) - p
+
+
+def _detached(problem):
+    """``problem`` (a dataclass) with its ArrayDescs no longer referring to the caller's arrays: a
+    cached plan must not keep the first call's tensors alive."""
+    if problem is None:
+        return None
+    arrays = {f.name: dataclasses.replace(getattr(problem, f.name), obj=None, keepalive=None)
+              for f in dataclasses.fields(problem) if isinstance(getattr(problem, f.name), ArrayDesc)}
+    return dataclasses.replace(problem, **arrays)
+
+
+class PlanBuilder:
+    """Records the launches of one call with symbolic pointers, then builds a LaunchPlan.
+
+    ``inputs``: ``(name, ArrayDesc)`` pairs of the caller's arrays; a pointer argument that is one
+    of these descriptors (the same object) becomes a per-call pointer.  Other ArrayDescs and ints are
+    constants, allowed only in a plan that will not be cached (``build(cacheable=False)``)."""
+
+    def __init__(self, device_id: int, framework: str, inputs):
+        self.device_id, self.framework = device_id, framework
+        self.inputs = tuple(inputs)
+        self.buffers, self.outputs, self.launches = [], [], []
+
+    def workspace(self, name: str, shape, dtype: str, zeroed: bool = False) -> Buffer:
+        buf = Buffer(name, shape, dtype, zeroed)
+        self.buffers.append(buf)
+        return buf
+
+    def output(self, name: str, shape, dtype: str) -> Output:
+        out = Output(name, shape, dtype)
+        self.outputs.append(out)
+        return out
+
+    def launch(self, spec, entry: str, grid, block, args, shared: int = 0) -> None:
+        self.launches.append((spec, entry, tuple(grid), tuple(block), int(shared), list(args)))
+
+    def _pointer_source(self, value, n_inputs: int):
+        """(pointer-table index, byte offset) of a symbolic pointer."""
+        if isinstance(value, Buffer):
+            return n_inputs + len(self.outputs), value.offset
+        if isinstance(value, Output):
+            return n_inputs + self.outputs.index(value), 0
+        raise TypeError(f"unexpected pointer argument {value!r}")
+
+    def build(self, problem=None, cacheable: bool = True, resolve=None) -> LaunchPlan:
+        """The plan; ``resolve(spec, entry, device_id, shared) -> function handle`` loads the kernels
+        (default: compiler.get_function_pointer, which needs the device)."""
+        resolve = resolve or compiler.get_function_pointer
+        total, zero_bytes = carve(self.buffers)
+        input_ids = {id(desc): i for i, (_, desc) in enumerate(self.inputs)}
+        steps = []
+        for spec, entry, grid, block, shared, args in self.launches:
+            args = [_symbolize(a, input_ids) for a in args]
+            packed = PackedArgs(args)
+            if cacheable and _has_constant_pointer(args):
+                raise ValueError(f"{spec.key}:{entry}: a cached plan cannot hold a constant pointer")
+            slots = []
+            for word, value in packed.symbolic:
+                if isinstance(value, _Input):
+                    slots.append((word, value.index, 0))
+                else:
+                    source, offset = self._pointer_source(value, len(self.inputs))
+                    slots.append((word, source, offset))
+            function = resolve(spec, entry, self.device_id, shared)
+            steps.append(Step(spec, entry, function, grid, block, shared, packed, tuple(slots)))
+        return LaunchPlan(self.device_id, self.framework, tuple(name for name, _ in self.inputs), list(self.outputs),
+                          total, zero_bytes, steps, problem)
+
+
+class _Input:
+    """A pointer to the caller's array number ``index``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _symbolize(arg, input_ids: dict):
+    """The argument with the caller's array descriptors replaced by _Input markers."""
+    if arg.kind == "struct":
+        return arg._replace(value=tuple(_symbolize(f, input_ids) for f in arg.value))
+    if arg.kind == "ptr" and isinstance(arg.value, ArrayDesc) and id(arg.value) in input_ids:
+        return arg._replace(value=_Input(input_ids[id(arg.value)]))
+    return arg
+
+
+def _has_constant_pointer(args) -> bool:
+    for arg in args:
+        if arg.kind == "struct":
+            if _has_constant_pointer(arg.value):
+                return True
+        elif arg.kind == "ptr" and not (arg.value is None or isinstance(arg.value, (_Input, Buffer, Output))):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache.
+
+_plans: dict = {}
+
+
+def cached_plan(key):
+    """The plan stored under ``key``, or None (also for an unhashable key: the full path then
+    reports whatever option made it so)."""
+    try:
+        return _plans.get(key)
+    except TypeError:
+        return None
+
+
+def remember_plan(key, plan: LaunchPlan) -> None:
+    if len(_plans) >= MAX_PLANS:
+        try:
+            _plans.pop(next(iter(_plans)), None)  # the oldest
+        except (RuntimeError, StopIteration):  # another thread changed the cache meanwhile
+            pass
+    try:
+        _plans[key] = plan
+    except TypeError:
+        pass
+
+
+def clear_plans() -> None:
+    _plans.clear()
+
+
+def launch_now(spec, entry: str, device_id: int, stream: int, grid, block, args, shared: int = 0) -> None:
+    """One launch, now (benchmarks and one-off kernels): pointer arguments are None, ints or
+    ArrayDescs."""
+    plan = PlanBuilder(device_id, "cupy", [])
+    plan.launch(spec, entry, (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3], args, shared)
+    plan.build(cacheable=False).run([], stream)

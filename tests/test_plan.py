@@ -1,0 +1,425 @@
+"""Launch plans on the CPU: workspace carving, argument packing, the plan cache, and the per-call
+pointer updates, with every GPU call replaced by a recorder (no device needed).  The packed
+arguments are also checked against the kernels' own parameter lists (NVRTC's PTX)."""
+import ctypes
+import dataclasses
+import re
+import struct
+
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from sagebwd_cp import compiler, launch, numerics, plan
+from sagebwd_cp.arrays import ArrayDesc
+from sagebwd_cp.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
+
+H200_SHARED = 232448
+
+
+# ------------------------------------------------------------------------------ workspace carving
+
+def test_carve_aligns_zeroed_first_and_never_overlaps():
+    sizes = [(1, False), (1000, True), (256, False), (3, True), (513, False), (4096, False)]
+    bufs = [plan.Buffer(f"b{i}", (n,), "int8", z) for i, (n, z) in enumerate(sizes)]
+    total, zero_bytes = plan.carve(bufs)
+    spans = sorted((b.offset, b.offset + b.nbytes, b.zeroed) for b in bufs)
+    assert all(start % plan.WORKSPACE_ALIGN == 0 for start, _, _ in spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= total and total % plan.WORKSPACE_ALIGN == 0
+    # The zeroed buffers come first and one memset of zero_bytes covers them and nothing after them.
+    assert [z for _, _, z in spans] == [True, True, False, False, False, False]
+    assert zero_bytes == max(end for _, end, z in spans if z)
+    assert zero_bytes <= min(start for start, _, z in spans if not z)
+
+
+def test_carve_keeps_the_order_of_the_others_and_sizes_by_dtype():
+    bufs = [plan.Buffer("a", (3, 5), "float32", False), plan.Buffer("b", (7,), "float64", True),
+            plan.Buffer("c", (2, 2), "int8", False)]
+    total, zero_bytes = plan.carve(bufs)
+    assert [b.offset for b in bufs] == [256, 0, 512]
+    assert [b.nbytes for b in bufs] == [60, 56, 4]
+    assert (total, zero_bytes) == (768, 56)
+
+
+def test_carve_without_zeroed_buffers():
+    bufs = [plan.Buffer("a", (10,), "int8", False)]
+    assert plan.carve(bufs) == (256, 0) and bufs[0].offset == 0
+
+
+# ------------------------------------------------------------------------------ argument packing
+
+class Symbol:
+    """A pointer known only per call (what a plan fills in)."""
+
+
+def test_packed_bytes_equal_the_values_given():
+    sym = Symbol()
+    desc = ArrayDesc(0xABC0, (1,), (1,), "float16", "cuda", 0, None, "torch")
+    args = [ptr(0x1234), i32(-7), i64(-(2 ** 40)), f32(0.1), ptr(None), i32(3), ptr(desc), ptr(sym), f32(1e300)]
+    p = PackedArgs(args)
+    # Natural alignment, as in a C struct: the i64 after an i32 starts at 16.
+    assert p.offsets == [0, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert p.sizes == [8, 4, 8, 4, 8, 4, 8, 8, 4]
+    assert p.argument_bytes(0) == struct.pack("<Q", 0x1234)
+    assert p.argument_bytes(1) == struct.pack("<i", -7)
+    assert p.argument_bytes(2) == struct.pack("<q", -(2 ** 40))
+    assert p.argument_bytes(3) == np.float32(0.1).tobytes()
+    assert p.argument_bytes(4) == bytes(8)
+    assert p.argument_bytes(6) == struct.pack("<Q", 0xABC0)
+    assert p.argument_bytes(7) == bytes(8) and p.symbolic == [(7, sym)]
+    assert p.argument_bytes(8) == np.float32(np.inf).tobytes()  # float32 rounding, as NumPy does
+    # The kernelParams array points at each argument.
+    params = (ctypes.c_void_p * len(args)).from_address(p.params_ptr)
+    base = ctypes.addressof(p.buffer)
+    assert [params[i] - base for i in range(len(args))] == p.offsets
+    assert ctypes.string_at(params[1], 4) == struct.pack("<i", -7)
+
+
+def test_struct_argument_is_laid_out_like_c():
+    sym = Symbol()
+    s = struct_arg(i32(1), ptr(sym), i32(2))  # 4 bytes of padding after the first i32, and at the end
+    p = PackedArgs([i32(9), s, i32(5)])
+    assert p.offsets == [0, 8, 32] and p.sizes == [4, 24, 4]
+    assert p.argument_bytes(1) == struct.pack("<i4xQi4x", 1, 0, 2)
+    assert p.symbolic == [(2, sym)]  # the struct's pointer: word 2 (byte 16)
+
+
+def test_pointer_updates_land_at_their_offsets():
+    a, b = Symbol(), Symbol()
+    p = PackedArgs([i32(1), ptr(a), struct_arg(ptr(None), ptr(b), i64(4)), f32(2.0)])
+    words = dict((id(v), w) for w, v in p.symbolic)
+    p.words[words[id(a)]] = 0x1111_2222_3333
+    p.words[words[id(b)]] = 0xDEAD_BEEF_0000
+    assert p.argument_bytes(0) == struct.pack("<i", 1)
+    assert p.argument_bytes(1) == struct.pack("<Q", 0x1111_2222_3333)
+    assert p.argument_bytes(2) == struct.pack("<QQq", 0, 0xDEAD_BEEF_0000, 4)
+    assert p.argument_bytes(3) == struct.pack("<f", 2.0)
+
+
+def test_quantize_job_matches_the_kernel_struct():
+    """kernels/quantize.cu QuantizeJob: 7 pointers, 3 i64, 5 x 4 bytes and the CTA count: 104 bytes."""
+    from sagebwd_cp.forward import _NO_JOB
+
+    p = PackedArgs([_NO_JOB])
+    assert p.sizes == [104] and p.argument_bytes(0) == bytes(104)
+
+
+# ------------------------------------------------------------------------------ plans with the GPU mocked
+
+class FakeCuda:
+    """Stands in for cupy.cuda.runtime and cupy.cuda.driver: records memsets and launches (with the
+    argument bytes read through kernelParams, as the driver reads them)."""
+
+    def __init__(self, current_device=0):
+        self.device = current_device
+        self.calls = []
+
+    # runtime
+    def getDevice(self):
+        return self.device
+
+    def setDevice(self, d):
+        self.calls.append(("setDevice", d))
+        self.device = d
+
+    def memsetAsync(self, p, value, nbytes, stream):
+        self.calls.append(("memset", p, value, nbytes, stream))
+
+    # driver
+    def ctxGetCurrent(self):
+        return 1
+
+    def launchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        self.calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), shared, stream, params))
+
+    def launches(self):
+        return [c for c in self.calls if c[0] == "launch"]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """CUDA-looking ArrayDescs run their plans against FakeCuda; allocations come from a counter."""
+    fake = FakeCuda()
+    monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
+    monkeypatch.setitem(launch._device_limits, 0, H200_SHARED)
+    monkeypatch.setattr(compiler, "get_function_pointer",
+                        lambda spec, entry, device_id, shared=0: hash((spec.key, entry)) & 0xFFFFFFFF)
+    monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0x5157))
+    allocations = []
+
+    def allocate(shape, dtype, framework, device_id):
+        p = (len(allocations) + 1) << 36
+        allocations.append((p, shape, dtype))
+        return cuda_desc(shape, dtype, p), p
+
+    monkeypatch.setattr(plan, "allocate", allocate)
+    monkeypatch.setattr(plan, "_plans", {})
+    fake.allocations = allocations
+    return fake
+
+
+def cuda_desc(shape, dtype="float16", base=1 << 44, strides=None):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return ArrayDesc(base, tuple(shape), tuple(strides), dtype, "cuda", 0, None, "torch")
+
+
+def qkv(b=1, hq=2, hk=1, lq=100, lk=300, d=64, dtype="float16"):
+    return (cuda_desc((b, hq, lq, d), dtype, 1 << 44), cuda_desc((b, hk, lk, d), dtype, 2 << 44),
+            cuda_desc((b, hk, lk, d), dtype, 3 << 44))
+
+
+def test_same_key_same_plan_and_no_second_check(gpu, monkeypatch):
+    q, k, v = qkv()
+    sagebwd_cp.attention(q, k, v, causal=True)
+    assert len(plan._plans) == 1
+    built = next(iter(plan._plans.values()))
+
+    def no_check(*a, **kw):
+        raise AssertionError("a cached call must not check its arrays again")
+
+    monkeypatch.setattr(sagebwd_cp.api, "make_problem", no_check)
+    q2, k2, v2 = (cuda_desc(x.shape, base=x.ptr + (5 << 40)) for x in (q, k, v))  # same layout, other memory
+    out = sagebwd_cp.attention(q2, k2, v2, causal=True)
+    assert len(plan._plans) == 1 and next(iter(plan._plans.values())) is built
+    assert out.ptr == gpu.allocations[-2][0]  # the output came from the plan's allocation (then the workspace)
+
+
+def test_arrays_without_a_cheap_signature_reuse_a_plan_keyed_by_their_descriptors(gpu, monkeypatch):
+    import sagebwd_cp.forward as forward
+
+    builds = []
+    real = forward.forward_plan
+    monkeypatch.setattr(forward, "forward_plan", lambda *a: builds.append(1) or real(*a))
+
+    class Opaque:  # an array type with no cheap signature (as JAX or a plain DLPack producer)
+        def __init__(self, desc):
+            self.desc = desc
+
+    import sagebwd_cp.problem as problem
+
+    real_describe = problem.describe
+    monkeypatch.setattr(problem, "describe", lambda x, name="array": real_describe(getattr(x, "desc", x), name))
+    for shift in range(3):
+        q, k, v = (Opaque(dataclasses.replace(x, ptr=x.ptr + (shift << 30))) for x in qkv())
+        sagebwd_cp.attention(q, k, v, causal=True)
+    assert builds == [1] and len(plan._plans) == 1
+    assert len(gpu.launches()) == 3 * 3
+
+
+def test_a_cached_plan_keeps_no_array_alive(gpu):
+    import gc
+    import weakref
+
+    class Tensor:  # stands for the caller's array object behind a descriptor
+        pass
+
+    t = Tensor()
+    q, k, v = (dataclasses.replace(x, obj=t) for x in qkv())
+    sagebwd_cp.attention_forward(q, k, v)
+    ref = weakref.ref(t)
+    del t, q, k, v
+    gc.collect()
+    assert ref() is None and len(plan._plans) == 1
+
+
+@pytest.mark.parametrize("change", ["strides", "options", "alignment", "dtype", "out"])
+def test_a_different_key_builds_a_different_plan(gpu, change):
+    q, k, v = qkv()
+    sagebwd_cp.attention(q, k, v, causal=True)
+    first = next(iter(plan._plans.values()))
+    opts = dict(causal=True)
+    if change == "strides":  # NHD-ordered memory, viewed as HND
+        b, h, n, d = q.shape
+        q = cuda_desc(q.shape, strides=(n * h * d, d, h * d, 1), base=q.ptr)
+    elif change == "options":
+        opts = dict(causal=True, smooth_q=True)
+    elif change == "alignment":
+        v = cuda_desc(v.shape, base=v.ptr + 8)
+    elif change == "dtype":
+        q, k, v = qkv(dtype="bfloat16")
+    else:
+        opts["out"] = cuda_desc(q.shape, base=9 << 44)
+    sagebwd_cp.attention(q, k, v, **opts)
+    assert len(plan._plans) == 2
+    second = [p for p in plan._plans.values() if p is not first]
+    assert len(second) == 1
+
+
+def test_bad_input_still_names_the_argument_after_a_cached_call(gpu):
+    q, k, v = qkv()
+    sagebwd_cp.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8"):
+        sagebwd_cp.attention(*(cuda_desc(x.shape[:3] + (60,), base=x.ptr) for x in (q, k, v)))
+    with pytest.raises(ValueError, match=r"layout: expected one of"):
+        sagebwd_cp.attention(q, k, v, layout=["HND"])  # unhashable: no cache lookup, the check reports it
+    with pytest.raises(ValueError, match=r"out: expected 4-byte aligned rows"):
+        sagebwd_cp.attention(q, k, v, out=cuda_desc(q.shape, base=(9 << 44) + 2))
+    assert len(plan._plans) == 1
+
+
+def _argument_bytes(params_ptr, sizes):
+    params = (ctypes.c_void_p * len(sizes)).from_address(params_ptr)
+    return [ctypes.string_at(params[i], n) for i, n in enumerate(sizes)]
+
+
+def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
+    """Two calls of one plan: every pointer argument holds this call's array, output or workspace
+    sub-buffer (base + carved offset); nothing else in the arguments changes."""
+    from sagebwd_cp.forward import forward_plan
+    from sagebwd_cp.problem import make_problem
+
+    q, k, v = qkv(lq=100, lk=300)  # two token-sum chunks: the K sums start zeroed
+    prob = make_problem(q, k, v, causal=True)
+    built = forward_plan(prob, None, True, False)
+    names = {b.name: b for b in _buffers(built)}
+    snapshots = []
+    for call in range(2):
+        shift = call << 40
+        gpu.calls.clear()
+        start = len(gpu.allocations)
+        built.run([q.ptr + shift, k.ptr + shift, v.ptr + shift])
+        out_ptr, ws_ptr = gpu.allocations[start][0], gpu.allocations[start + 2][0]
+        assert [a[1:] for a in gpu.allocations[start:]] == [((1, 2, 100, 64), "float16"), ((1, 2, 100), "float32"),
+                                                             ((built.workspace_bytes + 256,), "uint8")]
+        memsets = [c for c in gpu.calls if c[0] == "memset"]
+        assert memsets == [("memset", ws_ptr, 0, built.zero_bytes, 0x5157)]
+        assert built.zero_bytes == names["k_sum"].nbytes and names["k_sum"].offset == 0
+        launches = gpu.launches()
+        assert [c[1] for c in launches] == [s.head[0] for s in built.steps]
+        args = {s.entry: _argument_bytes(c[6], s.args.sizes) for s, c in zip(built.steps, launches)}
+        u64 = lambda b: struct.unpack("<Q", b)[0]
+        ts = args["token_sum"]
+        assert u64(ts[0]) == k.ptr + shift and u64(ts[8]) == ws_ptr + names["k_sum"].offset
+        qt = args["quantize_tensors"]
+        job = lambda i: struct.unpack("<7Q3q4ifi", qt[i])
+        assert job(0)[:7] == (q.ptr + shift, 0, 0, 0, ws_ptr + names["q8"].offset, 0, ws_ptr + names["q_scale"].offset)
+        assert job(1)[:7] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
+                              ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset)
+        assert job(2)[:7] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset)
+        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (2 * 2, 6 * 1, 6 * 1)  # CTAs: blocks of 64 x heads
+        assert job(0)[14] == np.float32(numerics.qk_prescale(1 / 8))
+        fw = args["attention_forward"]
+        assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11)] == [
+            ws_ptr + names[n].offset for n in ("q8", "q_scale", "k8", "k_scale", "vt8", "v_scale")] + [0, out_ptr,
+                                                                                                     gpu.allocations[start + 1][0]]
+        snapshots.append({e: [b for b in a] for e, a in args.items()})
+    # Between the two calls only pointer words changed: scalars are packed once.
+    for entry in snapshots[0]:
+        for b0, b1 in zip(snapshots[0][entry], snapshots[1][entry]):
+            if len(b0) == 4:
+                assert b0 == b1
+
+
+def _buffers(built):
+    """The Buffers a plan's steps point into (from their symbolic pointers)."""
+    seen = {}
+    for step in built.steps:
+        for _, value in step.args.symbolic:
+            if isinstance(value, plan.Buffer):
+                seen[value.name] = value
+    return seen.values()
+
+
+def test_device_is_switched_only_when_needed(gpu):
+    q, k, v = qkv()
+    sagebwd_cp.attention(q, k, v)
+    assert not [c for c in gpu.calls if c[0] == "setDevice"]
+    gpu.device = 3  # another device is current: switch for the launches, then switch back
+    gpu.calls.clear()
+    sagebwd_cp.attention(q, k, v)
+    kinds = [c[0] for c in gpu.calls]
+    assert kinds[0] == "setDevice" and gpu.calls[0][1] == 0 and kinds[-1] == "setDevice" and gpu.device == 3
+    assert "launch" in kinds[1:-1]
+
+
+def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
+    q, k, v = qkv(lq=64, lk=64)
+    out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
+    assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
+    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), (2 * 2 + 2 * 1 + 2 * 1, 1, 1), (1, 2, 1)]
+    gpu.calls.clear()
+    do = cuda_desc(q.shape, base=7 << 44)
+    sagebwd_cp.attention_backward(saved, do, deterministic=True)
+    memsets = [c for c in gpu.calls if c[0] == "memset"]
+    assert len(memsets) == 1  # dQ accumulator and the locks, in one memset
+    bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
+    zeroed = sorted(b.name for b in _buffers(bwd) if b.zeroed)
+    assert zeroed == ["dq_acc", "lock"] and memsets[0][3] == bwd.zero_bytes
+
+
+# ------------------------------------------------------------------------------ against the kernels' parameters
+
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([a-z]+)(\d+)\s+\w+(?:\[(\d+)\])?")
+
+
+def _ptx_parameter_sizes(spec, entry):
+    """The byte size of each parameter of ``entry``, from NVRTC's PTX for compute_90."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = [o.replace("sm_90", "compute_90") for o in spec.options("sm_90") if not o.startswith("-Xptxas")]
+    prog = nvrtc.createProgram(compiler.flatten_source(spec.filename), f"{spec.key}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    m = re.search(r"\.entry\s+" + entry + r"\s*\((.*?)\)", ptx, re.S)
+    assert m, f"{entry} not in the PTX of {spec.key}"
+    return [int(count) if count else int(bits) // 8 for _, _, bits, count in _PTX_PARAM.findall(m.group(1))]
+
+
+def test_packed_arguments_match_every_kernel_signature(gpu):
+    """Every launch of the forward and backward plans passes as many arguments as its kernel declares,
+    each of the declared size (an i32 where an i64 is expected would shift every later argument)."""
+    q, k, v = qkv(hq=2, hk=1, lq=100, lk=300, d=80)
+    v = cuda_desc(v.shape, base=v.ptr + 4)  # misaligned: the backward packs V's rows first
+    do = cuda_desc(q.shape, base=6 << 44)
+    for smooth_q in (False, True):
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, smooth_q=smooth_q, return_lse=True)
+        sagebwd_cp.attention_backward(saved, do, deterministic=True)
+    checked = {}
+    for built in plan._plans.values():
+        for step in built.steps:
+            key = (step.spec.key, step.entry)
+            if key not in checked:
+                checked[key] = _ptx_parameter_sizes(step.spec, step.entry)
+            assert step.args.sizes == checked[key], key
+    entries = {e for _, e in checked}
+    assert entries == {"token_sum", "quantize_tensors", "smooth_q_bias", "attention_forward", "natural_lse",
+                       "row_stats", "pack_rows", "attention_backward", "dq_convert"}
+
+
+# ------------------------------------------------------------------------------ allocation helpers
+
+def test_user_allocator_results_must_be_contiguous():
+    from sagebwd_cp import arrays
+
+    calls = []
+
+    def alloc(shape, dtype, device_id):
+        calls.append((shape, dtype, device_id))
+        return np.empty(shape, dtype=dtype)
+
+    sagebwd_cp.set_allocator(alloc)
+    try:
+        obj, p = arrays.allocate((1000,), "uint8", "torch", 0)
+        assert calls == [((1000,), "uint8", 0)] and p == obj.ctypes.data
+        sagebwd_cp.set_allocator(lambda shape, dtype, device_id: np.empty(shape[::-1], dtype=dtype).T)
+        with pytest.raises(ValueError, match=r"allocator result: expected a contiguous array of shape \(2, 3\)"):
+            arrays.allocate((2, 3), "float32", "torch", 0)
+    finally:
+        sagebwd_cp.set_allocator(None)
+
+
+def test_byte_view_of_a_torch_buffer():
+    torch = pytest.importorskip("torch")
+    from sagebwd_cp import arrays
+
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    d = arrays.byte_view(buf, 512, (2, 3, 4), "float32")
+    assert d.ptr == buf.data_ptr() + 512 and d.shape == (2, 3, 4) and d.dtype == "float32"
+    d.obj[1, 2, 3] = 1.5
+    assert buf[512 + 4 * 23:512 + 4 * 24].view(torch.float32).item() == 1.5
