@@ -90,6 +90,9 @@ def _version(module: str):
 
 
 def _git_commit():
+    # A copy of the tree on another machine may carry a stale .git: SAGEBWD_COMMIT names the commit.
+    if os.environ.get("SAGEBWD_COMMIT"):
+        return os.environ["SAGEBWD_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)
