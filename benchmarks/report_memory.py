@@ -27,7 +27,7 @@ from report_speed import failure_reason  # noqa: E402
 IMPLS = ("sagebwd[fine]", "sagebwd[paper]", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
-QUANTIZATION = {"quantize_blocks", "token_sum"}
+QUANTIZATION = {"quantize_tensors", "quantize_blocks", "token_sum", "smooth_q_bias"}
 ATTENTION = {"attention_forward", "attention_backward"}
 NOT_ATTENTION = {"int8_mma_ceiling", "fp16_mma_ceiling"}  # benchmark kernels, never in a call
 _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
