@@ -34,6 +34,21 @@ def timed(fn, reps=20, warmup=3):
     return statistics.median(times)
 
 
+def peak_mib(fn) -> float:
+    """MiB that one call of ``fn`` allocates at its peak beyond what was allocated before it (after
+    one unmeasured call, so compilation, plans and caches stay outside the measurement)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def measure_ceilings():
     import cupy
     import torch
@@ -128,15 +143,6 @@ def bench_training(d, n, causal, reps, granularities):
     def record(name, pas, ms, peak=None):
         rows.append((name, pas, ms, fwd_flops * (2.5 if pas == "bwd" else 3.5) / (ms * 1e-3) / 1e12, peak))
 
-    def peak_of(fn):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
     for name, backend in PEERS:
         try:
             with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -150,7 +156,7 @@ def bench_training(d, n, causal, reps, granularities):
                     torch.autograd.grad(o, (qr, kr, vr), do)
 
                 ms_fb = timed(fwdbwd, reps)
-                peak = peak_of(fwdbwd)
+                peak = peak_mib(fwdbwd)
             record(name, "bwd", ms_b)
             record(name, "fwdbwd", ms_fb, peak)
         except RuntimeError as exc:
@@ -169,7 +175,7 @@ def bench_training(d, n, causal, reps, granularities):
 
             ms_fb = timed(fwdbwd, reps)
             record(label, "bwd", ms_b)
-            record(label, "fwdbwd", ms_fb, peak_of(fwdbwd))
+            record(label, "fwdbwd", ms_fb, peak_mib(fwdbwd))
     return b, h, rows
 
 

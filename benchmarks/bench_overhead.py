@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import sagebwd_cp
 import sagebwd_cp.torch as st
+from report_memory import kernel_times  # benchmarks/ is on sys.path when this script runs
 
 
 def host_us(fn, calls: int, burst: int = 50):
@@ -45,19 +46,8 @@ def host_us(fn, calls: int, burst: int = 50):
 
 def kernel_us(fn, calls: int):
     """(GPU µs per call, GPU operations per call): the kernels and memsets torch.profiler records."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    if not device:
-        raise RuntimeError("torch.profiler recorded no GPU activity (is CUPTI available?)")
-    return sum(e.time_range.elapsed_us() for e in device) / calls, len(device) / calls
+    times, count = kernel_times(fn, calls)
+    return 1e3 * sum(times.values()), count
 
 
 def main(argv=None):

@@ -151,10 +151,14 @@ def sigma_sweep(be: Backend, configs, heads, sigmas, granularities) -> list:
             res = be.run(q, k, v, do, granularities)
             recs = _scored(res, be.exact(q, k, v, do), table="sigma", source=_source(be), sigma=sigma, **shape)
             records += recs
-            report.log(f"  σ sweep d={d} N={n} σ={sigma}: " + "  ".join(
-                f"{r['tensor']}{'' if r['granularity'] is None else '/' + r['granularity']} {r['rel_l2']:.4f}"
-                for r in recs))
+            report.log(f"  σ sweep d={d} N={n} σ={sigma}: " + _summary(recs))
     return records
+
+
+def _summary(recs) -> str:
+    """Rel-L2 per tensor (and granularity) of scored records, for the progress log."""
+    return "  ".join(f"{r['tensor']}{'' if r['granularity'] is None else '/' + r['granularity']} {r['rel_l2']:.4f}"
+                     for r in recs)
 
 
 def _source(be: Backend) -> str:
@@ -264,9 +268,7 @@ def smoothing_table(be: Backend, heads, n, d, granularities) -> list:
         recs = _scored(be.run(q, k, v, do, granularities, **options), exact, table="smoothing",
                        source=_source(be), smoothing=variant, **shape)
         records += recs
-        report.log(f"  smoothing {variant:<4}: " + "  ".join(
-            f"{r['tensor']}{'' if r['granularity'] is None else '/' + r['granularity']} {r['rel_l2']:.4f}"
-            for r in recs))
+        report.log(f"  smoothing {variant:<4}: " + _summary(recs))
     return records
 
 

@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report  # noqa: E402
-from bench_attention import timed  # noqa: E402
+from bench_attention import peak_mib, timed  # noqa: E402
 from report_speed import failure_reason  # noqa: E402
 
 IMPLS = ("sagebwd[fine]", "sagebwd[paper]", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
@@ -88,19 +88,6 @@ def fwdbwd_call(impl, q, k, v, do, causal):
             torch.autograd.grad(o, leaves, do)
 
     return peer
-
-
-def peak_mib(fn) -> float:
-    import torch
-
-    fn()  # compiles, plans and caches outside the measurement
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def cupy_pool_mib():

@@ -376,9 +376,10 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         }
         cp_async_commit();
 
-        const u32 st = base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
-        const float2* stats_s = reinterpret_cast<const float2*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS);
-        const float* scale_s = reinterpret_cast<const float*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSCALE);
+        const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        const u32 st = base + stage_off;  // shared-space address, for ldmatrix
+        const float2* stats_s = reinterpret_cast<const float2*>(smem + stage_off + SSTATS);
+        const float* scale_s = reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const float s_q = scale_s[0], s_do = scale_s[1];
         const int q0 = i * BQ;
         const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
