@@ -211,8 +211,9 @@ def emulated_intermediates(q, k, v, do, granularities) -> dict:
     """{(granularity or None, tensor): array} from the emulator, with default smoothing (K only).
 
     δ and P are rebuilt as the emulated backward computes them: δ from the stored 16-bit O, P from
-    the INT8 logits Q̂K̂ᵀ·s_Q·s_K and the forward's base-2 LSE; then the 8-bit P̂ (read by dV) and
-    dŜ (read by dQ and dK) with each granularity's scales (numerics.py)."""
+    the INT8 logits (Q̂K̂ᵀ·s_K[key])·s_Q[query] and the forward's base-2 LSE; then the 8-bit P̂ (read by
+    dV), and the dS that dQ and dK effectively read: Ŷ/s_K and Ẑ/s_Q, with Y = dS·s_K and Z = dS·s_Q
+    quantized with each granularity's scales (numerics.py)."""
     from sagebwd_cp import emulator
     from sagebwd_cp.numerics import BLOCK_KV, BLOCK_Q
 
@@ -221,24 +222,26 @@ def emulated_intermediates(q, k, v, do, granularities) -> dict:
         raise ValueError("intermediates: N must be a multiple of 64 and heads equal")
     o, _, state = emulator.emulate_forward(q, k, v, causal=False, dtype="float16")
     qi = state["inputs"]
-    s_rows = np.repeat(qi["q_scale"], BLOCK_Q, axis=2)[:, :, :n]
-    s_cols = np.repeat(qi["k_scale"], BLOCK_KV, axis=2)[:, :, :n]
+    s_rows = qi["q_scale"][:, :, :n, None]  # per token
+    s_cols = qi["k_scale"][:, :, None, :n]
     prod = (qi["q_int8"][:, :, :n].astype(np.float64) @ np.swapaxes(qi["k_int8"][:, :, :n], -1, -2)
             .astype(np.float64)).astype(np.float32)
-    s2 = (prod * (s_rows[..., :, None] * s_cols[..., None, :])).astype(np.float32)
+    s2 = ((prod * s_cols).astype(np.float32) * s_rows).astype(np.float32)
     p = np.exp2(s2 - state["lse2"][:, :, :n, None]).astype(np.float32)
     delta = np.sum(do * o, axis=-1, dtype=np.float32)
     dp = (do @ np.swapaxes(v, -1, -2)).astype(np.float32)
     ds = (p * (dp - delta[..., None])).astype(np.float32)
+    y, z = (ds * s_cols).astype(np.float32), (ds * s_rows).astype(np.float32)
     res = {(None, "delta"): delta, (None, "P"): p, (None, "dS"): ds, (None, "O"): o}
     for gran in granularities:
-        if gran == "fine":  # P per key (unsigned, 255 levels); dS per query for dQ, per key for dK
+        if gran == "fine":  # P per key (unsigned, 255 levels); Y per query for dQ, Z per key for dK
             res[gran, "P_hat"] = _dequantized(p, 3, unsigned=True)
-            res[gran, "dS_hat_q"] = _dequantized(ds, 5)
-            res[gran, "dS_hat_k"] = _dequantized(ds, 3)
-        else:  # one scale per 64x64 tile for both
+            res[gran, "dS_hat_q"] = _dequantized(y, 5) / s_cols
+            res[gran, "dS_hat_k"] = _dequantized(z, 3) / s_rows
+        else:  # one scale per 64x64 tile for each
             res[gran, "P_hat"] = _dequantized(p, (3, 5))
-            res[gran, "dS_hat_q"] = res[gran, "dS_hat_k"] = _dequantized(ds, (3, 5))
+            res[gran, "dS_hat_q"] = _dequantized(y, (3, 5)) / s_cols
+            res[gran, "dS_hat_k"] = _dequantized(z, (3, 5)) / s_rows
         dq, dk, dv = emulator.emulate_backward(state, do, granularity=gran)
         res[gran, "dQ"], res[gran, "dK"], res[gran, "dV"] = dq, dk, dv
     return res

@@ -3,14 +3,15 @@
 // warps: warp w owns keys 16·(w%4).. +15 and queries 32·(w/4).. +31 of the 64x64 tile, so a warp's
 // Sᵀ and dPᵀ are 16x32 (16 registers each). The two warps of a key group swap their packed P̂ᵀ
 // and dŜᵀ fragments through shared memory and each accumulates dK, dV for half of the head dim.
-//   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_Q·s_K - LSE2)
+//   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)   (per-token Q, K scales)
 //   dV += P̂ᵀ dÔ (INT8, P̂ᵀ register-fed)                      accumulated in FP32 registers
 //   dPᵀ = V dOᵀ (16-bit, FP32 accumulate)  ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
-//   dK += dŜᵀ Q̂ (INT8, dŜᵀ register-fed)                      accumulated in FP32 registers
-//   dQ += dŜ K̂ (INT8, dŜ through shared memory)               FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
-// Scales (numerics.py): SB_FINE = 1 quantizes P per key (dV; unsigned, 255 levels, u8 x s8 mma),
-// dS per key (dK) and per query (dQ);
-// SB_FINE = 0 uses one scale per 64x64 tile for P and for dS (the published scheme).
+//   dK += Ẑᵀ Q̂ with Z = dS·s_Q[query] (INT8, register-fed)    accumulated in FP32 registers
+//   dQ += Ŷ K̂ with Y = dS·s_K[key] (INT8, through shared memory)  FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
+// The per-token scales vary along dQ's and dK's reductions, so they are folded into dS before it is
+// quantized (numerics.py). SB_FINE = 1 quantizes P per key (dV; unsigned, 255 levels, u8 x s8 mma),
+// Z per key (dK) and Y per query (dQ); SB_FINE = 0 uses one scale per 64x64 tile for P, Z and Y
+// (the published per-tile scheme).
 // dK leaves with the factor ln 2 (Q̂ carries c·log2 e); dQ's factor c is applied by dq_convert.
 //
 // Compile-time parameters:
@@ -70,17 +71,17 @@ constexpr int SQ = 0;                           // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, fragment token order
 constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
-constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, δ) [64] f32 pairs (row_stats)
-constexpr int SSCALE = SSTATS + 8 * BQ;         // s_Q, s_dO of the query block, f32 (16 bytes)
+constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, δ, s_Q, 0) [64] f32x4 (row_stats)
+constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, f32
 constexpr int STAGE_BYTES = SSCALE + 128;         // stages stay 128-byte aligned (the swizzle's XOR addressing)
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
-// Maxima exchanged between warps (f32): per key and query half for P and for dS, per key group
-// and query for dS (dQ's scales), per warp for the paper mode's tile maxima.
+// Maxima exchanged between warps (f32): per key and query half for P and for Z, per key group
+// and query for Y (dQ's scales), per warp for the paper mode's tile maxima of P, Z and Y.
 constexpr int RED_P = 0, RED_DSK = RED_P + 2 * BKV, RED_DSQ = RED_DSK + 2 * BKV, RED_TILE = RED_DSQ + KEY_GROUPS * BQ;
-constexpr int RED_RS = RED_TILE + 2 * WARPS;  // Q-smoothing: colsum(dS) per key and query half
+constexpr int RED_RS = RED_TILE + 3 * WARPS;  // Q-smoothing: colsum(dS) per key and query half
 constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
-constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's dŜ scale per query [64] f32
+constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
 constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
@@ -256,17 +257,17 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
 struct Args {
     const i8* q8;          // [B][Hq][Nq_pad][DP]
     const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
-    const float* q_scale;  // [B][Hq][Nq_pad/64]
+    const float* q_scale;  // [B][Hq][Nq_pad] (per token; the kernel reads it through stats)
     const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
     const i8* k8;          // [B][Hkv][Nk_pad][DP]
     const i8* k8t;         // [B][Hkv][DP][Nk_pad]
-    const float* k_scale;  // [B][Hkv][Nk_pad/64]
+    const float* k_scale;  // [B][Hkv][Nk_pad] (per token)
     const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
     const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
     const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float2* stats;   // [B][Hq][Nq_pad] (LSE2, δ); (+inf, 0) on padded rows
+    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0); LSE2 = +inf, δ = 0 on padded rows
     float* dq_acc;         // [B][Hq][Nq_pad][DP], zeroed
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
@@ -283,7 +284,7 @@ constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const float* q_mean_, const i8* k8_,
                    const i8* k8t_, const float* k_scale_, const float* bias_, const u16* v_, const u16* dout_,
-                   const i8* dot8_, const float* do_scale_, const float2* stats_, float* dq_acc_,
+                   const i8* dot8_, const float* do_scale_, const float4* stats_, float* dq_acc_,
                    int* dq_lock_, u16* dk_, u16* dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh,
                    i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad) {
     SB_REQUIRE_SM80();
@@ -330,9 +331,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
-        if (tid < BQ / 2) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + 2 * tid);
-        if (tid == BQ / 2) cp_async_4(st + SSCALE, a.q_scale + bhq * n_qb + i);
-        if (tid == BQ / 2 + 1) cp_async_4(st + SSCALE + 4, a.do_scale + bhq * n_qb + i);
+        if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + tid);
+        if (tid == BQ) cp_async_4(st + SSCALE, a.do_scale + bhq * n_qb + i);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
     const int h_first = hk * group;
@@ -350,9 +350,9 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
     }
     cp_async_commit();
 
-    const float s_k = a.k_scale[bhk * (a.Nk_pad / BKV) + j];
     const int krow = kw * 16 + g;          // this thread's key rows in the tile: krow, krow + 8
     const int key_lo = j * BKV + krow;
+    const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
     const int qcol0 = qh * QW;             // first query column of this warp
     const Lanes<DP> a_k = a_lanes<DP>(kw * 16, lane), b_q = b_lanes<DP>(lane);
     const Lanes<2 * DP> a_v = a_lanes<2 * DP>(kw * 16, lane), b_do = b_lanes<2 * DP>(lane);
@@ -378,13 +378,12 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;  // shared-space address, for ldmatrix
-        const float2* stats_s = reinterpret_cast<const float2*>(smem + stage_off + SSTATS);
-        const float* scale_s = reinterpret_cast<const float*>(smem + stage_off + SSCALE);
-        const float s_q = scale_s[0], s_do = scale_s[1];
+        const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
+        const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const int q0 = i * BQ;
         const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
 
-        // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2(Sᵀ·s_Q·s_K (+ bias) - LSE2).
+        // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2).
         float p[NT_Q][4];
         {
             int s[NT_Q][4];
@@ -403,7 +402,6 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                     mma_s8_16832(s[n + 1], ka, b1);
                 }
             }
-            const float qk = s_q * s_k;
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
                 const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
@@ -415,13 +413,12 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = qcol0 + n * 8 + 2 * t + c;
-                    const float lse = stats_s[col].x;
+                    const float lse = stats_s[col].x, sq = stats_s[col].z;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int key = key_lo + 8 * half, q = q0 + col;
-                        float x = static_cast<float>(s[n][2 * half + c]) * qk;
-                        if (SB_BIAS) x += bias_row[half];
-                        float e = exp2_approx(x - lse);
+                        const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
+                        float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
                         if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
                         p[n][2 * half + c] = e;
                     }
@@ -498,43 +495,64 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
             }
 
-        // dS maxima: per key (dK: over both query halves) and per query (dQ: over the four key
-        // groups), or the tile's (paper).
-        float ds_row[2];
+        // dK reads Z = dS·s_Q[query], dQ reads Y = dS·s_K[key] (the per-token scales folded in). Their
+        // maxima: Z per key (over both query halves), Y per query (over the four key groups); or
+        // each one's tile max (paper).
+        float z[NT_Q][4];
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].z;
+                z[n][c] = ds[n][c] * sq;
+                z[n][2 + c] = ds[n][2 + c] * sq;
+            }
+        float z_row[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float m = 0.f;
 #pragma unroll
-            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(ds[n][2 * half]), fabsf(ds[n][2 * half + 1])));
-            ds_row[half] = quad_max(m);
+            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(z[n][2 * half]), fabsf(z[n][2 * half + 1])));
+            z_row[half] = quad_max(m);
         }
+        float colmax[2 * NT_Q];  // |Y| of column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c] * s_k[0]), fabsf(ds[n][2 + c] * s_k[1]));
         if (SB_FINE) {
             if (t == 0) {
-                red[RED_DSK + qh * BKV + krow] = ds_row[0];
-                red[RED_DSK + qh * BKV + krow + 8] = ds_row[1];
+                red[RED_DSK + qh * BKV + krow] = z_row[0];
+                red[RED_DSK + qh * BKV + krow + 8] = z_row[1];
             }
-            float colmax[2 * NT_Q];  // column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
-#pragma unroll
-            for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
             const float m = spread_max8(colmax, g);
             red[RED_DSQ + kw * BQ + qcol0 + (g >> 1) * 8 + 2 * t + (g & 1)] = m;
         } else {
-            const float m = warp_max(fmaxf(ds_row[0], ds_row[1]));
-            if (lane == 0) red[RED_TILE + WARPS + warp] = m;
+            float my = colmax[0];
+#pragma unroll
+            for (int x = 1; x < 2 * NT_Q; ++x) my = fmaxf(my, colmax[x]);
+            const float mz = warp_max(fmaxf(z_row[0], z_row[1]));
+            my = warp_max(my);
+            if (lane == 0) {
+                red[RED_TILE + WARPS + warp] = mz;
+                red[RED_TILE + 2 * WARPS + warp] = my;
+            }
         }
         __syncthreads();
-        Psi dk_psi[2];
+        Psi dk_psi[2], tile_y_psi = {1.f, 0.f};
         if (SB_FINE) {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
                 dk_psi[half] = psi(fmaxf(red[RED_DSK + krow + 8 * half], red[RED_DSK + BKV + krow + 8 * half]));
         } else {
-            float m = red[RED_TILE + WARPS];
+            float mz = red[RED_TILE + WARPS], my = red[RED_TILE + 2 * WARPS];
 #pragma unroll
-            for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + WARPS + w]);
-            dk_psi[0] = dk_psi[1] = psi(m);
+            for (int w = 1; w < WARPS; ++w) {
+                mz = fmaxf(mz, red[RED_TILE + WARPS + w]);
+                my = fmaxf(my, red[RED_TILE + 2 * WARPS + w]);
+            }
+            dk_psi[0] = dk_psi[1] = psi(mz);
+            tile_y_psi = psi(my);
         }
         {
             u32 af[2][4];
@@ -542,7 +560,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
-        // dŜ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
+        // Ŷ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
         // warp's 32 columns are spread one per lane (lane g·4+t takes column (g/2)·8 + 2t + g%2, one
         // ψ each) and each thread gathers the inverse scales of its 8 columns by shuffles.
         {
@@ -560,7 +578,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                     for (int c = 0; c < 2; ++c) inv_col[n][c] = __shfl_sync(0xffffffffu, ps.inv, (2 * n + c) * 4 + t);
             } else {
 #pragma unroll
-                for (int n = 0; n < NT_Q; ++n) inv_col[n][0] = inv_col[n][1] = dk_psi[0].inv;
+                for (int n = 0; n < NT_Q; ++n) inv_col[n][0] = inv_col[n][1] = tile_y_psi.inv;
             }
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n)
@@ -570,7 +588,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         ds_tile[col * DS_PITCH + krow + 8 * half] =
-                            static_cast<i8>(quant_byte(ds[n][2 * half + c], inv_col[n][c]) & 0xffu);
+                            static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv_col[n][c]) & 0xffu);
                 }
         }
 
@@ -586,12 +604,12 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             }
         }
 
-        // dŜᵀ for dK, packed and shared like P̂ᵀ; dK += dŜᵀ Q̂ after the next barrier.
+        // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
         u32 dsf[4];
-        const float fac_k[2] = {dk_psi[0].scale * s_q, dk_psi[1].scale * s_q};
+        const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            pack_a(dsf, ds, inv_d);
+            pack_a(dsf, z, inv_d);
             frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
             if (SB_BIAS && t == 0) {
                 red[RED_RS + qh * BKV + krow] = rs[0];
@@ -607,7 +625,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
             } while (seen != j);
         }
-        __syncthreads();  // dŜ, the per-query scales and the other half's dŜᵀ are in shared memory
+        __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
         {
             u32 af[2][4];
             both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
@@ -628,7 +646,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             }
         }
 
-        // dQ_i += dŜ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
+        // dQ_i += Ŷ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
         {
             u32 da[2][4];
 #pragma unroll
@@ -636,10 +654,10 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             const int r_lo = kw * 16 + g;
             float fq[2];
             if (SB_FINE) {
-                fq[0] = qscale_s[r_lo] * s_k;
-                fq[1] = qscale_s[r_lo + 8] * s_k;
+                fq[0] = qscale_s[r_lo];
+                fq[1] = qscale_s[r_lo + 8];
             } else {
-                fq[0] = fq[1] = dk_psi[0].scale * s_k;  // the tile's dS scale
+                fq[0] = fq[1] = tile_y_psi.scale;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
             float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;

@@ -11,12 +11,13 @@
 #endif
 
 // The main kernel's per-query row statistics, one warp per row; grid (Nq_pad / 8, Hq, B), 256
-// threads. stats is FP32 [B][Hq][Nq_pad][2]: (LSE2, δ = rowsum(dO ∘ O)), and (+inf, 0) past Lq so
-// padded rows give P = 0; one 16-byte-aligned pair per row lets the main kernel fetch a query
-// block's statistics with cp.async.
+// threads. stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, δ = rowsum(dO ∘ O), s_Q, 0) with s_Q the query's
+// per-token Q̂ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
+// lets the main kernel fetch a query block's statistics with cp.async.
 extern "C" __global__ void __launch_bounds__(256)
 row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
-          i64 on, const float* __restrict__ lse2, int Hq, int Lq, int D, int Nq_pad, float2* __restrict__ stats) {
+          i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, int Hq, int Lq, int D, int Nq_pad,
+          float4* __restrict__ stats) {
     SB_REQUIRE_SM80();
     const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
     const i64 bh = static_cast<i64>(b) * Hq + h;
@@ -27,7 +28,9 @@ row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __res
         for (int c = lane; c < D; c += 32) s = fmaf(to_f32<SB_BF16>(dr[c]), to_f32<SB_BF16>(orow[c]), s);
     }
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) stats[bh * Nq_pad + row] = make_float2(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000), s);
+    if (lane == 0)
+        stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000), s,
+                                               q_scale[bh * Nq_pad + row], 0.f);
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per pair

@@ -1,4 +1,4 @@
-// SageBwd forward: S = Q̂K̂ᵀ (INT8 mma m16n8k32), online softmax in exp2, P̂ quantized per row
+// SageBwd forward: S = Q̂K̂ᵀ (INT8 mma m16n8k32, per-token Q and K scales), online softmax in exp2, P̂ quantized per row
 // with the free scale exp2(rowmax - m_new)/255 (unsigned) and kept in registers, O += P̂V̂ (u8 x s8), FP32
 // accumulation, output in the input dtype, base-2 LSE saved ([B][Hq][Lq]). Numerics: sagebwd_cp/numerics.py.
 //
@@ -43,10 +43,14 @@ constexpr int NT_D = DP / 8;                  // n-tiles of O over the head dim
 constexpr int Q_BYTES = CTA_Q * DP;
 constexpr int K_BYTES = BKV * DP;
 constexpr int V_BYTES = DP * BKV;
-constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+constexpr int KS_BYTES = 4 * BKV;             // the key tile's per-token K scales, f32
+constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KS_BYTES;
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q scale");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
+#ifdef SB_SMEM_BYTES
+static_assert(Q_BYTES + 2 * STAGE_BYTES == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
+#endif
 
 // ldmatrix.x4 of B fragments for two n-tiles (rows n0..n0+15 of a k-contiguous tile) at k-step ks.
 template <int ROW_BYTES>
@@ -79,23 +83,27 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     const u32 sKV = sQ + Q_BYTES;
     const i8* kg = k8 + bhk * Nk_pad * DP;
     const i8* vg = vt8 + bhk * DP * Nk_pad;
+    const float* ksg = k_scale + bhk * Nk_pad;
+    // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
+    auto load_stage = [&](u32 at, int jj) {
+        load_tile<DP, BKV, THREADS>(at, kg + static_cast<i64>(jj) * BKV * DP, DP);
+        load_tile<BKV, DP, THREADS>(at + K_BYTES, vg + jj * BKV, Nk_pad);
+        if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * BKV + 4 * threadIdx.x);
+    };
 
     int n_tiles = (Lk + BKV - 1) / BKV;
     if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
     load_tile<DP, CTA_Q, THREADS>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
-    if (n_tiles > 0) {
-        load_tile<DP, BKV, THREADS>(sKV, kg, DP);
-        load_tile<BKV, DP, THREADS>(sKV + K_BYTES, vg, Nk_pad);
-    }
+    if (n_tiles > 0) load_stage(sKV, 0);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
 
     // Q̂ fragments stay in registers for the whole key loop.
     u32 qf[SB_MT][KSTEPS_D][4];
-    float qs[SB_MT];
+    float qs[SB_MT][2];  // per-token Q scales of rows g, g + 8
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
         const int r0 = (warp * SB_MT + mt) * 16;
@@ -104,7 +112,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             const int m = lane >> 3;
             ldmatrix_x4(qf[mt][ks], sQ + swizzled_offset<DP>(r0 + ((m & 1) << 3) + (lane & 7), 2 * ks + (m >> 1)));
         }
-        qs[mt] = q_scale[bhq * (Nq_pad / SB_BLOCK_Q) + (q0 + r0) / SB_BLOCK_Q];
+        qs[mt][0] = q_scale[bhq * Nq_pad + q0 + r0 + g];
+        qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
     }
 
     float o[SB_MT][NT_D][4];
@@ -122,11 +131,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         const u32 sV = sK + K_BYTES;
         // Prefetch the next tile into the other stage (its readers finished before the barrier
         // at the end of the previous iteration).
-        if (j + 1 < n_tiles) {
-            const u32 nK = sKV + ((j + 1) & 1) * STAGE_BYTES;
-            load_tile<DP, BKV, THREADS>(nK, kg + static_cast<i64>(j + 1) * BKV * DP, DP);
-            load_tile<BKV, DP, THREADS>(nK + K_BYTES, vg + (j + 1) * BKV, Nk_pad);
-        }
+        if (j + 1 < n_tiles) load_stage(sKV + ((j + 1) & 1) * STAGE_BYTES, j + 1);
         cp_async_commit();
 
         // S = Q̂ K̂ᵀ (exact int32).
@@ -150,7 +155,11 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             }
         }
 
-        const float ks_j = k_scale[bhk * (Nk_pad / BKV) + j];
+        // This thread's key columns n·8 + 2t + c of the tile: their K scales.
+        float2 kscale[NT_KV];
+        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
+#pragma unroll
+        for (int n = 0; n < NT_KV; ++n) kscale[n] = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
         const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / PL);
         const bool need_mask = (j + 1) * BKV > Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + Lk - Lq);
 
@@ -158,63 +167,45 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         float pv_factor[SB_MT][2], alpha[SB_MT][2];
 #pragma unroll
         for (int mt = 0; mt < SB_MT; ++mt) {
-            const float qk = qs[mt] * ks_j;
             const int rbase = q0 + (warp * SB_MT + mt) * 16 + g;
             float e[NT_KV][4];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = rbase + 8 * half;
-                // Row max over the tile (integer max: the scale is positive, so it commutes).
+                const float sq = qs[mt][half];
+                // u = Ŝ·s_K[key] (numerics: the key scale first, then the row's); masked entries -inf.
+                // Without the bias the row max is taken on u: s_Q > 0 commutes with it.
+                const float* bp = SB_BIAS ? bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (row - g - 8 * half) / SB_BLOCK_Q) * Nk_pad + j * BKV
+                                          : nullptr;
                 float sf[NT_KV][2];
-                float rmax;
-                if (SB_BIAS) {
-                    const float* bp = bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (row - g - 8 * half) / SB_BLOCK_Q) * Nk_pad + j * BKV;
-                    rmax = -__int_as_float(0x7f800000);
+                float rmax = -__int_as_float(0x7f800000);
 #pragma unroll
-                    for (int n = 0; n < NT_KV; ++n)
+                for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            const int key = j * BKV + n * 8 + 2 * t + c;
-                            bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
-                            sf[n][c] = ok ? fmaf(static_cast<float>(s[mt][n][2 * half + c]), qk, bp[n * 8 + 2 * t + c])
-                                          : -__int_as_float(0x7f800000);
-                            rmax = fmaxf(rmax, sf[n][c]);
-                        }
-                    rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
-                    rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
-                } else {
-                    int imax = -2147483647 - 1;
-#pragma unroll
-                    for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            const int key = j * BKV + n * 8 + 2 * t + c;
-                            bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
-                            if (!ok) s[mt][n][2 * half + c] = -2147483647 - 1;
-                            imax = max(imax, s[mt][n][2 * half + c]);
-                        }
-                    imax = max(imax, __shfl_xor_sync(0xffffffffu, imax, 1));
-                    imax = max(imax, __shfl_xor_sync(0xffffffffu, imax, 2));
-                    rmax = imax == -2147483647 - 1 ? -__int_as_float(0x7f800000) : static_cast<float>(imax) * qk;
-                }
+                    for (int c = 0; c < 2; ++c) {
+                        const int key = j * BKV + n * 8 + 2 * t + c;
+                        const bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
+                        const float u = static_cast<float>(s[mt][n][2 * half + c]) * (c ? kscale[n].y : kscale[n].x);
+                        sf[n][c] = ok ? (SB_BIAS ? fmaf(u, sq, bp[n * 8 + 2 * t + c]) : u) : -__int_as_float(0x7f800000);
+                        rmax = fmaxf(rmax, sf[n][c]);
+                    }
+                rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
+                rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
+                if (!SB_BIAS) rmax *= sq;
                 const float m_old = m_run[mt][half];
                 const float m_new = fmaxf(m_old, rmax);
                 const float m_use = m_new == -__int_as_float(0x7f800000) ? 0.f : m_new;
                 const float a = exp2_approx(m_old - m_use);
                 const float beta = exp2_approx(rmax - m_use);
+                // A row with every key of the tile masked has rmax = -inf: exponents must be
+                // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
+                const float r_use = rmax == -__int_as_float(0x7f800000) ? 0.f : rmax;
                 float rsum = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        float x;
-                        // A row with every key of the tile masked has rmax = -inf: exponents must be
-                        // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
-                        if (SB_BIAS) x = exp2_approx(sf[n][c] - (rmax == -__int_as_float(0x7f800000) ? 0.f : rmax));
-                        else {
-                            const int si = s[mt][n][2 * half + c];
-                            x = si == -2147483647 - 1 ? 0.f : exp2_approx(fmaf(static_cast<float>(si), qk, -rmax));
-                        }
+                        const float x = exp2_approx(SB_BIAS ? sf[n][c] - r_use : fmaf(sf[n][c], sq, -r_use));
                         e[n][2 * half + c] = x;
                         rsum += x;
                     }

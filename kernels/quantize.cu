@@ -1,4 +1,4 @@
-// Per-block symmetric INT8 quantization (ψ of numerics.py) of Q, K, V and dO, writing every
+// Symmetric INT8 quantization (ψ of numerics.py) of Q, K (per token) and V, dO (per 64-token block), writing every
 // layout the later products read: row-major [B][H][N_pad][D_pad] (reduction over d) and/or the
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
@@ -15,6 +15,8 @@
 #define QBLOCK 64
 #define QTHREADS 256
 #define MAX_DPAD 128
+#define QUANT_PERMUTE_T 1
+#define QUANT_PER_TOKEN 2
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 
@@ -42,16 +44,19 @@ SB_DEVICE float block_max(float v, float* red) {
 //   the prescale (K-smoothing); the CTA of block 0 stores μ in mean_out.
 // block_mean_out (optional, [B][H][N_pad/64][D_pad]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing).
-// rows_out / t_out (optional): the two layouts; permute_t selects the fragment token order.
+// rows_out / t_out (optional): the two layouts.
+// flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
+//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
 SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
                               int N_pad, float prescale, const double* __restrict__ mean_sum,
                               float* __restrict__ mean_out, float* __restrict__ block_mean_out,
-                              i8* __restrict__ rows_out, i8* __restrict__ t_out, int permute_t,
+                              i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                               float* __restrict__ scale_out, int blk, int h, int b) {
     __shared__ float tile[QBLOCK][MAX_DPAD + 1];
     __shared__ double colsum[QTHREADS];
     __shared__ float red[QTHREADS / 32];
     __shared__ float mu[MAX_DPAD];
+    __shared__ float row_inv[QBLOCK];
     const int row0 = blk * QBLOCK;
     const int nvalid = max(0, min(QBLOCK, N - row0));
     const u16* xs = x + b * sb + h * sh;
@@ -99,13 +104,28 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
         __syncthreads();
     }
 
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
-    amax = block_max(amax, red);
-    const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block
-    const float scale = zero ? 1.f : div_rn(amax, 127.f);
-    const float inv = zero ? 0.f : div_rn(127.f, amax);
-    if (threadIdx.x == 0) scale_out[bh * (N_pad / QBLOCK) + blk] = scale;
+    if (flags & QUANT_PER_TOKEN) {
+        // One scale per row: four threads per row, each over every fourth column.
+        static_assert(QTHREADS == 4 * QBLOCK, "four threads per row");
+        const int r = threadIdx.x >> 2;
+        float amax = 0.f;
+        for (int c = threadIdx.x & 3; c < D_pad; c += 4) amax = fmaxf(amax, fabsf(tile[r][c]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block, per row
+        if ((threadIdx.x & 3) == 0) {
+            row_inv[r] = zero ? 0.f : div_rn(127.f, amax);
+            scale_out[bh * N_pad + row0 + r] = zero ? 1.f : div_rn(amax, 127.f);
+        }
+    } else {
+        float amax = 0.f;
+        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
+        amax = block_max(amax, red);
+        const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block
+        if (threadIdx.x < QBLOCK) row_inv[threadIdx.x] = zero ? 0.f : div_rn(127.f, amax);
+        if (threadIdx.x == 0) scale_out[bh * (N_pad / QBLOCK) + blk] = zero ? 1.f : div_rn(amax, 127.f);
+    }
+    __syncthreads();
 
     // Round and write, four bytes per store.
     if (rows_out) {
@@ -114,7 +134,7 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
             const int r = (4 * i) / D_pad, c = (4 * i) % D_pad;
             u32 w = 0;
             for (int e = 0; e < 4; ++e) {
-                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c + e], inv))));
+                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c + e], row_inv[r]))));
                 w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
             }
             reinterpret_cast<u32*>(out)[i] = w;
@@ -126,8 +146,8 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
             const int c = (4 * i) / QBLOCK, p = (4 * i) % QBLOCK;
             u32 w = 0;
             for (int e = 0; e < 4; ++e) {
-                const int r = permute_t ? permuted_token(p + e) : p + e;
-                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c], inv))));
+                const int r = (flags & QUANT_PERMUTE_T) ? permuted_token(p + e) : p + e;
+                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c], row_inv[r]))));
                 w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
             }
             *reinterpret_cast<u32*>(out + static_cast<i64>(c) * N_pad + p) = w;
@@ -147,7 +167,7 @@ struct QuantizeJob {
     i8* t_out;
     float* scale_out;
     i64 sb, sh, sn;
-    int H, N, N_pad, permute_t;
+    int H, N, N_pad, flags;
     float prescale;
     int ctas;
 };
@@ -167,7 +187,7 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
     const int blocks = SB_JOB(N_pad) / QBLOCK;
     quantize_block(SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, D_pad, SB_JOB(N_pad),
                    SB_JOB(prescale), SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out),
-                   SB_JOB(t_out), SB_JOB(permute_t), SB_JOB(scale_out), cta % blocks, cta / blocks, blockIdx.z);
+                   SB_JOB(t_out), SB_JOB(flags), SB_JOB(scale_out), cta % blocks, cta / blocks, blockIdx.z);
 #undef SB_JOB
 }
 

@@ -91,6 +91,15 @@ def _quantize_rows(x: np.ndarray, block: int, quantize: bool):
     return vals.reshape(b, h, n_pad, d), scale.reshape(b, h, nb)
 
 
+def _quantize_tokens(x: np.ndarray, quantize: bool):
+    """ψ per token (row) of a zero-padded float32 (B, H, N_pad, D) array: padded rows get scale 1.
+    Returns (values, scale (B, H, N_pad))."""
+    if not quantize:
+        return x.copy(), np.ones(x.shape[:3], dtype=np.float32)
+    vals, scale = quantize_block(x, axis=-1)
+    return vals, scale[..., 0]
+
+
 def _psi(x: np.ndarray, axis, quantize: bool):
     """ψ of one tile (or a batch of tiles) with the scale reduced over ``axis``."""
     if not quantize:
@@ -142,18 +151,14 @@ def _smooth_q_bias(q_mean: np.ndarray, k_smoothed_j: np.ndarray) -> np.ndarray:
 
 
 def _tile_logits(q_hat, s_q, k_hat, s_k, bias=None) -> np.ndarray:
-    """Base-2 logits of a tile: float32(Q̂ K̂ᵀ) * float32(s_Q * s_K) (+ bias).
+    """Base-2 logits of a tile: (float32(Q̂ K̂ᵀ) * s_K[key]) * s_Q[query] (+ bias), float32 products in
+    this order (numerics.py).
 
-    q_hat (..., R, D); s_q (..., R) per row or (...,) per tile; k_hat (..., C, D); s_k (...,);
-    bias broadcastable to (..., R, C) or None."""
+    q_hat (..., R, D); s_q (..., R); k_hat (..., C, D); s_k (..., C); bias broadcastable to
+    (..., R, C) or None."""
     prod = _int_matmul(q_hat, np.swapaxes(k_hat, -1, -2))
-    s_q = _as_f32(s_q)
-    s_k = _as_f32(s_k)
-    if s_q.ndim == s_k.ndim:  # one Q scale for the tile
-        scale = (s_q * s_k)[..., None, None]
-    else:  # one Q scale per row
-        scale = (s_q * s_k[..., None])[..., None]
-    s = (prod * scale).astype(np.float32)
+    u = (prod * _as_f32(s_k)[..., None, :]).astype(np.float32)
+    s = (u * _as_f32(s_q)[..., :, None]).astype(np.float32)
     if bias is not None:
         s = (s + bias).astype(np.float32)
     return s
@@ -165,8 +170,9 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
     """Quantize q, k, v as the forward's pre-pass does.
 
     Returns a dict of per-(batch, head) arrays, rows padded to a multiple of 64 with zeros:
-    q_int8 (B,Hq,Lq_pad,D), q_scale (B,Hq,nQ), q_mean (B,Hq,nQ,D); k_int8, k_scale, k_mean
-    (B,Hkv,D), k_smoothed (float32 K - μ_K, padded rows 0); v_int8, v_scale.  With
+    q_int8 (B,Hq,Lq_pad,D), q_scale (B,Hq,Lq_pad) per token, q_mean (B,Hq,nQ,D); k_int8, k_scale
+    (B,Hkv,Lk_pad) per token, k_mean (B,Hkv,D), k_smoothed (float32 K - μ_K, padded rows 0); v_int8,
+    v_scale (B,Hkv,nK) per block.  With
     quantize=False the "int8" arrays hold the float32 values and every scale is 1.
     """
     q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
@@ -188,9 +194,9 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
         x = np.where(valid_q, x - _rows_per_block(q_mean, BLOCK_Q), _F32(0)).astype(np.float32)
     else:
         q_mean = np.zeros((b, hq, n_qb, d), dtype=np.float32)
-    q_int8, q_scale = _quantize_rows(x, BLOCK_Q, quantize)
+    q_int8, q_scale = _quantize_tokens(x, quantize)
 
-    # K: subtract the token mean (K-smoothing), then ψ per key block.
+    # K: subtract the token mean (K-smoothing), then ψ per key.
     if smooth_k:
         k_mean = token_mean(k32, axis=2)
         k_sm = (k32 - k_mean[:, :, None, :]).astype(np.float32)
@@ -198,7 +204,7 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
         k_mean = np.zeros((k32.shape[0], k32.shape[1], d), dtype=np.float32)
         k_sm = k32.copy()
     k_sm = _pad_rows(k_sm, BLOCK_KV)
-    k_int8, k_scale = _quantize_rows(k_sm, BLOCK_KV, quantize)
+    k_int8, k_scale = _quantize_tokens(k_sm, quantize)
     v_int8, v_scale = _quantize_rows(_pad_rows(v32, BLOCK_KV), BLOCK_KV, quantize)
 
     return {
@@ -227,10 +233,9 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
                          smooth_q=smooth_q, quantize=quantize)
     lq, lk = qi["lq"], qi["lk"]
     b, hq, lq_pad, d = qi["q_int8"].shape
-    n_kb = qi["k_scale"].shape[-1]
+    n_kb = qi["v_scale"].shape[-1]
 
-    q_hat = qi["q_int8"]
-    s_q_rows = _rows_per_block(qi["q_scale"], BLOCK_Q)  # (B, Hq, Lq_pad): each row's block scale
+    q_hat, s_q = qi["q_int8"], qi["q_scale"]
     k_hat = _expand_heads(qi["k_int8"], group)
     s_k = _expand_heads(qi["k_scale"], group)
     v_hat = _expand_heads(qi["v_int8"], group)
@@ -249,7 +254,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         bias = None
         if smooth_q:
             bias = _rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c0:c1]), BLOCK_Q)
-        s = _tile_logits(q_hat, s_q_rows, k_hat[:, :, c0:c1], s_k[:, :, j], bias)
+        s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias)
         mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, causal)
         s = np.where(mask, s, _F32(-np.inf))
 
@@ -328,8 +333,8 @@ def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth
 def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     """SageBwd backward (KV-block-owned loop).  Returns float32 (dq, dk, dv) of the true shapes.
 
-    granularity="paper": one ψ scale per 64x64 tile for P and dS.  "fine": per-key scales for
-    P (dV) and for dS (dK), per-query scales for dS (dQ)."""
+    granularity="paper": one ψ scale per 64x64 tile for P and for each of dQ's and dK's dS operands.
+    "fine": per-key scales for P (dV) and for dK's dS operand, per-query scales for dQ's."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     qi = saved["inputs"]
@@ -338,7 +343,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     smooth_q = saved["smooth_q"]
     fine = granularity == "fine"
     b, hq, lq_pad, d = qi["q_int8"].shape
-    n_qb, n_kb = qi["q_scale"].shape[-1], qi["k_scale"].shape[-1]
+    n_qb, n_kb = lq_pad // BLOCK_Q, qi["v_scale"].shape[-1]
     lk_pad = n_kb * BLOCK_KV
 
     do32 = _as_f32(do)
@@ -374,7 +379,8 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
                 continue
             mask = _tile_mask(r0, r1, c0, c1, lq, lk, causal)
             bias = bias_j[:, :, i, None, :] if smooth_q else None
-            s = _tile_logits(q_hat[:, :, r0:r1], s_q[:, :, i], k_j, s_k[:, :, j], bias)
+            s_q_i, s_k_j = s_q[:, :, r0:r1], s_k[:, :, c0:c1]
+            s = _tile_logits(q_hat[:, :, r0:r1], s_q_i, k_j, s_k_j, bias)
             with np.errstate(over="ignore", invalid="ignore"):
                 p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
@@ -391,17 +397,17 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             dp = np.matmul(do_pad[:, :, r0:r1], np.swapaxes(v_j, -1, -2)).astype(np.float32)
             ds = np.where(mask, p * (dp - delta[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
-            # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i
-            if fine:
-                ds_hat_q, s_ds_q = _psi(ds, -1, quantize)  # per query (row)
-                ds_hat_k, s_ds_k = _psi(ds, -2, quantize)  # per key (column)
-            else:
-                ds_hat_q, s_ds_q = _psi(ds, (-2, -1), quantize)
-                ds_hat_k, s_ds_k = ds_hat_q, s_ds_q
-            dq_tile = _int_matmul(ds_hat_q, k_j) * (s_ds_q * s_k[:, :, j, None, None]).astype(np.float32)
+            # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i.  The per-token scales vary along these
+            # products' reductions, so each is folded into dS before dS is quantized: dQ reads
+            # dS·s_K[key] (ψ per query, or per tile), dK reads dS·s_Q[query] (ψ per key, or per tile).
+            y = (ds * s_k_j[..., None, :]).astype(np.float32)
+            z = (ds * s_q_i[..., :, None]).astype(np.float32)
+            y_hat, s_y = _psi(y, -1 if fine else (-2, -1), quantize)
+            z_hat, s_z = _psi(z, -2 if fine else (-2, -1), quantize)
+            dq_tile = (_int_matmul(y_hat, k_j) * s_y).astype(np.float32)
             dq_acc[:, :, r0:r1] = (dq_acc[:, :, r0:r1] + dq_tile).astype(np.float32)
-            dk_tile = _int_matmul(np.swapaxes(ds_hat_k, -1, -2), q_hat[:, :, r0:r1]) * \
-                (np.swapaxes(s_ds_k, -1, -2) * s_q[:, :, i, None, None]).astype(np.float32)
+            dk_tile = (_int_matmul(np.swapaxes(z_hat, -1, -2), q_hat[:, :, r0:r1]) * np.swapaxes(s_z, -1, -2)
+                       ).astype(np.float32)
             dk_j = (dk_j + dk_tile).astype(np.float32)
             if smooth_q:
                 # exact term of Q-smoothing: colsum(dS)ᵀ ⊗ μ_Q,i from the FP32 dS

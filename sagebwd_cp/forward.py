@@ -15,6 +15,7 @@ from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
 QUANT_THREADS = 256
+PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
 
@@ -29,14 +30,14 @@ class Quantized:
 
     q8: ArrayDesc  # [B][Hq][Nq_pad][Dp]
     q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
-    q_scale: ArrayDesc  # [B][Hq][Nq_pad/64]
+    q_scale: ArrayDesc  # [B][Hq][Nq_pad], per token
     q_mean: ArrayDesc | None  # [B][Hq][Nq_pad/64][Dp] (Q-smoothing)
     k8: ArrayDesc  # [B][Hkv][Nk_pad][Dp]
     k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
-    k_scale: ArrayDesc
+    k_scale: ArrayDesc  # [B][Hkv][Nk_pad], per token
     k_mean: ArrayDesc | None  # [B][Hkv][Dp] (K-smoothing)
     vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
-    v_scale: ArrayDesc | None
+    v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
     nq_pad: int
     nk_pad: int
@@ -45,11 +46,11 @@ class Quantized:
 
 
 def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t,
-                  permute, scale):
+                  flags, scale):
     """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field)."""
     sb, sh, sn = prob.bhnd_strides(src)
     return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale),
-                      i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(permute), f32(prescale),
+                      i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(flags), f32(prescale),
                       i32(npad // numerics.BLOCK_Q * heads))
 
 
@@ -85,21 +86,21 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 
     q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
     q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8") if backward else None
-    q_scale = plan.workspace("q_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
+    q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
     q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
     jobs = [_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8,
-                          q8t, 1, q_scale)]
+                          q8t, PERMUTE_T | PER_TOKEN, q_scale)]
 
     k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
     k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8") if backward else None
-    k_scale = plan.workspace("k_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
-    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, 0, k_scale))
+    k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN, k_scale))
 
     vt8 = v_scale = None
     if not backward:
         vt8 = plan.workspace("vt8", (B, Hk, dp, nk), "int8")
         v_scale = plan.workspace("v_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
-        jobs.append(_quantize_job(prob, prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, 1, v_scale))
+        jobs.append(_quantize_job(prob, prob.v, Hk, Lk, nk, 1.0, None, None, None, None, vt8, PERMUTE_T, v_scale))
     dot8 = do_scale = None
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
@@ -124,7 +125,7 @@ def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
     nq = _round_up(Lq, specs.TOKEN_PAD)
     dot8 = plan.workspace("dot8", (B, Hq, dp, nq), "int8")
     scale = plan.workspace("do_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
-    return dot8, scale, _quantize_job(prob, do, Hq, Lq, nq, 1.0, None, None, None, None, dot8, 1, scale)
+    return dot8, scale, _quantize_job(prob, do, Hq, Lq, nq, 1.0, None, None, None, None, dot8, PERMUTE_T, scale)
 
 
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:

@@ -6,9 +6,14 @@ below.  Change a rule here and both sides change together.
 
 Conventions
 -----------
-* Quantization blocks: Q and dO are quantized per ``BLOCK_Q`` rows (per batch, head); K and V per
-  ``BLOCK_KV`` rows.  The forward's key tile and the backward's (key, query) tile have the same
-  sizes, so every integer product is dequantized once per tile.
+* Scales: Q and K are quantized per token (one ψ per row of d values); V per ``BLOCK_KV`` rows and
+  dO per ``BLOCK_Q`` rows (per batch, head).  S = Q̂K̂ᵀ dequantizes as (float32(Q̂K̂ᵀ)·s_K[key])·s_Q[query]
+  (two float32 products in this order; the kernels may fuse the second into the exponent's FMA).
+* The backward's dQ = dS·K and dK = dSᵀ·Q reduce over keys and queries, along which the per-token
+  scales vary, so the scale is folded into dS before dS is quantized (legal: a scale is applied
+  before the quantization, not after the integer product): dQ reads Y = dS·s_K[key] (ψ per query
+  row in "fine", per tile in "paper"), dK reads Z = dS·s_Q[query] (ψ per key column, or per tile),
+  each a float32 product.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
   nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all

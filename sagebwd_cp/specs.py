@@ -48,7 +48,8 @@ class ForwardTiles:
         return self.warps * 32
 
     def shared_bytes(self, dp: int, block_kv: int = 64) -> int:
-        return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv)
+        # kernels/forward.cu: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's K scales.
+        return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 4 * block_kv)
 
 
 # Best measured on an H200 that spills on no arch (benchmarks/NOTES.md, forward v1).
@@ -69,7 +70,8 @@ def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTi
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".w{tiles.warps}m{tiles.m_tiles}")
     return make_spec(key, "forward.cu", ["attention_forward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
-                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles)
+                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
+                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
 def backward_rows_spec(dtype: str) -> KernelSpec:
@@ -83,10 +85,11 @@ class BackwardTiles:
     threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
 
     def shared_bytes(self, dp: int) -> int:
-        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ) rows and the Q̂, dÔ scales
-        # per stage; dŜ.
+        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ
+        # scale per stage; Ŷ.
         # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
-        return 256 * dp + self.stages * (320 * dp + 640) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 16) + 4 * 64 + 2 * 8 * 32 * 16
+        return (256 * dp + self.stages * (320 * dp + 16 * 64 + 128) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
+                + 2 * 8 * 32 * 16)
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:

@@ -146,13 +146,15 @@ def test_quantize_inputs_layout(smooth_q):
     q, k, v, _ = _inputs(3, b=2, hq=4, hkv=2, lq=70, lk=130, d=d)
     qi = quantize_inputs(q, k, v, smooth_q=smooth_q)
     assert qi["q_int8"].shape == (2, 4, 128, d) and qi["q_int8"].dtype == np.int8
-    assert qi["q_scale"].shape == (2, 4, 2) and qi["q_scale"].dtype == np.float32
+    assert qi["q_scale"].shape == (2, 4, 128) and qi["q_scale"].dtype == np.float32  # per token
     assert qi["q_mean"].shape == (2, 4, 2, d)
-    assert qi["k_int8"].shape == (2, 2, 192, d) and qi["k_scale"].shape == (2, 2, 3)
+    assert qi["k_int8"].shape == (2, 2, 192, d) and qi["k_scale"].shape == (2, 2, 192)
     assert qi["v_int8"].shape == (2, 2, 192, d) and qi["v_scale"].shape == (2, 2, 3)
     assert qi["k_mean"].shape == (2, 2, d)
     for name, n in (("q_int8", 70), ("k_int8", 130), ("v_int8", 130)):
         assert np.all(qi[name][:, :, n:] == 0), name  # padded rows stay zero
+    for name, n in (("q_scale", 70), ("k_scale", 130)):
+        assert np.all(qi[name][:, :, n:] == 1), name  # padded tokens count as zero: scale 1
     np.testing.assert_array_equal(qi["k_mean"], numerics.token_mean(k, axis=2))
     x = q.astype(np.float32) * numerics.qk_prescale(1 / math.sqrt(d))
     if smooth_q:
@@ -162,9 +164,13 @@ def test_quantize_inputs_layout(smooth_q):
         x = x - np.repeat(qi["q_mean"], 64, axis=2)[:, :, :70]
     else:
         assert np.all(qi["q_mean"] == 0)
-    want_vals, want_scale = quantize_block(x[:, :, 64:70], axis=(-2, -1))
-    np.testing.assert_array_equal(qi["q_int8"][:, :, 64:70], want_vals)
-    np.testing.assert_array_equal(qi["q_scale"][:, :, 1], want_scale[..., 0, 0])
+    want_vals, want_scale = quantize_block(x, axis=-1)
+    np.testing.assert_array_equal(qi["q_int8"][:, :, :70], want_vals)
+    np.testing.assert_array_equal(qi["q_scale"][:, :, :70], want_scale[..., 0])
+    k_sm = k.astype(np.float32) - qi["k_mean"][:, :, None, :]
+    want_vals, want_scale = quantize_block(k_sm, axis=-1)
+    np.testing.assert_array_equal(qi["k_int8"][:, :, :130], want_vals)
+    np.testing.assert_array_equal(qi["k_scale"][:, :, :130], want_scale[..., 0])
 
 
 # ----------------------------------------------------------------------------- forward = spec
@@ -183,7 +189,7 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
         m = np.full(BLOCK_Q, -np.inf, f32)
         l = np.zeros(BLOCK_Q, f32)
         acc = np.zeros((BLOCK_Q, d), f32)
-        for j in range(qi["k_scale"].shape[-1]):
+        for j in range(qi["v_scale"].shape[-1]):
             cols = np.arange(j * BLOCK_KV, (j + 1) * BLOCK_KV)
             mask = (rows[:, None] < lq) & (cols[None, :] < lk)
             if causal:
@@ -191,7 +197,8 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
             if not mask.any():
                 continue
             kh = qi["k_int8"][bi, hk, cols].astype(np.float64)
-            s = (qh @ kh.T).astype(f32) * f32(qi["q_scale"][bi, h, i] * qi["k_scale"][bi, hk, j])
+            # per-token scales: (Q̂K̂ᵀ · s_K[key]) · s_Q[query]
+            s = ((qh @ kh.T).astype(f32) * qi["k_scale"][bi, hk, cols][None, :]) * qi["q_scale"][bi, h, rows][:, None]
             if smooth_q:
                 # all query blocks at once, the summation order the emulator uses
                 bias = qi["q_mean"][bi, h] @ qi["k_smoothed"][bi, hk, cols].T

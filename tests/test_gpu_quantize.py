@@ -55,9 +55,11 @@ def test_quantize_matches_emulator_bitwise(case):
     nqb, nkb = -(-lq // 64), -(-lk // 64)
     q8, k8 = host(qz.q8), host(qz.k8)
     np.testing.assert_array_equal(q8[:, :, :lq, :d], emu["q_int8"][:, :, :lq])
-    np.testing.assert_array_equal(host(qz.q_scale)[..., :nqb], emu["q_scale"])
+    q_scale, k_scale = host(qz.q_scale), host(qz.k_scale)  # per token
+    np.testing.assert_array_equal(q_scale[..., :lq], emu["q_scale"][..., :lq])
     np.testing.assert_array_equal(k8[:, :, :lk, :d], emu["k_int8"][:, :, :lk])
-    np.testing.assert_array_equal(host(qz.k_scale)[..., :nkb], emu["k_scale"])
+    np.testing.assert_array_equal(k_scale[..., :lk], emu["k_scale"][..., :lk])
+    assert (q_scale[..., lq:] == 1).all() and (k_scale[..., lk:] == 1).all()  # padded tokens count as zero
     np.testing.assert_array_equal(host(qz.k_mean)[..., :d], emu["k_mean"])
     np.testing.assert_array_equal(host(qf.v_scale)[..., :nkb], emu["v_scale"])
     assert qz.vt8 is None and qf.q8t is None and qf.k8t is None
