@@ -200,10 +200,10 @@ def _tiles(x: np.ndarray) -> np.ndarray:
 
 def _dequantized(x: np.ndarray, axis, unsigned=False) -> np.ndarray:
     """The values an INT8 product reads for ``x``, scales reduced over ``axis`` of its tiles."""
-    from sagebwd_cp.numerics import quantize_block, quantize_unsigned
+    from sagebwd_cp.numerics import INT8_MAX, P_LEVELS, quantize_tile
 
     t = _tiles(x)
-    vals, scale = quantize_unsigned(t, axis=axis) if unsigned else quantize_block(t, axis=axis)
+    vals, scale = quantize_tile(t, axis, P_LEVELS if unsigned else INT8_MAX)
     return (vals.astype(np.float32) * scale).reshape(x.shape)
 
 

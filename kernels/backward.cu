@@ -183,20 +183,19 @@ SB_DEVICE float warp_max(float v) {
     return v;
 }
 
-// ψ's scale and inverse for a block with max|x| = amax (numerics.quantize_block).
+// ψ of a tile inside the backward for a block with max|x| = amax and L levels (numerics.quantize_tile):
+// scale = amax·(1/L), inv = L·rcp(amax) with the SFU's reciprocal.
 struct Psi {
     float scale, inv;
 };
-SB_DEVICE Psi psi(float amax) {
+template <int L>
+SB_DEVICE Psi tile_psi(float amax) {
     if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
-    return {div_rn(amax, 127.f), div_rn(127.f, amax)};
+    return {mul_rn(amax, 1.f / L), mul_rn(static_cast<float>(L), rcp_approx(amax))};
 }
-
-// Unsigned ψ of non-negative P (fine mode): scale amax/255, codes 0..255 (numerics.quantize_unsigned).
-SB_DEVICE Psi psi_unsigned(float amax) {
-    if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
-    return {div_rn(amax, static_cast<float>(SB_P_LEVELS)), div_rn(static_cast<float>(SB_P_LEVELS), amax)};
-}
+SB_DEVICE Psi psi(float amax) { return tile_psi<SB_INT8_MAX>(amax); }
+// Unsigned ψ of non-negative P (fine mode): codes 0..255.
+SB_DEVICE Psi psi_unsigned(float amax) { return tile_psi<SB_P_LEVELS>(amax); }
 
 // x̂ = rint(x·inv) as a byte (|x·inv| <= 127, or 0 <= x·inv <= 255 unsigned, by construction: no clamp).
 SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
@@ -252,6 +251,18 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[n + x][c] = fmaf(static_cast<float>(p[x][c]), factor[c >> 1], acc[n + x][c]);
     }
+}
+
+// Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
+SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int qcol0, int t) {
+#pragma unroll
+    for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].z;
+            z[n][c] = ds[n][c] * sq;
+            z[n][2 + c] = ds[n][2 + c] * sq;
+        }
 }
 
 struct Args {
@@ -498,15 +509,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         // dK reads Z = dS·s_Q[query], dQ reads Y = dS·s_K[key] (the per-token scales folded in). Their
         // maxima: Z per key (over both query halves), Y per query (over the four key groups); or
         // each one's tile max (paper).
-        float z[NT_Q][4];
-#pragma unroll
-        for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].z;
-                z[n][c] = ds[n][c] * sq;
-                z[n][2 + c] = ds[n][2 + c] * sq;
-            }
+        float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost 16 registers
+        z_values(z, ds, stats_s, qcol0, t);
         float z_row[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -609,6 +613,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
+            z_values(z, ds, stats_s, qcol0, t);
             pack_a(dsf, z, inv_d);
             frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
             if (SB_BIAS && t == 0) {
@@ -617,12 +622,13 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
             }
         }
 
-        int* lock = a.dq_lock + bhq * n_qb + i;
+        // The query block's dQ counter, formed where it is used (kept live across dQ it would spill at d=64).
+        auto lock = [&] { return a.dq_lock + (static_cast<i64>(b) * a.Hq + h) * n_qb + i; };
         if (SB_DETERMINISTIC && tid == 0) {
             // Key blocks add into a query block's dQ in order: wait for the ones before this one.
             int seen;
             do {
-                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock()));
             } while (seen != j);
         }
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
@@ -684,7 +690,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const f
         if (SB_DETERMINISTIC) {
             __threadfence();
             __syncthreads();
-            if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1));
+            if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock()), "r"(j + 1));
         }
         if (SB_STAGES == 1 && it + 1 < n_it) {
             __syncthreads();  // the single stage is free

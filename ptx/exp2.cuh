@@ -8,6 +8,14 @@ SB_DEVICE float exp2_approx(float x) {
     return r;
 }
 
+// rcp.approx.ftz.f32: 1/x on the special-function unit (1 ulp), one instruction where div.rn is a
+// dozen with a slow-path branch.
+SB_DEVICE float rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // lg2.approx.ftz.f32
 SB_DEVICE float log2_approx(float x) {
     float r;

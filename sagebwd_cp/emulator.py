@@ -22,7 +22,7 @@ from .numerics import (
     default_softmax_scale,
     qk_prescale,
     quantize_block,
-    quantize_unsigned,
+    quantize_tile,
     round_to_dtype,
     token_mean,
 )
@@ -100,14 +100,14 @@ def _quantize_tokens(x: np.ndarray, quantize: bool):
     return vals, scale[..., 0]
 
 
-def _psi(x: np.ndarray, axis, quantize: bool):
-    """ψ of one tile (or a batch of tiles) with the scale reduced over ``axis``."""
+def _psi(x: np.ndarray, axis, quantize: bool, levels: int = INT8_MAX):
+    """The backward's ψ of one tile (or a batch of tiles) with the scale reduced over ``axis``."""
     if not quantize:
         shape = list(x.shape)
         for ax in (axis if isinstance(axis, tuple) else (axis,)):
             shape[ax] = 1
         return x, np.ones(shape, dtype=np.float32)
-    return quantize_block(x, axis=axis)
+    return quantize_tile(x, axis, levels)
 
 
 def _check_inputs(q, k, v):
@@ -385,10 +385,8 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
                 p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
             # #4: dV_j += P̂ᵀ dÔ_i
-            if fine and quantize:
-                p_hat, s_p = quantize_unsigned(p, axis=-2)  # per key, 255 levels
-            else:
-                p_hat, s_p = _psi(p, -2 if fine else (-2, -1), quantize)
+            # per key with 255 unsigned levels (fine), or 127 levels over the tile (paper)
+            p_hat, s_p = _psi(p, -2, quantize, P_LEVELS) if fine else _psi(p, (-2, -1), quantize)
             s_p_rows = np.swapaxes(s_p, -1, -2)  # per key -> per row of dV (or the tile scalar)
             pv = _int_matmul(np.swapaxes(p_hat, -1, -2), do_hat[:, :, r0:r1])
             dv_j = (dv_j + pv * (s_p_rows * s_do[:, :, i, None, None]).astype(np.float32)).astype(np.float32)

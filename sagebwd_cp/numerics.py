@@ -27,8 +27,10 @@ Conventions
   S and m_new the running max, e = exp2(S - rmax), P̂ = rint(255 * e) (unsigned: P ≥ 0, so all
   256 codes of a u8 operand are used), l = α·l + β·Σe and acc = α·acc + (P̂V̂)·(β/255)·s_V with
   β = exp2(rmax - m_new), α = exp2(m - m_new).
-* Backward P for dV: "fine" quantizes per key, unsigned, P̂ = rint(P·255/amax) with scale
-  amax/255 (amax as in ψ); "paper" uses ψ (signed, 127) over the 64x64 tile, as published.
+* Backward P for dV: "fine" quantizes per key, unsigned with 255 levels; "paper" uses 127 levels
+  over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their
+  inverse scale from a fast reciprocal (``quantize_tile``); the pre-pass quantizer of Q, K, V, dO
+  uses IEEE divisions (``quantize_block``) and matches the emulator bit for bit.
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
@@ -80,17 +82,20 @@ def quantize_block(x: np.ndarray, axis=None):
     return q, scale
 
 
-def quantize_unsigned(x: np.ndarray, axis=None, levels: int = P_LEVELS):
-    """ψ for non-negative ``x`` with ``levels`` codes above zero: scale = amax / levels,
-    x̂ = rint(x * (levels / amax)) (float32 products, round to nearest even), blocks under TINY_AMAX
-    count as zero.  Returns (float32 integer values, float32 scale)."""
+def quantize_tile(x: np.ndarray, axis, levels: int = INT8_MAX):
+    """ψ as the backward kernel applies it to its tiles (P̂, Ŷ, Ẑ), one scale per reduction over
+    ``axis``: amax = max|x|; scale = amax·(1/levels) and inv = levels·(1/amax), float32 products;
+    x̂ = rint(x·inv).  The kernel's 1/amax is the SFU's reciprocal (rcp.approx, within one ulp of
+    the IEEE value used here), a dozen instructions cheaper than a division.  levels = INT8_MAX for
+    signed values; P_LEVELS for P ≥ 0 (unsigned codes 0..255).  Blocks under TINY_AMAX count as
+    zero.  Returns (float32 integer values, float32 scale)."""
     x = np.asarray(x, dtype=np.float32)
-    amax = np.max(x, axis=axis, keepdims=axis is not None).astype(np.float32)
+    amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
     zero = amax < TINY_AMAX
     safe = np.where(zero, np.float32(1), amax).astype(np.float32)
-    scale = np.where(zero, np.float32(1), safe / np.float32(levels)).astype(np.float32)
-    inv = np.where(zero, np.float32(0), np.float32(levels) / safe).astype(np.float32)
-    q = np.clip(np.rint((x * inv).astype(np.float32)), 0, levels).astype(np.float32)
+    scale = np.where(zero, np.float32(1), safe * np.float32(np.float32(1) / np.float32(levels))).astype(np.float32)
+    inv = np.where(zero, np.float32(0), np.float32(levels) * (np.float32(1) / safe)).astype(np.float32)
+    q = np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels).astype(np.float32)
     return q, scale
 
 

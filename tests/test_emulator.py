@@ -339,3 +339,22 @@ def test_sigma_sweep_paper_granularity_worse_for_dq(sigma_sweep):
     assert paper > fine, f"paper-mode dq Rel-L2 {paper:.4f} <= fine {fine:.4f}\n{text}"
     # the forward is shared, so O is identical in both modes
     assert table["fine", 1, "o"] == table["paper", 1, "o"]
+
+
+def test_quantize_tile_properties():
+    """The backward's tile ψ: codes within ±levels (0..255 for P ≥ 0), error within half a step."""
+    from sagebwd_cp.numerics import INT8_MAX, P_LEVELS, quantize_tile
+
+    rng = np.random.default_rng(7)
+    for mag in (1e-30, 1e-7, 1.0, 3e4):
+        x = (mag * rng.standard_normal((4, 64, 64))).astype(np.float32)
+        x[0, :, 0] = 0  # an all-zero column gets scale 1 and zero codes
+        for levels, data in ((INT8_MAX, x), (P_LEVELS, np.abs(x))):
+            for axis in (-1, -2, (-2, -1)):
+                vals, scale = quantize_tile(data, axis, levels)
+                assert vals.dtype == np.float32 and np.all(vals == np.rint(vals))
+                assert vals.min() >= (0 if levels == P_LEVELS else -levels) and vals.max() <= levels
+                err = np.abs(vals.astype(np.float64) * scale - data)
+                assert np.all(err <= scale.astype(np.float64) * (0.5 + 1e-4)), (mag, axis, levels)
+        vals, scale = quantize_tile(np.zeros((64, 64), np.float32), -1)
+        assert np.all(vals == 0) and np.all(scale == 1)
