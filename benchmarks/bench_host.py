@@ -1,8 +1,8 @@
 """Host cost per call of the pure-Python parts, on a machine without a GPU.
 
 Every call into the GPU (stream query, device query, memset, kernel launch, module load) is replaced
-by a stub, and device allocations by CPU ``torch.empty`` calls of the same shapes; CPU tensors are
-described as CUDA ones.  What is left is what the library itself spends in Python: finding the
+by a stub, and device allocations go through the library's own allocation code to CPU
+``torch.empty`` calls of the same shapes; CPU tensors are described as CUDA ones.  What is left is what the library itself spends in Python: finding the
 launch plan, allocating, packing the pointers, and the adapter's bookkeeping.  On a GPU, add the
 driver's own time per launch and memset (a few µs each) and the real allocator.
 
@@ -31,12 +31,8 @@ def mock_the_gpu():
         d.device_type = "cuda"
         return d
 
-    def cpu_allocate(shape, dtype, framework, device_id):
-        t = torch.empty(shape, dtype=arrays._torch_dtype(dtype))
-        return t, t.data_ptr()
-
     arrays._from_torch = cuda_desc
-    plan.allocate = cpu_allocate
+    arrays._TORCH_DEVICES[0] = torch.device("cpu")  # "CUDA device 0" allocations: torch.empty on the CPU
     plan.stream_reader = lambda framework: (lambda device_id: 0)
     compiler.get_function_pointer = lambda spec, entry, device_id, shared=0: 0x1000 + len(entry)
     launch._device_limits[0] = 232448  # an H200's opt-in shared memory per block
@@ -107,6 +103,8 @@ def main(argv=None):
          lambda: run_backward(q, k, v, out, lse2, do, True, None, True, False, "HND", "fine", False)),
         ("adapter inference (sagebwd_cp.torch.attention)", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
+        ("custom op attention_forward (torch.library, with autograd)",
+         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, True, None, True, False, "HND", "fine", False)),
         ("adapter forward + backward", grad_step),
     ]
     print(f"shape (B, H, N, D) = {shape}, float16, causal; GPU calls stubbed; µs per call (best of 7)")

@@ -4,7 +4,7 @@
 - ``scaled_dot_product_attention(...)``: drop-in for ``torch.nn.functional.scaled_dot_product_attention``;
 - ``flash_attn_func(...)``: drop-in for FlashAttention's ``flash_attn_func`` (NHD);
 - ``SageAttention``: the same as an ``nn.Module``;
-- ``SageAttentionFunction``: the ``torch.autograd.Function`` behind eager calls;
+- ``SageAttentionFunction``: the ``torch.autograd.Function`` of eager calls, every option an argument;
 - the operators ``torch.ops.sagebwd_cp.attention``, ``.attention_forward`` and
   ``.attention_backward`` (``torch.library.custom_op``, with fake implementations and autograd),
   which ``torch.compile`` traces with no graph break.

@@ -79,12 +79,11 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, do
                   softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each in its input's layout and q's dtype."""
-    if dout.stride(-1) != 1 or not dout.is_contiguous():
-        dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed
+    dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     if q.is_cuda:
-        grads = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                          deterministic)
-        return tuple(_as_tensor(g) for g in grads)
+        dq, dk, dv = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
+                                  granularity, deterministic)
+        return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
     grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
                       smooth_k, smooth_q, layout, granularity, deterministic)
     return tuple(_as_tensor(g, q.dtype) for g in grads)
@@ -163,7 +162,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse2):
     q, k, v, out, lse2 = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(q, k, v, out, lse2, dout.contiguous(), *ctx.options)
+    dq, dk, dv = attention_backward_op(q, k, v, out, lse2, dout, *ctx.options)  # dout made contiguous there
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
 

@@ -1,13 +1,15 @@
 """Differentiable attention for PyTorch, and drop-ins for ``F.scaled_dot_product_attention`` and
 ``flash_attn_func``.
 
-Eager calls go through ``SageAttentionFunction`` (a ``torch.autograd.Function``; a few
-microseconds of Python per call); under ``torch.compile`` the same computation goes through the
+Eager calls go through a ``torch.autograd.Function`` (``SageAttentionFunction``, or the same with
+its options packed into one argument; a few microseconds of Python per call); under ``torch.compile`` the same computation goes through the
 ``sagebwd_cp::`` custom operators, which the compiler traces without a graph break.  Without
 gradients (``torch.no_grad``, ``torch.inference_mode``, or no input requiring grad) the inference
 path runs: no LSE is computed and nothing is saved.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -22,6 +24,32 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _once_differentiable(backward):
+    """torch's ``once_differentiable`` without its cost (~4 µs) in the usual backward, which runs with
+    grad disabled: there it only calls ``backward``.  With create_graph=True it is torch's."""
+    guarded = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        return guarded(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return wrapper
+
+
+def _save(ctx, q, k, v, out, lse2, options) -> None:
+    ctx.save_for_backward(q, k, v, out, lse2)
+    ctx.options = options  # (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+
+
+def _input_grads(ctx, dout) -> tuple:
+    """(dq, dk, dv), None for an input that does not require grad."""
+    q, k, v, out, lse2 = ctx.saved_tensors
+    backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
+    dq, dk, dv = backward(q, k, v, out, lse2, dout, *ctx.options)  # dout made contiguous there if needed
+    need = ctx.needs_input_grad
+    return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None
+
+
 class SageAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
     deterministic) -> out``.  Saves q, k, v, the output and the base-2 LSE, nothing else;
@@ -34,27 +62,37 @@ class SageAttentionFunction(torch.autograd.Function):
                                                   granularity, deterministic)
         else:
             out, lse2 = _ops.forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+        _save(ctx, q, k, v, out, lse2, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic))
         return out
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse2 = ctx.saved_tensors
-        backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
-        dq, dk, dv = backward(q, k, v, out, lse2, dout.contiguous(), *ctx.options)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+        return _input_grads(ctx, dout) + (None,) * 7
 
 
-def _unify_dtypes(q: Tensor, k: Tensor, v: Tensor):
+class _EagerAttention(torch.autograd.Function):
+    """What ``attention`` applies outside ``torch.compile`` (which gets the custom operator instead):
+    SageAttentionFunction with its seven options in one tuple, since torch's ``apply`` costs about
+    0.2 µs per argument."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        out, lse2 = _ops.forward_impl(q, k, v, *options[:5])
+        _save(ctx, q, k, v, out, lse2, options)
+        return out
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dout):
+        return _input_grads(ctx, dout) + (None,)
+
+
+def _autocast(q: Tensor, k: Tensor, v: Tensor):
     """Under CUDA autocast, float32 inputs are cast to the autocast dtype (the kernels take fp16 or
     bf16 only), as autocast does for torch's own attention."""
-    if q.is_cuda and torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        q, k, v = (x.to(dt) if x.dtype == torch.float32 else x for x in (q, k, v))
-    return q, k, v
+    dt = torch.get_autocast_dtype("cuda")
+    return tuple(x.to(dt) if x.dtype == torch.float32 else x for x in (q, k, v))
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
@@ -76,8 +114,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     """
     _ops.check_layout(layout)
     _ops.check_granularity(granularity)
-    q, k, v = _unify_dtypes(q, k, v)
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # one check per call in the usual case
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        q, k, v = _autocast(q, k, v)
+    # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a
+    # dimension of size <= 1, where .contiguous() would return the tensor itself anyway.
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
@@ -90,8 +131,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     if compiling:
         return _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
                                          deterministic)[0]
-    return SageAttentionFunction.apply(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                                       deterministic)
+    return _EagerAttention.apply(q, k, v, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+                                           deterministic))
 
 
 # ------------------------------------------------------------------------------ drop-ins

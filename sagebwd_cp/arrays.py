@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 
 import numpy as np
 
@@ -234,9 +235,13 @@ def allocate(shape: tuple, dtype: str, framework: str, device_id: int):
                              f"{tuple(d.shape)} and strides {d.strides}")
         return d.obj, d.ptr
     if framework == "torch":
-        import torch
-
-        t = torch.empty(shape, dtype=_torch_dtype(dtype), device=_torch_device(device_id))
+        # Every output of every call comes here: the dtype and device objects from their caches,
+        # torch from sys.modules (the first call's _torch_dtype imported it), and the sizes as
+        # separate arguments, which torch parses faster than one tuple (~0.4 µs per allocation).
+        tdtype, device = _TORCH_DTYPES.get(dtype), _TORCH_DEVICES.get(device_id)
+        if tdtype is None or device is None:
+            tdtype, device = _torch_dtype(dtype), _torch_device(device_id)
+        t = sys.modules["torch"].empty(*shape, dtype=tdtype, device=device)
         return t, t.data_ptr()
     import cupy
 

@@ -414,6 +414,19 @@ def test_user_allocator_results_must_be_contiguous():
         sagebwd_cp.set_allocator(None)
 
 
+def test_torch_allocations_have_the_shape_dtype_and_device_asked_for(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from sagebwd_cp import arrays
+
+    monkeypatch.setitem(arrays._TORCH_DEVICES, 0, torch.device("cpu"))  # "device 0", to run without a GPU
+    monkeypatch.setitem(arrays._TORCH_DEVICES, 1, torch.device("meta"))
+    for shape, dtype, device_id in [((2, 3, 4, 8), "float16", 0), ((2, 3, 4), "float32", 0), ((7,), "uint8", 0),
+                                    ((2, 3, 4, 8), "bfloat16", 0), ((5, 6), "float16", 1), ((5, 6), "int32", 0)]:
+        t, p = arrays.allocate(shape, dtype, "torch", device_id)
+        assert t.shape == shape and t.dtype == arrays._torch_dtype(dtype) and t.is_contiguous()
+        assert t.device == arrays._TORCH_DEVICES[device_id] and p == t.data_ptr()
+
+
 def test_byte_view_of_a_torch_buffer():
     torch = pytest.importorskip("torch")
     from sagebwd_cp import arrays

@@ -215,12 +215,91 @@ def test_autograd_function_directly():
         torch.testing.assert_close(x.grad, r.grad, rtol=0, atol=0)
 
 
-def test_double_backward_is_refused():
+@pytest.mark.parametrize("function", ["attention", "SageAttentionFunction"])
+def test_double_backward_is_refused(function):
     q, k, v = qkv(lq=64, lk=64)
-    out = st.attention(q, k, v)
-    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
+    if function == "attention":
+        out = st.attention(q, k, v)
+    else:
+        out = st.SageAttentionFunction.apply(q, k, v, False, None, True, False, "HND", "fine", False)
+    do = torch.ones_like(out).requires_grad_()  # so that the gradients would be differentiable
+    (gq,) = torch.autograd.grad(out, q, do, create_graph=True)
+    (plain,) = torch.autograd.grad(out, q, do.detach())
+    torch.testing.assert_close(gq, plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
         gq.sum().backward()
+
+
+# ------------------------------------------------------------------------------ the CUDA path, GPU stubbed
+
+
+@pytest.fixture
+def stubbed_cuda(monkeypatch):
+    """CPU tensors take the adapter's CUDA path: described as CUDA arrays, plans built and cached,
+    outputs from the library's allocation code ("device 0" mapped to the CPU), launches recorded
+    instead of run (outputs hold no results: only their metadata is meaningful)."""
+    from sagebwd_cp import arrays, compiler, launch, plan
+
+    real = arrays._from_torch
+
+    def cuda_desc(x, name):
+        d = real(x, name)
+        d.device_type = "cuda"
+        return d
+
+    class FakeCuda:
+        launches = 0
+
+        def getDevice(self):
+            return 0
+
+        def ctxGetCurrent(self):
+            return 1
+
+        def memsetAsync(self, p, value, nbytes, stream):
+            pass
+
+        def launchKernel(self, *args):
+            self.launches += 1
+
+    fake = FakeCuda()
+    monkeypatch.setattr(arrays, "_from_torch", cuda_desc)
+    monkeypatch.setitem(arrays._TORCH_DEVICES, 0, torch.device("cpu"))
+    monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0))
+    monkeypatch.setattr(plan, "_plans", {})
+    monkeypatch.setattr(compiler, "get_function_pointer", lambda spec, entry, device_id, shared=0: 0x1000)
+    monkeypatch.setitem(launch._device_limits, 0, 232448)
+    monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return fake
+
+
+def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda):
+    from sagebwd_cp import plan
+
+    def call(dtype=torch.float16, layout="HND", **opts):
+        q, k, v = qkv(hq=2, hk=1, lq=64, lk=96, layout=layout, dtype=dtype)
+        out = st.attention(q, k, v, layout=layout, **opts)
+        assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+        lse2 = out.grad_fn.saved_tensors[4]
+        assert lse2.shape == (1, 2, 64) and lse2.dtype == torch.float32
+        out.backward(torch.ones_like(out))  # expanded dO made contiguous; a backward plan per key
+        for x in (q, k, v):
+            assert x.grad.shape == x.shape and x.grad.dtype == dtype
+        return len(plan._plans)
+
+    assert call() == 2  # a forward and a backward plan
+    launches = stubbed_cuda.launches
+    assert call() == 2 and stubbed_cuda.launches == 2 * launches  # replayed, not rebuilt
+    assert call(causal=True) == 4
+    assert call(dtype=torch.bfloat16) == 6
+    assert call(layout="NHD") == 8  # other strides
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8"):
+        st.attention(*(x[..., :60] for x in qkv(lq=64, lk=64, dtype=torch.float16)))
+    with pytest.raises(TypeError, match=r"q, k, v: expected one dtype"):
+        q, k, v = qkv(lq=64, lk=64, dtype=torch.float16)
+        st.attention(q, k.bfloat16(), v)
+    assert len(plan._plans) == 8
 
 
 # ------------------------------------------------------------------------------ argument errors
