@@ -68,15 +68,31 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
     }
     __syncthreads();
 
-    // Load (prescaled, mean-subtracted) values; padding rows and columns are 0.
-    for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
-        const int r = i / D_pad, c = i % D_pad;
+    // Load (prescaled, mean-subtracted) values; padding rows and columns are 0. Rows that start
+    // 16-byte aligned are read 8 values per load (D is then a multiple of 8: a chunk is all in or out).
+    auto put = [&](int r, int c, u16 raw) {
         float v = 0.f;
         if (r < nvalid && c < D) {
-            v = mul_rn(to_f32<SB_BF16>(xs[static_cast<i64>(row0 + r) * sn + c]), prescale);
+            v = mul_rn(to_f32<SB_BF16>(raw), prescale);
             if (mean_sum) v = sub_rn(v, mu[c]);
         }
         tile[r][c] = v;
+    };
+    if (D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0) {
+        const int chunks = D_pad / 8;
+        for (int i = threadIdx.x; i < QBLOCK * chunks; i += QTHREADS) {
+            const int r = i / chunks, c0 = (i % chunks) * 8;
+            uint4 w = make_uint4(0, 0, 0, 0);
+            if (r < nvalid && c0 < D) w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(row0 + r) * sn + c0);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) put(r, c0 + e, static_cast<u16>(words[e >> 1] >> (16 * (e & 1))));
+        }
+    } else {
+        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
+            const int r = i / D_pad, c = i % D_pad;
+            put(r, c, r < nvalid && c < D ? xs[static_cast<i64>(row0 + r) * sn + c] : u16(0));
+        }
     }
     __syncthreads();
 
