@@ -143,30 +143,28 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
     }
     __syncthreads();
 
-    // Round and write, four bytes per store.
+    // Round and write, sixteen bytes per store (rows of D_pad and blocks of 64 tokens are multiples of 16).
+    auto code = [&](int r, int c) {
+        return static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(tile[r][c], row_inv[r]))))) & 0xffu;
+    };
     if (rows_out) {
         i8* out = rows_out + (bh * N_pad + row0) * D_pad;
-        for (int i = threadIdx.x; i < QBLOCK * D_pad / 4; i += QTHREADS) {
-            const int r = (4 * i) / D_pad, c = (4 * i) % D_pad;
-            u32 w = 0;
-            for (int e = 0; e < 4; ++e) {
-                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c + e], row_inv[r]))));
-                w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
-            }
-            reinterpret_cast<u32*>(out)[i] = w;
+        for (int i = threadIdx.x; i < QBLOCK * D_pad / 16; i += QTHREADS) {
+            const int r = (16 * i) / D_pad, c = (16 * i) % D_pad;
+            u32 w[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int e = 0; e < 16; ++e) w[e >> 2] |= code(r, c + e) << (8 * (e & 3));
+            reinterpret_cast<uint4*>(out)[i] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
     if (t_out) {
         i8* out = t_out + bh * D_pad * N_pad + row0;
-        for (int i = threadIdx.x; i < D_pad * QBLOCK / 4; i += QTHREADS) {
-            const int c = (4 * i) / QBLOCK, p = (4 * i) % QBLOCK;
-            u32 w = 0;
-            for (int e = 0; e < 4; ++e) {
-                const int r = (flags & QUANT_PERMUTE_T) ? permuted_token(p + e) : p + e;
-                const int q = max(-127, min(127, rint_s32(mul_rn(tile[r][c], row_inv[r]))));
-                w |= (static_cast<u32>(q) & 0xffu) << (8 * e);
-            }
-            *reinterpret_cast<u32*>(out + static_cast<i64>(c) * N_pad + p) = w;
+        for (int i = threadIdx.x; i < D_pad * QBLOCK / 16; i += QTHREADS) {
+            const int c = (16 * i) / QBLOCK, p = (16 * i) % QBLOCK;
+            u32 w[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int e = 0; e < 16; ++e) w[e >> 2] |= code((flags & QUANT_PERMUTE_T) ? permuted_token(p + e) : p + e, c) << (8 * (e & 3));
+            *reinterpret_cast<uint4*>(out + static_cast<i64>(c) * N_pad + p) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }
@@ -216,21 +214,36 @@ extern "C" __global__ void __launch_bounds__(QTHREADS)
 token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
           double* __restrict__ sum_out) {
     SB_REQUIRE_SM80();
-    __shared__ double part[QTHREADS];
+    __shared__ double part[QTHREADS * 8];
     const int n0 = blockIdx.x * MEAN_TOKENS, h = blockIdx.y, b = blockIdx.z;
     const u16* xs = x + b * sb + h * sh;
-    const int per_col = QTHREADS / D_pad;
-    const int c = threadIdx.x % D_pad, slice = threadIdx.x / D_pad;
     const int n1 = min(N, n0 + MEAN_TOKENS);
-    double s = 0.0;
-    if (c < D)
+    // Aligned rows: each thread sums 8 columns from 16-byte loads; else one column per thread.
+    const bool vec = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
+    const int width = vec ? 8 : 1, groups = D_pad / width, slices = QTHREADS / groups;
+    const int c0 = (threadIdx.x % groups) * width, slice = threadIdx.x / groups;
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (c0 < D) {
+        if (vec) {
+            for (int n = n0 + slice; n < n1; n += slices) {
+                const uint4 w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n) * sn + c0);
+                const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))));
+            }
+        } else {
 #pragma unroll 8
-        for (int n = n0 + slice; n < n1; n += per_col) s += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c]));
-    part[threadIdx.x] = s;
+            for (int n = n0 + slice; n < n1; n += slices) s[0] += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c0]));
+        }
+    }
+    // part[slice][column]
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        if (e < width) part[slice * D_pad + c0 + e] = s[e];
     __syncthreads();
     if (threadIdx.x < D) {
         double t = 0.0;
-        for (int p = 0; p < per_col; ++p) t += part[p * D_pad + threadIdx.x];
+        for (int p = 0; p < slices; ++p) t += part[p * D_pad + threadIdx.x];
         double* dst = sum_out + (static_cast<i64>(b) * H + h) * D_pad + threadIdx.x;
         if (gridDim.x == 1)
             *dst = t;
