@@ -50,8 +50,8 @@
 #endif
 
 constexpr int DP = SB_DP;
-constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= Q and dO scale block)
-constexpr int BKV = SB_BLOCK_KV; // keys per CTA (= K scale block)
+constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= dO scale block)
+constexpr int BKV = SB_BLOCK_KV; // keys per CTA
 constexpr int KEY_GROUPS = BKV / 16;  // warps along the keys
 constexpr int WARPS = 2 * KEY_GROUPS; // times two halves of the query tile
 constexpr int THREADS = WARPS * 32;

@@ -34,7 +34,7 @@
 #endif
 
 constexpr int DP = SB_DP;
-constexpr int BKV = SB_BLOCK_KV;             // keys per tile (= K/V scale block)
+constexpr int BKV = SB_BLOCK_KV;             // keys per tile (= V scale block)
 constexpr int THREADS = SB_WARPS * 32;
 constexpr int CTA_Q = SB_WARPS * 16 * SB_MT;  // query rows per CTA
 constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
@@ -46,7 +46,7 @@ constexpr int V_BYTES = DP * BKV;
 constexpr int KS_BYTES = 4 * BKV;             // the key tile's per-token K scales, f32
 constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KS_BYTES;
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
-static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q scale");
+static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
 #ifdef SB_SMEM_BYTES
 static_assert(Q_BYTES + 2 * STAGE_BYTES == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");

@@ -5,7 +5,7 @@
 // Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
 // sums behind μ_K).
 //
-// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per scale block).
+// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO).
 #include "common.cuh"
 #include "convert.cuh"
 
