@@ -268,7 +268,6 @@ SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const f
 struct Args {
     const i8* q8;          // [B][Hq][Nq_pad][DP]
     const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
-    const float* q_scale;  // [B][Hq][Nq_pad] (per token; the kernel reads it through stats)
     const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
     const i8* k8;          // [B][Hkv][Nk_pad][DP]
     const i8* k8t;         // [B][Hkv][DP][Nk_pad]
@@ -278,7 +277,7 @@ struct Args {
     const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0); LSE2 = +inf, δ = 0 on padded rows
+    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
     float* dq_acc;         // [B][Hq][Nq_pad][DP], zeroed
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
@@ -293,13 +292,13 @@ struct Args {
 constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_backward(const i8* q8_, const i8* q8t_, const float* q_scale_, const float* q_mean_, const i8* k8_,
+attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8* k8_,
                    const i8* k8t_, const float* k_scale_, const float* bias_, const u16* v_, const u16* dout_,
                    const i8* dot8_, const float* do_scale_, const float4* stats_, float* dq_acc_,
                    int* dq_lock_, u16* dk_, u16* dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh,
                    i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad) {
     SB_REQUIRE_SM80();
-    const Args a = {q8_, q8t_, q_scale_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,
+    const Args a = {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,
                     dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
                     Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad};
     extern __shared__ __align__(128) unsigned char smem[];

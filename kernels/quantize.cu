@@ -37,6 +37,14 @@ SB_DEVICE float block_max(float v, float* red) {
     return m;
 }
 
+// ψ of a block with max|x| = amax (numerics.quantize_block): stores the scale amax/127 at `scale`
+// (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero (1 and 0).
+SB_DEVICE float psi_inverse(float amax, float* scale) {
+    const bool zero = amax < SB_TINY_AMAX;
+    if (scale) *scale = zero ? 1.f : div_rn(amax, 127.f);
+    return zero ? 0.f : div_rn(127.f, amax);
+}
+
 // One CTA quantizes one block of 64 rows (blk) of one (batch b, head h).
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
@@ -128,18 +136,13 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
         for (int c = threadIdx.x & 3; c < D_pad; c += 4) amax = fmaxf(amax, fabsf(tile[r][c]));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block, per row
-        if ((threadIdx.x & 3) == 0) {
-            row_inv[r] = zero ? 0.f : div_rn(127.f, amax);
-            scale_out[bh * N_pad + row0 + r] = zero ? 1.f : div_rn(amax, 127.f);
-        }
+        if ((threadIdx.x & 3) == 0) row_inv[r] = psi_inverse(amax, scale_out + bh * N_pad + row0 + r);
     } else {
         float amax = 0.f;
         for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
         amax = block_max(amax, red);
-        const bool zero = amax < SB_TINY_AMAX;  // numerics.quantize_block
-        if (threadIdx.x < QBLOCK) row_inv[threadIdx.x] = zero ? 0.f : div_rn(127.f, amax);
-        if (threadIdx.x == 0) scale_out[bh * (N_pad / QBLOCK) + blk] = zero ? 1.f : div_rn(amax, 127.f);
+        float* scale = scale_out + bh * (N_pad / QBLOCK) + blk;
+        if (threadIdx.x < QBLOCK) row_inv[threadIdx.x] = psi_inverse(amax, threadIdx.x == 0 ? scale : nullptr);
     }
     __syncthreads();
 

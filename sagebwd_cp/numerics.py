@@ -65,21 +65,32 @@ def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def quantize_block(x: np.ndarray, axis=None):
-    """ψ: symmetric INT8 quantization of float32 ``x`` with one scale per reduction over ``axis``.
-
-    ``axis=None`` gives one scale for the whole array; otherwise the max is taken over ``axis``
-    (kept as a size-1 dimension in the returned scale).  Returns (int8 values, float32 scale).
-    """
+def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool):
+    """(float32 integer codes in [-levels, levels], float32 scale) with one scale per reduction of
+    max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale 1, codes 0)."""
     x = np.asarray(x, dtype=np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
     zero = amax < TINY_AMAX
     safe = np.where(zero, np.float32(1), amax).astype(np.float32)
-    scale = np.where(zero, np.float32(1), safe / np.float32(INT8_MAX)).astype(np.float32)
-    inv = np.where(zero, np.float32(0), np.float32(INT8_MAX) / safe).astype(np.float32)
-    q = np.rint((x * inv).astype(np.float32))
-    q = np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q, scale
+    n = np.float32(levels)
+    if fast_reciprocal:
+        scale, inv = safe * (np.float32(1) / n), n * (np.float32(1) / safe)
+    else:
+        scale, inv = safe / n, n / safe
+    scale = np.where(zero, np.float32(1), scale).astype(np.float32)
+    inv = np.where(zero, np.float32(0), inv).astype(np.float32)
+    return np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels), scale
+
+
+def quantize_block(x: np.ndarray, axis=None):
+    """ψ: symmetric INT8 quantization of float32 ``x`` with one scale per reduction over ``axis``.
+
+    ``axis=None`` gives one scale for the whole array; otherwise the max is taken over ``axis``
+    (kept as a size-1 dimension in the returned scale).  scale = amax/127 and inv = 127/amax (IEEE
+    divisions).  Returns (int8 values, float32 scale).
+    """
+    q, scale = _psi(x, axis, INT8_MAX, fast_reciprocal=False)
+    return q.astype(np.int8), scale
 
 
 def quantize_tile(x: np.ndarray, axis, levels: int = INT8_MAX):
@@ -89,14 +100,8 @@ def quantize_tile(x: np.ndarray, axis, levels: int = INT8_MAX):
     the IEEE value used here), a dozen instructions cheaper than a division.  levels = INT8_MAX for
     signed values; P_LEVELS for P ≥ 0 (unsigned codes 0..255).  Blocks under TINY_AMAX count as
     zero.  Returns (float32 integer values, float32 scale)."""
-    x = np.asarray(x, dtype=np.float32)
-    amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
-    zero = amax < TINY_AMAX
-    safe = np.where(zero, np.float32(1), amax).astype(np.float32)
-    scale = np.where(zero, np.float32(1), safe * np.float32(np.float32(1) / np.float32(levels))).astype(np.float32)
-    inv = np.where(zero, np.float32(0), np.float32(levels) * (np.float32(1) / safe)).astype(np.float32)
-    q = np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels).astype(np.float32)
-    return q, scale
+    q, scale = _psi(x, axis, levels, fast_reciprocal=True)
+    return q.astype(np.float32), scale
 
 
 def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:
