@@ -75,6 +75,9 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                  i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),
                  i32(nq), i32(nk)],
                 shared=tiles.shared_bytes(dp))
+    # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
+    # the allocator before dq is allocated (a lower peak than holding them with every output).
+    plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
     plan.launch(rows, "dq_convert", ((Lq * (D // 2) + 255) // 256, Hq, B), (256, 1, 1),

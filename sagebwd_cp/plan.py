@@ -8,9 +8,11 @@ buffer, writes the new pointers into the packed arguments and launches: no valid
 specs, no per-argument conversion.
 
 Pointers a plan fills in per call come from a table: the caller's arrays (``inputs``, in order),
-then the outputs it allocates, then the workspace base.  The workspace is carved into sub-buffers
+then the outputs it allocates, then the workspace bases.  The workspace is carved into sub-buffers
 at ``WORKSPACE_ALIGN``-byte offsets, the ones that must start zeroed first, so one memset covers
-them all.
+them all.  A plan may release part of its workspace midway (``PlanBuilder.release_workspace``):
+those buffers live in a second allocation, dropped before the later launches, and the outputs that
+only later launches write are allocated after it, so they can reuse its memory.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Buffer:
         self.strides = contiguous_strides(self.shape)
         self.nbytes = math.prod(self.shape) * _ITEMSIZE[dtype]
         self.offset = None
+        self.released = False  # lives in the part of the workspace released midway
 
     def __repr__(self):
         return f"Buffer({self.name!r}, {self.shape}, {self.dtype}, offset={self.offset})"
@@ -80,38 +83,52 @@ class Step:
         self.slots = slots  # ((word index in args, pointer-table index, byte offset), ...)
 
 
+class Release:
+    """The workspace released midway: from launch ``step`` on, its ``nbytes`` (the first
+    ``zero_bytes`` zeroed) are dropped and the outputs numbered ``late`` are allocated."""
+
+    __slots__ = ("step", "nbytes", "zero_bytes", "late")
+
+    def __init__(self, step: int, nbytes: int, zero_bytes: int, late: tuple):
+        self.step, self.nbytes, self.zero_bytes, self.late = step, nbytes, zero_bytes, late
+
+
 class LaunchPlan:
     """Everything one call launches; ``run`` replays it with the call's pointers."""
 
     def __init__(self, device_id: int, framework: str, inputs: tuple, outputs: list, workspace_bytes: int,
-                 zero_bytes: int, steps: list, problem=None):
+                 zero_bytes: int, steps: list, problem=None, release: Release | None = None):
         self.device_id = device_id
         self.framework = framework  # whose allocator and current stream a call uses
         self.inputs = inputs  # names of the caller's arrays, in the order ``run`` takes their pointers
-        self.outputs = outputs  # Output objects, allocated per call in this order
-        self.workspace_bytes = workspace_bytes
+        self.outputs = outputs  # Output objects, returned in this order
+        self.workspace_bytes = workspace_bytes  # the workspace that lives through the call
         self.zero_bytes = zero_bytes
         self.steps = steps
+        self.release = release
+        late = release.late if release else ()
+        self._early = tuple(n for n in range(len(outputs)) if n not in late)  # allocated before any launch
         self.problem = _detached(problem)  # what the plan was built from (pointers stale, arrays dropped)
         self.read_stream = stream_reader(framework)
         self._lock = threading.Lock()  # the packed arguments are shared: one call at a time packs and launches
 
     def run(self, input_ptrs, stream: int | None = None):
-        """Launch for arrays at ``input_ptrs``; returns (output arrays, workspace array or None)."""
+        """Launch for arrays at ``input_ptrs``; returns (output arrays, workspace array or None: the
+        part that lived through the call)."""
         dev = self.device_id
         if stream is None:
             stream = self.read_stream(dev)
         fw = self.framework
-        objs, table = [], list(input_ptrs)
-        for out in self.outputs:
-            obj, p = allocate(out.shape, out.dtype, fw, dev)
-            objs.append(obj)
-            table.append(p)
-        workspace = None
-        if self.workspace_bytes:
-            # Room to align the base: a user allocator need not return 256-byte aligned memory.
-            workspace, p = allocate((self.workspace_bytes + WORKSPACE_ALIGN,), "uint8", fw, dev)
-            table.append(_round_up(p, WORKSPACE_ALIGN))
+        n_in, outputs, release = len(input_ptrs), self.outputs, self.release
+        objs = [None] * len(outputs)
+        table = list(input_ptrs) + [0] * len(outputs)
+        for n in self._early:
+            out = outputs[n]
+            objs[n], table[n_in + n] = allocate(out.shape, out.dtype, fw, dev)
+        workspace, table_ws = self._allocate_workspace(self.workspace_bytes, table)
+        released = None
+        if release is not None:
+            released, _ = self._allocate_workspace(release.nbytes, table)
         runtime, driver = cuda()
         launch_kernel = driver.launchKernel
         with self._lock:
@@ -121,8 +138,17 @@ class LaunchPlan:
                 runtime.setDevice(dev)  # also binds the device's primary context to this thread
             try:
                 if self.zero_bytes:
-                    runtime.memsetAsync(table[-1], 0, self.zero_bytes, stream)
-                for step in self.steps:
+                    runtime.memsetAsync(table[table_ws], 0, self.zero_bytes, stream)
+                if release is not None and release.zero_bytes:
+                    runtime.memsetAsync(table[table_ws + 1], 0, release.zero_bytes, stream)
+                for index, step in enumerate(self.steps):
+                    if release is not None and index == release.step:
+                        # Dropped while the queued launches still read it: the allocators are
+                        # stream-ordered, so only later work on this stream gets the memory.
+                        released = None
+                        for n in release.late:
+                            out = outputs[n]
+                            objs[n], table[n_in + n] = allocate(out.shape, out.dtype, fw, dev)
                     words = step.args.words
                     for word, source, offset in step.slots:
                         words[word] = table[source] + offset
@@ -130,7 +156,18 @@ class LaunchPlan:
             finally:
                 if previous != dev:
                     runtime.setDevice(previous)
+        del released
         return objs, workspace
+
+    def _allocate_workspace(self, nbytes: int, table: list):
+        """(array or None, its index in ``table``): appends the 256-byte aligned base (0 if none)."""
+        array, base = None, 0
+        if nbytes:
+            # Room to align the base: a user allocator need not return 256-byte aligned memory.
+            array, p = allocate((nbytes + WORKSPACE_ALIGN,), "uint8", self.framework, self.device_id)
+            base = _round_up(p, WORKSPACE_ALIGN)
+        table.append(base)
+        return array, len(table) - 1
 
     def workspace_base_offset(self, workspace) -> int:
         """Where the aligned base lies in a workspace array that ``run`` returned."""
@@ -161,11 +198,23 @@ class PlanBuilder:
         self.device_id, self.framework = device_id, framework
         self.inputs = tuple(inputs)
         self.buffers, self.outputs, self.launches = [], [], []
+        self.release_at = None  # launches recorded before the workspace release, if there is one
 
     def workspace(self, name: str, shape, dtype: str, zeroed: bool = False) -> Buffer:
         buf = Buffer(name, shape, dtype, zeroed)
         self.buffers.append(buf)
         return buf
+
+    def release_workspace(self, keep=()) -> None:
+        """The launches recorded from here on read no workspace buffer declared so far except those
+        in ``keep``: the others are released before them, and outputs that only those launches use
+        are allocated after that, where they can take the released memory (a lower peak)."""
+        if self.release_at is not None:
+            raise ValueError("a plan releases its workspace once")
+        self.release_at = len(self.launches)
+        kept = {id(b) for b in keep}
+        for buf in self.buffers:
+            buf.released = id(buf) not in kept
 
     def output(self, name: str, shape, dtype: str) -> Output:
         out = Output(name, shape, dtype)
@@ -178,7 +227,7 @@ class PlanBuilder:
     def _pointer_source(self, value, n_inputs: int):
         """(pointer-table index, byte offset) of a symbolic pointer."""
         if isinstance(value, Buffer):
-            return n_inputs + len(self.outputs), value.offset
+            return n_inputs + len(self.outputs) + value.released, value.offset
         if isinstance(value, Output):
             return n_inputs + self.outputs.index(value), 0
         raise TypeError(f"unexpected pointer argument {value!r}")
@@ -187,10 +236,11 @@ class PlanBuilder:
         """The plan; ``resolve(spec, entry, device_id, shared) -> function handle`` loads the kernels
         (default: compiler.get_function_pointer, which needs the device)."""
         resolve = resolve or compiler.get_function_pointer
-        total, zero_bytes = carve(self.buffers)
+        total, zero_bytes = carve([b for b in self.buffers if not b.released])
+        released = carve([b for b in self.buffers if b.released])
         input_ids = {id(desc): i for i, (_, desc) in enumerate(self.inputs)}
-        steps = []
-        for spec, entry, grid, block, shared, args in self.launches:
+        steps, first_use = [], {}
+        for index, (spec, entry, grid, block, shared, args) in enumerate(self.launches):
             args = [_symbolize(a, input_ids) for a in args]
             packed = PackedArgs(args)
             if cacheable and _has_constant_pointer(args):
@@ -200,12 +250,20 @@ class PlanBuilder:
                 if isinstance(value, _Input):
                     slots.append((word, value.index, 0))
                 else:
+                    if isinstance(value, Buffer) and value.released and index >= self.release_at:
+                        raise ValueError(f"{spec.key}:{entry}: reads workspace {value.name!r} after its release")
                     source, offset = self._pointer_source(value, len(self.inputs))
                     slots.append((word, source, offset))
+                    if isinstance(value, Output):
+                        first_use.setdefault(self.outputs.index(value), index)
             function = resolve(spec, entry, self.device_id, shared)
             steps.append(Step(spec, entry, function, grid, block, shared, packed, tuple(slots)))
+        release = None
+        if self.release_at is not None:
+            late = tuple(n for n, step in sorted(first_use.items()) if step >= self.release_at)
+            release = Release(self.release_at, *released, late)
         return LaunchPlan(self.device_id, self.framework, tuple(name for name, _ in self.inputs), list(self.outputs),
-                          total, zero_bytes, steps, problem)
+                          total, zero_bytes, steps, problem, release)
 
 
 class _Input:

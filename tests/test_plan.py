@@ -349,6 +349,64 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     assert zeroed == ["dq_acc", "lock"] and memsets[0][3] == bwd.zero_bytes
 
 
+def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monkeypatch):
+    """The peak of a backward: Q̂, Q̂ᵀ, K̂, K̂ᵀ, dÔᵀ and the row statistics go back to the allocator
+    after the main kernel is queued, and dq (which only dq_convert writes) is allocated after that;
+    the FP32 dQ accumulator lives on until dq_convert has read it."""
+    import weakref
+
+    live = []  # (name, weak reference) of every allocation, in order
+
+    def allocate(shape, dtype, framework, device_id):
+        p = (len(live) + 1) << 36
+        obj = cuda_desc(shape, dtype, p)
+        alive_then = [name for name, ref in live if ref() is not None]
+        live.append(((shape, dtype), weakref.ref(obj)))
+        gpu.calls.append(("allocate", shape, dtype, p, alive_then))
+        return obj, p
+
+    monkeypatch.setattr(plan, "allocate", allocate)
+    q, k, v = qkv(lq=100, lk=300)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    bwd_start = len(gpu.calls)
+    dq, dk, dv = sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+    calls = gpu.calls[bwd_start:]
+    bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
+    kept = sorted(b.name for b in _buffers(bwd) if not b.released)
+    assert kept == ["dq_acc"]
+    assert bwd.release is not None and bwd.release.late == (0,)  # dq, output number 0
+    allocs = [c for c in calls if c[0] == "allocate"]
+    sizes = [c[1] for c in allocs]
+    assert sizes == [q.shape[:1] + k.shape[1:], k.shape, (bwd.workspace_bytes + 256,),
+                     (bwd.release.nbytes + 256,), q.shape]  # dk, dv, kept, released, then dq
+    released_shape = (bwd.release.nbytes + 256,)
+    # dq is allocated after the main kernel was launched and once the released part is gone.
+    order = [c[0] if c[0] != "allocate" else c[1] for c in calls]
+    main = [i for i, c in enumerate(calls) if c[0] == "launch"][-2]
+    assert order.index(q.shape, order.index(released_shape) + 1) > main
+    assert (released_shape, "uint8") not in allocs[-1][4] and (bwd.workspace_bytes + 256,) in [a[0] for a in allocs[-1][4]]
+    # The launches after the release read the kept buffer and dq, nothing released.
+    names = {b.name: b for b in _buffers(bwd)}
+    convert = bwd.steps[-1]
+    assert convert.entry == "dq_convert" and bwd.release.step == len(bwd.steps) - 1
+    kept_slot = len(bwd.inputs) + len(bwd.outputs)
+    assert {(src, off) for _, src, off in convert.slots} == {(kept_slot, names["dq_acc"].offset),
+                                                              (len(bwd.inputs), 0)}
+
+
+def test_a_launch_may_not_read_a_released_buffer():
+    spec = compiler.KernelSpec("test", "test.cu", (), ("f",))
+    builder = plan.PlanBuilder(0, "cupy", [])
+    early = builder.workspace("early", (64,), "float32")
+    builder.launch(spec, "f", (1, 1, 1), (32, 1, 1), [ptr(early)])
+    builder.release_workspace()
+    builder.launch(spec, "f", (1, 1, 1), (32, 1, 1), [ptr(early)])
+    with pytest.raises(ValueError, match="reads workspace 'early' after its release"):
+        builder.build(resolve=lambda *a: 1)
+    with pytest.raises(ValueError, match="once"):
+        builder.release_workspace()
+
+
 # ------------------------------------------------------------------------------ against the kernels' parameters
 
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([a-z]+)(\d+)\s+\w+(?:\[(\d+)\])?")
