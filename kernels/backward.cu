@@ -85,7 +85,6 @@ constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per q
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
 constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
-static_assert(DP * 127 * 127 < MMA_SEED_RANGE && BQ * 255 * 127 < MMA_SEED_RANGE, "seeded INT8 sums must stay exact");
 static_assert(STAGE_BYTES % 128 == 0 && STAGE0 % 128 == 0, "swizzled tiles need 128-byte aligned bases");
 #ifdef SB_SMEM_BYTES
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
@@ -217,17 +216,14 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[NT_Q][4], const float (&inv)
 
 // acc[.][.] += (Â B̂)·factor[row half] over head-dim half `dh` (NT_D/2 n-tiles from dh·NT_D/2); Â is
 // the two 32-column k-steps of 16 rows, B̂ a [DP][64] INT8 tile in fragment order.
-// The A fragments of both 32-query k-steps: k-step kk is query half kk, packed by warp
-// kw + kk·KEY_GROUPS of the key group. Read back from shared memory, also this warp's own: holding
-// it in registers across the barrier costs 4 registers at the kernel's peak.
-SB_DEVICE void key_group_frags(u32 (&af)[2][4], const uint4* frags, int kw, int lane) {
+// The A fragments of both 32-query k-steps: k-step qh is this warp's own, the other comes from the
+// partner warp (selects, not a runtime index, so the fragments stay in registers).
+SB_DEVICE void both_halves(u32 (&af)[2][4], const u32 (&own)[4], uint4 other, int qh) {
+    const u32 o[4] = {other.x, other.y, other.z, other.w};
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-        const uint4 f = frags[(kw + kk * KEY_GROUPS) * 32 + lane];
-        af[kk][0] = f.x;
-        af[kk][1] = f.y;
-        af[kk][2] = f.z;
-        af[kk][3] = f.w;
+    for (int r = 0; r < 4; ++r) {
+        af[0][r] = qh ? o[r] : own[r];
+        af[1][r] = qh ? own[r] : o[r];
     }
 }
 
@@ -236,7 +232,7 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
                               const float (&factor)[2]) {
 #pragma unroll
     for (int n = 0; n < NT_D / 2; n += 2) {
-        int p[2][4] = {{MMA_SEED, MMA_SEED, MMA_SEED, MMA_SEED}, {MMA_SEED, MMA_SEED, MMA_SEED, MMA_SEED}};
+        int p[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             u32 bf[4];
@@ -253,7 +249,7 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
 #pragma unroll
         for (int x = 0; x < 2; ++x)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[n + x][c] = fmaf(seeded_to_f32(p[x][c]), factor[c >> 1], acc[n + x][c]);
+            for (int c = 0; c < 4; ++c) acc[n + x][c] = fmaf(static_cast<float>(p[x][c]), factor[c >> 1], acc[n + x][c]);
     }
 }
 
@@ -393,6 +389,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;  // shared-space address, for ldmatrix
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
+        const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const int q0 = i * BQ;
         const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
 
@@ -401,7 +398,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         {
             int s[NT_Q][4];
 #pragma unroll
-            for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = MMA_SEED;
+            for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0;
 #pragma unroll
             for (int ks = 0; ks < KS8; ++ks) {
                 u32 ka[4];
@@ -430,7 +427,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int key = key_lo + 8 * half, q = q0 + col;
-                        const float u = seeded_to_f32(s[n][2 * half + c]) * s_k[half];
+                        const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                         float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
                         if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
                         p[n][2 * half + c] = e;
@@ -442,19 +439,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         // with the other query half's warp; dV += P̂ᵀ dÔ runs once both halves are in (after the
         // next barrier).
         uint4* frags = reinterpret_cast<uint4*>(smem + FRAG_OFF);
-        // ψ of P̂ᵀ for this thread's two keys, from the maxima the warps shared (valid until the next
-        // iteration's first barrier: read twice rather than held across the dP product).
-        auto p_psi = [&](int half) {
-            float m;
-            if (SB_FINE) {
-                m = fmaxf(red[RED_P + krow + 8 * half], red[RED_P + BKV + krow + 8 * half]);
-            } else {
-                m = red[RED_TILE];
-#pragma unroll
-                for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + w]);
-            }
-            return SB_FINE ? psi_unsigned(m) : psi(m);
-        };
+        u32 pf[4];
+        float fac_v[2];
         {
             float m_row[2];
 #pragma unroll
@@ -474,8 +460,21 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 if (lane == 0) red[RED_TILE + warp] = m;
             }
             __syncthreads();
-            const float inv_p[2] = {p_psi(0).inv, p_psi(1).inv};
-            u32 pf[4];
+            if (SB_FINE) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    m_row[half] = fmaxf(red[RED_P + krow + 8 * half], red[RED_P + BKV + krow + 8 * half]);
+            } else {
+                float m = red[RED_TILE];
+#pragma unroll
+                for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + w]);
+                m_row[0] = m_row[1] = m;
+            }
+            const Psi p0 = SB_FINE ? psi_unsigned(m_row[0]) : psi(m_row[0]);
+            const Psi p1 = SB_FINE ? psi_unsigned(m_row[1]) : psi(m_row[1]);
+            const float inv_p[2] = {p0.inv, p1.inv};
+            fac_v[0] = p0.scale * s_do;
+            fac_v[1] = p1.scale * s_do;
             pack_a(pf, p, inv_p);
             frags[warp * 32 + lane] = make_uint4(pf[0], pf[1], pf[2], pf[3]);
         }
@@ -559,10 +558,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
             tile_y_psi = psi(my);
         }
         {
-            const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
-            const float fac_v[2] = {p_psi(0).scale * s_do, p_psi(1).scale * s_do};
             u32 af[2][4];
-            key_group_frags(af, frags, kw, lane);
+            both_halves(af, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
 
@@ -611,11 +608,11 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         }
 
         // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
+        u32 dsf[4];
         const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
             z_values(z, ds, stats_s, qcol0, t);
-            u32 dsf[4];
             pack_a(dsf, z, inv_d);
             frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
             if (SB_BIAS && t == 0) {
@@ -636,7 +633,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
         {
             u32 af[2][4];
-            key_group_frags(af, frags + WARPS * 32, kw, lane);
+            both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
             mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
         }
         if (SB_BIAS) {
@@ -672,7 +669,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
-                int pq[2][4] = {{MMA_SEED, MMA_SEED, MMA_SEED, MMA_SEED}, {MMA_SEED, MMA_SEED, MMA_SEED, MMA_SEED}};
+                int pq[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk) {
                     u32 bf[4];
@@ -685,8 +682,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, seeded_to_f32(pq[x][2 * half]) * fq[half],
-                                 seeded_to_f32(pq[x][2 * half + 1]) * fq[half]);
+                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
+                                 static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
         }
         if (SB_DETERMINISTIC) {

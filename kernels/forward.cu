@@ -48,7 +48,6 @@ constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KS_BYTES;
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
-static_assert(DP * 127 * 127 < MMA_SEED_RANGE && BKV * 255 * 127 < MMA_SEED_RANGE, "seeded INT8 sums must stay exact");
 #ifdef SB_SMEM_BYTES
 static_assert(Q_BYTES + 2 * STAGE_BYTES == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
 #endif
@@ -140,7 +139,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
         for (int mt = 0; mt < SB_MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT_KV; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = MMA_SEED;
+            for (int n = 0; n < NT_KV; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks) {
 #pragma unroll
@@ -186,7 +185,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                     for (int c = 0; c < 2; ++c) {
                         const int key = j * BKV + n * 8 + 2 * t + c;
                         const bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
-                        const float u = seeded_to_f32(s[mt][n][2 * half + c]) * (c ? kscale[n].y : kscale[n].x);
+                        const float u = static_cast<float>(s[mt][n][2 * half + c]) * (c ? kscale[n].y : kscale[n].x);
                         sf[n][c] = ok ? (SB_BIAS ? fmaf(u, sq, bp[n * 8 + 2 * t + c]) : u) : -__int_as_float(0x7f800000);
                         rmax = fmaxf(rmax, sf[n][c]);
                     }
@@ -236,7 +235,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
             for (int mt = 0; mt < SB_MT; ++mt)
 #pragma unroll
-                for (int x = 0; x < 2; ++x) pv[mt][x][0] = pv[mt][x][1] = pv[mt][x][2] = pv[mt][x][3] = MMA_SEED;
+                for (int x = 0; x < 2; ++x) pv[mt][x][0] = pv[mt][x][1] = pv[mt][x][2] = pv[mt][x][3] = 0;
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) {
                 u32 bf[4];
@@ -254,7 +253,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        o[mt][nd + x][c] = fmaf(seeded_to_f32(pv[mt][x][c]), pv_factor[mt][c >> 1],
+                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1],
                                                 o[mt][nd + x][c] * alpha[mt][c >> 1]);
         }
 

@@ -44,14 +44,6 @@ SB_DEVICE int rint_s32(float f) { int r; asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r)
 // float whose low byte is the two's-complement INT8 value.
 SB_DEVICE float round_magic(float x, float inv) { return fmaf(x, inv, 12582912.0f); }
 
-// INT8 mma accumulators start at MMA_SEED (the bits of 1.5·2^23) instead of 0: an exact sum x with
-// |x| < 2^22 then reads as the float 1.5·2^23 + x, and float(x) is one FADD on the FMA pipe instead
-// of an I2F, which issues on the SFU (shared with exp2) at a quarter of the FMA rate. Exact, so
-// nothing changes numerically.
-constexpr int MMA_SEED = 0x4B400000;
-constexpr int MMA_SEED_RANGE = 1 << 22;  // |x| below this keeps the seeded sum's exponent
-SB_DEVICE float seeded_to_f32(int acc) { return __int_as_float(acc) - 12582912.0f; }
-
 // prmt.b32: bytes 0 of four words -> one word (a in byte 0 ... d in byte 3).
 SB_DEVICE u32 pack4_low_bytes(u32 a, u32 b, u32 c, u32 d) {
     u32 lo, hi, r;
