@@ -45,6 +45,48 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
     return zero ? 0.f : div_rn(127.f, amax);
 }
 
+// Per-token scales and only the row-major layout (the forward's Q̂ and K̂): each row stays in the
+// registers of DPAD/8 lanes (8 values each, one 16-byte load), its max by shuffles, no shared tile
+// and no barrier, every load of the block in flight at once. The same arithmetic as quantize_block.
+template <int DPAD>
+SB_DEVICE void quantize_rows_streaming(const u16* __restrict__ xs, i64 sn, int nvalid, int D, float prescale,
+                                       const float* mu, i8* __restrict__ rows_out, float* __restrict__ scale_out) {
+    constexpr int LANES = DPAD / 8, ROWS_PER_WARP = 32 / LANES, ROWS_PER_PASS = ROWS_PER_WARP * QTHREADS / 32;
+    constexpr int PASSES = QBLOCK / ROWS_PER_PASS;
+    const int lane = threadIdx.x & 31, c0 = (lane % LANES) * 8;
+    const int r0 = (threadIdx.x >> 5) * ROWS_PER_WARP + lane / LANES;
+    uint4 w[PASSES];
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+        const int r = r0 + k * ROWS_PER_PASS;
+        w[k] = r < nvalid && c0 < D ? *reinterpret_cast<const uint4*>(xs + static_cast<i64>(r) * sn + c0)
+                                    : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+        const int r = r0 + k * ROWS_PER_PASS;
+        const u32 words[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
+        float v[8], amax = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            v[e] = 0.f;
+            if (r < nvalid && c0 < D) {
+                v[e] = mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale);
+                if (mu) v[e] = sub_rn(v[e], mu[c0 + e]);
+            }
+            amax = fmaxf(amax, fabsf(v[e]));
+        }
+#pragma unroll
+        for (int o = 1; o < LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float inv = psi_inverse(amax, lane % LANES == 0 ? scale_out + r : nullptr);
+        u32 packed[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            packed[e >> 2] |= (static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(v[e], inv))))) & 0xffu) << (8 * (e & 3));
+        *reinterpret_cast<uint2*>(rows_out + static_cast<i64>(r) * DPAD + c0) = make_uint2(packed[0], packed[1]);
+    }
+}
+
 // One CTA quantizes one block of 64 rows (blk) of one (batch b, head h).
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
@@ -76,6 +118,16 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
     }
     __syncthreads();
 
+    const bool aligned = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
+    if ((flags & QUANT_PER_TOKEN) && aligned && !t_out && !block_mean_out && (D_pad == 64 || D_pad == 128)) {
+        i8* rows = rows_out + (bh * N_pad + row0) * D_pad;
+        float* scales = scale_out + bh * N_pad + row0;
+        const float* m = mean_sum ? mu : nullptr;
+        if (D_pad == 64) quantize_rows_streaming<64>(xs + static_cast<i64>(row0) * sn, sn, nvalid, D, prescale, m, rows, scales);
+        else quantize_rows_streaming<128>(xs + static_cast<i64>(row0) * sn, sn, nvalid, D, prescale, m, rows, scales);
+        return;
+    }
+
     // Load (prescaled, mean-subtracted) values; padding rows and columns are 0. Rows that start
     // 16-byte aligned are read 8 values per load (D is then a multiple of 8: a chunk is all in or out).
     auto put = [&](int r, int c, u16 raw) {
@@ -86,7 +138,7 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
         }
         tile[r][c] = v;
     };
-    if (D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0) {
+    if (aligned) {
         const int chunks = D_pad / 8;
         for (int i = threadIdx.x; i < QBLOCK * chunks; i += QTHREADS) {
             const int r = i / chunks, c0 = (i % chunks) * 8;
