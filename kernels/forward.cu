@@ -228,19 +228,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             }
         }
 
-        // O = α·O + (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time. α is exactly 1 for a row whose max
-        // held: once the maxima settle most tiles skip the rescale (a warp-uniform test, exact).
-        bool rescale = false;
-#pragma unroll
-        for (int mt = 0; mt < SB_MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
-        if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-            for (int mt = 0; mt < SB_MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT_D; ++n)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) o[mt][n][c] *= alpha[mt][c >> 1];
-        }
+        // O = α·O + (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time.
 #pragma unroll
         for (int nd = 0; nd < NT_D; nd += 2) {
             int pv[SB_MT][2][4];
@@ -265,7 +253,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1], o[mt][nd + x][c]);
+                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1],
+                                                o[mt][nd + x][c] * alpha[mt][c >> 1]);
         }
 
         cp_async_wait<0>();
