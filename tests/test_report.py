@@ -218,3 +218,39 @@ def test_host_accuracy_needs_out():
 
     with pytest.raises(SystemExit):
         report_accuracy.main(["--host"])
+
+
+def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp_path, monkeypatch):
+    """benchmarks/ab_kernels.py: our rows of bench_attention's table by (d, causal, N, pass, impl),
+    and the checkout's kernel sources back in place even when the base version's run fails."""
+    import ab_kernels
+
+    table = ("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN  %int8  peak(fwd+bwd)\n"
+             "128 n  16384 fwd    sdpa-flash                      6.102   360.4  1.00  0.58  28.9%\n"
+             "128 n  16384 fwd    sagebwd attend-only             6.147   357.7  0.99  0.57  28.7%\n"
+             " 64 c  16384 fwdbwd sagebwd[fine]                  21.308   180.6  0.65  0.43  14.5%      494MiB\n")
+    root, base = tmp_path / "root", tmp_path / "base"
+    for top in (root, base):
+        for d in ab_kernels.SOURCE_DIRS:
+            (top / d).mkdir(parents=True)
+            (top / d / "k.cu").write_text(f"{top.name} {d}")
+    runs = []
+
+    class Result:
+        def __init__(self, ok):
+            self.returncode, self.stdout, self.stderr = (0 if ok else 1), table, ""
+
+    def fake_run(cmd, **kw):
+        runs.append((root / "kernels" / "k.cu").read_text())
+        return Result(ok=len(runs) == 1)  # the base version's run fails
+
+    monkeypatch.setattr(ab_kernels, "ROOT", str(root))
+    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    assert ab_kernels._bench([]) == {("128", "n", "16384", "fwd", "sagebwd attend-only"): 357.7,
+                                     ("64", "c", "16384", "fwdbwd", "sagebwd[fine]"): 180.6}
+    runs.clear()
+    with pytest.raises(SystemExit, match="bench_attention.py failed"):
+        ab_kernels.main(["--base", str(base), "--passes", "fwd"])
+    assert runs == ["root kernels", "base kernels"]
+    assert (root / "kernels" / "k.cu").read_text() == "root kernels"
+    assert (root / "ptx" / "k.cu").read_text() == "root ptx"

@@ -1,0 +1,82 @@
+"""A/B of kernel sources in one run: times our kernels as they are, then with another version's
+``kernels/`` and ``ptx/`` swapped in, then as they are again (the repeat shows the run's noise),
+and prints the three side by side. Compiled kernels are cached by source, so both versions build.
+
+Prepare the other version where the checkout is (the folder is git-ignored; carry it to the GPU
+machine with the run):
+
+    git archive <commit> kernels ptx | tar -x -C benchmarks/ab_base
+    python benchmarks/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
+
+Every argument but ``--base`` goes to ``bench_attention.py``; only the Python side of the checkout
+is shared, so the two versions must take the same kernel arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE_DIRS = ("kernels", "ptx")
+
+
+def _copy_sources(src_root: str, dst_root: str) -> None:
+    for d in SOURCE_DIRS:
+        for name in os.listdir(os.path.join(src_root, d)):
+            if name.endswith((".cu", ".cuh")):
+                shutil.copy2(os.path.join(src_root, d, name), os.path.join(dst_root, d, name))
+
+
+def _bench(bench_args) -> dict:
+    """{(d, causal, N, pass, impl): TOPS} of our rows, from bench_attention.py's table."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), *bench_args],
+                         cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_attention.py failed:\n{out.stdout}\n{out.stderr}")
+    rows = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 7 and parts[0].isdigit() and "sagebwd" in line:
+            d, c, n, pas = parts[:4]
+            tail = 6 if parts[-1].endswith("MiB") else 5  # ms, TOPS, xFA2, xcuDNN, %int8 (, peak)
+            impl = " ".join(parts[4:-tail])
+            tops = float(parts[-tail + 1])
+            rows[(d, c, n, pas, impl)] = tops
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default=os.path.join(ROOT, "benchmarks", "ab_base"),
+                    help="a folder holding the other version's kernels/ and ptx/")
+    args, bench_args = ap.parse_known_args(argv)
+    for d in SOURCE_DIRS:
+        if not os.path.isdir(os.path.join(args.base, d)):
+            raise SystemExit(f"--base: expected {os.path.join(args.base, d)} (git archive <commit> kernels ptx)")
+    saved = tempfile.mkdtemp()
+    for d in SOURCE_DIRS:
+        os.makedirs(os.path.join(saved, d))
+    _copy_sources(ROOT, saved)
+    try:
+        first = _bench(bench_args)
+        _copy_sources(args.base, ROOT)
+        base = _bench(bench_args)
+    finally:
+        _copy_sources(saved, ROOT)  # the checkout's own sources back, whatever happened
+        shutil.rmtree(saved, ignore_errors=True)
+    again = _bench(bench_args)
+    print(f"{'d':>3} c {'N':>6} {'pass':<6} {'impl':<26} {'this':>7} {'base':>7} {'again':>7} {'this/base':>9}")
+    for key in first:
+        t1, tb, t2 = first[key], base.get(key), again.get(key)
+        ratio = f"{(t1 + t2) / 2 / tb:9.3f}" if tb and t2 else "        -"
+        print(f"{key[0]:>3} {key[1]} {key[2]:>6} {key[3]:<6} {key[4]:<26} {t1:7.1f} "
+              f"{tb if tb is not None else float('nan'):7.1f} {t2 if t2 is not None else float('nan'):7.1f} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
