@@ -186,8 +186,10 @@ _user_allocator = None
 def set_allocator(fn) -> None:
     """Route every device allocation through ``fn(shape, dtype_name, device_id) -> array``.
 
-    The array must be contiguous and support DLPack (or be a torch tensor).  ``None`` restores the
-    default.
+    The array must be contiguous and support DLPack (or be a torch tensor).  Workspaces are
+    dropped while kernels queued on the current stream may still read them: ``fn`` must hand out
+    freed memory in stream order (as torch's caching allocator and CuPy's pool do).  ``None``
+    restores the default.
     """
     global _user_allocator
     _user_allocator = fn
