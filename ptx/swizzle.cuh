@@ -1,6 +1,8 @@
 // Shared-memory tile addressing with the 128-byte XOR swizzle: the tile is viewed as 128-byte
-// lines of eight 16-byte chunks and chunk c of line L is stored at chunk c ^ (L % 8), so eight
-// ldmatrix rows or eight cp.async chunks of one column never share a bank.
+// lines of eight 16-byte chunks, and the chunks of a line are permuted by XOR with a key that
+// differs across eight consecutive rows, so eight ldmatrix rows or eight cp.async chunks of one
+// column never share a bank. Rows of up to 128 bytes: the key is the line number (mod 8). Longer
+// rows: the row number (mod 8); keyed by line, rows r and r + 4 of 256-byte rows would collide.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -13,7 +15,8 @@ SB_DEVICE int swizzled_offset(int row, int chunk) {
     const int linear = row * ROW_BYTES + chunk * 16;
     const int line = linear >> 7;
     const int c = (linear >> 4) & 7;
-    return (line << 7) | ((c ^ (line & 7)) << 4);
+    const int key = ROW_BYTES > 128 ? row & 7 : line & 7;
+    return (line << 7) | ((c ^ key) << 4);
 }
 
 // Copy ROWS rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
