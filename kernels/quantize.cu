@@ -45,6 +45,11 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
     return zero ? 0.f : div_rn(127.f, amax);
 }
 
+// The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped), as a byte.
+SB_DEVICE u32 int8_code(float x, float inv) {
+    return static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(x, inv))))) & 0xffu;
+}
+
 // Per-token scales and only the row-major layout (the forward's Q̂ and K̂): each row stays in the
 // registers of DPAD/8 lanes (8 values each, one 16-byte load), its max by shuffles, no shared tile
 // and no barrier, every load of the block in flight at once. The same arithmetic as quantize_block.
@@ -82,7 +87,7 @@ SB_DEVICE void quantize_rows_streaming(const u16* __restrict__ xs, i64 sn, int n
         u32 packed[2] = {0, 0};
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-            packed[e >> 2] |= (static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(v[e], inv))))) & 0xffu) << (8 * (e & 3));
+            packed[e >> 2] |= int8_code(v[e], inv) << (8 * (e & 3));
         *reinterpret_cast<uint2*>(rows_out + static_cast<i64>(r) * DPAD + c0) = make_uint2(packed[0], packed[1]);
     }
 }
@@ -200,7 +205,7 @@ SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn,
 
     // Round and write, sixteen bytes per store (rows of D_pad and blocks of 64 tokens are multiples of 16).
     auto code = [&](int r, int c) {
-        return static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(tile[r][c], row_inv[r]))))) & 0xffu;
+        return int8_code(tile[r][c], row_inv[r]);
     };
     if (rows_out) {
         i8* out = rows_out + (bh * N_pad + row0) * D_pad;
