@@ -108,6 +108,10 @@ class LaunchPlan:
         self.release = release
         late = release.late if release else ()
         self._early = tuple(n for n in range(len(outputs)) if n not in late)  # allocated before any launch
+        # (outputs to allocate first or None, steps): at the release point the released part is
+        # dropped and the late outputs are allocated.
+        cut = release.step if release else len(steps)
+        self._phases = (None, steps[:cut]), (late, steps[cut:])
         self.problem = _detached(problem)  # what the plan was built from (pointers stale, arrays dropped)
         self.read_stream = stream_reader(framework)
         self._lock = threading.Lock()  # the packed arguments are shared: one call at a time packs and launches
@@ -141,18 +145,19 @@ class LaunchPlan:
                     runtime.memsetAsync(table[table_ws], 0, self.zero_bytes, stream)
                 if release is not None and release.zero_bytes:
                     runtime.memsetAsync(table[table_ws + 1], 0, release.zero_bytes, stream)
-                for index, step in enumerate(self.steps):
-                    if release is not None and index == release.step:
+                for late, steps in self._phases:
+                    if late is not None:
                         # Dropped while the queued launches still read it: the allocators are
                         # stream-ordered, so only later work on this stream gets the memory.
                         released = None
-                        for n in release.late:
+                        for n in late:
                             out = outputs[n]
                             objs[n], table[n_in + n] = allocate(out.shape, out.dtype, fw, dev)
-                    words = step.args.words
-                    for word, source, offset in step.slots:
-                        words[word] = table[source] + offset
-                    launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+                    for step in steps:
+                        words = step.args.words
+                        for word, source, offset in step.slots:
+                            words[word] = table[source] + offset
+                        launch_kernel(*step.head, stream, step.args.params_ptr, 0)
             finally:
                 if previous != dev:
                     runtime.setDevice(previous)
