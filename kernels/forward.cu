@@ -46,18 +46,24 @@ constexpr int V_BYTES = DP * BKV;
 constexpr int KS_BYTES = 4 * BKV;             // the key tile's per-token K scales, f32
 constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KS_BYTES;
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
+// Lazy rescaling: O and l are kept relative to a per-row reference max m_ref that moves only when
+// a tile's row max exceeds it by more than this (log2 units). Tile weights exp2(rmax - m_ref) stay
+// at most 2^8, far from overflow, and the accumulation needs one FFMA per element and tile instead
+// of a rescale by α and an FFMA. Same sums in another FP32 order (numerics: the running max).
+constexpr float LAZY_LOG2 = 8.f;
+constexpr float M_NONE = -1e30f;              // m_ref before any key: exp2(M_NONE - x) = 0
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
 #ifdef SB_SMEM_BYTES
 static_assert(Q_BYTES + 2 * STAGE_BYTES == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
 #endif
 
-// ldmatrix.x4 of B fragments for two n-tiles (rows n0..n0+15 of a k-contiguous tile) at k-step ks.
-template <int ROW_BYTES>
-SB_DEVICE void load_b_pair(u32 (&r)[4], u32 tile, int n0, int ks, int lane) {
+// Lane offsets of ldmatrix.x4 B fragments for two n-tiles (rows 16·p.. of a k-contiguous tile):
+// matrices (n-tile 0: chunk 0, 1), (n-tile 1: chunk 0, 1).
+template <int ROW_BYTES, int KSTEPS>
+SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
     const int m = lane >> 3;
-    const int row = n0 + ((m >> 1) << 3) + (lane & 7);
-    ldmatrix_x4(r, tile + swizzled_offset<ROW_BYTES>(row, 2 * ks + (m & 1)));
+    return LaneOffsets<ROW_BYTES, KSTEPS>(((m >> 1) << 3) + (lane & 7), m & 1);
 }
 
 // One CTA per SM is the floor that lets ptxas keep every accumulator in registers (it otherwise
@@ -116,13 +122,17 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
     }
 
+    // Loop-invariant ldmatrix offsets: K̂ tile [BKV][DP] (k-steps over d), V̂ᵀ tile [DP][BKV] (over keys).
+    const LaneOffsets<DP, KSTEPS_D> k_lanes = b_pair_lanes<DP, KSTEPS_D>(lane);
+    const LaneOffsets<BKV, BKV / 32> v_lanes = b_pair_lanes<BKV, BKV / 32>(lane);
+
     float o[SB_MT][NT_D][4];
-    float m_run[SB_MT][2], l_run[SB_MT][2];
+    float m_ref[SB_MT][2], l_run[SB_MT][2];
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
 #pragma unroll
         for (int n = 0; n < NT_D; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-        m_run[mt][0] = m_run[mt][1] = -__int_as_float(0x7f800000);
+        m_ref[mt][0] = m_ref[mt][1] = M_NONE;
         l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
@@ -145,7 +155,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
             for (int n = 0; n < NT_KV; n += 2) {
                 u32 bf[4];
-                load_b_pair<DP>(bf, sK, n * 8, ks, lane);
+                ldmatrix_x4(bf, k_lanes.at(sK, ks, n / 2));
                 const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
 #pragma unroll
                 for (int mt = 0; mt < SB_MT; ++mt) {
@@ -165,6 +175,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 
         u32 pf[SB_MT][2][4];  // P̂ as A fragments for the two 32-key k-steps
         float pv_factor[SB_MT][2], alpha[SB_MT][2];
+        bool rebase = false;  // some row of this warp moves its m_ref
 #pragma unroll
         for (int mt = 0; mt < SB_MT; ++mt) {
             const int rbase = q0 + (warp * SB_MT + mt) * 16 + g;
@@ -192,11 +203,15 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
                 rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
                 if (!SB_BIAS) rmax *= sq;
-                const float m_old = m_run[mt][half];
-                const float m_new = fmaxf(m_old, rmax);
-                const float m_use = m_new == -__int_as_float(0x7f800000) ? 0.f : m_new;
-                const float a = exp2_approx(m_old - m_use);
-                const float beta = exp2_approx(rmax - m_use);
+                // A row whose tile max passes m_ref + LAZY_LOG2 moves m_ref to it (below, after
+                // the warp agrees to rescale); -inf (every key masked) never does.
+                const float m_old = m_ref[mt][half];
+                const float m_use = rmax > m_old + LAZY_LOG2 ? rmax : m_old;
+                const float a = exp2_approx(m_old - m_use);    // 1 unless m_ref moved; 0 from M_NONE
+                rebase |= m_use != m_old;
+                m_ref[mt][half] = m_use;
+                alpha[mt][half] = a;
+                const float beta = exp2_approx(rmax - m_use);  // 0 for a fully masked row
                 // A row with every key of the tile masked has rmax = -inf: exponents must be
                 // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
                 const float r_use = rmax == -__int_as_float(0x7f800000) ? 0.f : rmax;
@@ -209,9 +224,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                         e[n][2 * half + c] = x;
                         rsum += x;
                     }
-                l_run[mt][half] = a * l_run[mt][half] + beta * rsum;
-                m_run[mt][half] = m_new;
-                alpha[mt][half] = a;
+                l_run[mt][half] = fmaf(beta, rsum, a * l_run[mt][half]);
                 pv_factor[mt][half] = beta * pv_scale;
             }
             // P̂ = rint(255 e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
@@ -228,7 +241,17 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             }
         }
 
-        // O = α·O + (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time.
+        // Rebase O where m_ref moved (rare after the first tile: warp-uniform branch).
+        if (__any_sync(0xffffffffu, rebase)) {
+#pragma unroll
+            for (int mt = 0; mt < SB_MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) o[mt][n][c] *= alpha[mt][c >> 1];
+        }
+
+        // O += (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time.
 #pragma unroll
         for (int nd = 0; nd < NT_D; nd += 2) {
             int pv[SB_MT][2][4];
@@ -239,7 +262,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) {
                 u32 bf[4];
-                load_b_pair<BKV>(bf, sV, nd * 8, kk, lane);
+                ldmatrix_x4(bf, v_lanes.at(sV, kk, nd / 2));
                 const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
 #pragma unroll
                 for (int mt = 0; mt < SB_MT; ++mt) {
@@ -253,8 +276,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1],
-                                                o[mt][nd + x][c] * alpha[mt][c >> 1]);
+                        o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1], o[mt][nd + x][c]);
         }
 
         cp_async_wait<0>();
@@ -281,7 +303,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (lse2 && t == 0)
-                    lse2[bhq * Lq + row] = l > 0.f ? m_run[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    lse2[bhq * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

@@ -19,20 +19,45 @@ SB_DEVICE int swizzled_offset(int row, int chunk) {
     return (line << 7) | ((c ^ key) << 4);
 }
 
+// Rows after which the swizzle pattern repeats: moving a multiple of this many rows adds
+// rows * ROW_BYTES to an offset and leaves the XOR unchanged.
+template <int ROW_BYTES>
+constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 ? 8 : 1024 / ROW_BYTES; }
+
 // Copy ROWS rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
 // 16 bytes per cp.async, spread over the THREADS threads of the block. Every count is a
-// compile-time constant, so the copy unrolls and a thread's addresses advance by constant steps.
+// compile-time constant, so the copy unrolls; when a pass spans whole swizzle periods the
+// thread's shared offset is computed once and later passes add a constant.
 template <int ROW_BYTES, int ROWS, int THREADS>
 SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride) {
     constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+    constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES>() == 0;
     const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
     const i8* src = g + r0 * gstride + c * 16;
+    const u32 dst0 = smem + swizzled_offset<ROW_BYTES>(r0, c);
 #pragma unroll
     for (int k = 0; k < (TOTAL + THREADS - 1) / THREADS; ++k) {
         const int r = r0 + k * ROWS_PER_PASS;
-        if (TOTAL % THREADS == 0 || r < ROWS)
-            cp_async_16(smem + swizzled_offset<ROW_BYTES>(r, c), src + k * ROWS_PER_PASS * gstride);
+        const u32 dst = PERIODIC ? dst0 + k * ROWS_PER_PASS * ROW_BYTES : smem + swizzled_offset<ROW_BYTES>(r, c);
+        if (TOTAL % THREADS == 0 || r < ROWS) cp_async_16(dst, src + k * ROWS_PER_PASS * gstride);
     }
 }
+
+// One lane's ldmatrix offsets in a swizzled tile, one per 32-byte k-step of its row: entry ks is
+// the swizzled offset of chunk 2·ks + chunk. Rows ROW_STEP further add ROW_STEP·ROW_BYTES (a
+// whole number of swizzle periods), so with the tile base in a uniform register every load in a
+// loop is [offset + base + immediate]: no address arithmetic per load. Tile bases must be
+// 128-byte aligned.
+template <int ROW_BYTES, int KSTEPS, int ROW_STEP = 16>
+struct LaneOffsets {
+    static_assert(ROW_STEP % swizzle_period_rows<ROW_BYTES>() == 0, "row steps must keep the swizzle pattern");
+    static_assert(2 * KSTEPS * 16 <= ROW_BYTES, "k-steps beyond the row");
+    u32 off[KSTEPS];
+    SB_DEVICE LaneOffsets(int row, int chunk) {
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) off[ks] = swizzled_offset<ROW_BYTES>(row, 2 * ks + chunk);
+    }
+    SB_DEVICE u32 at(u32 tile, int ks, int row_step = 0) const { return tile + off[ks] + row_step * ROW_STEP * ROW_BYTES; }
+};
