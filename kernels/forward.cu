@@ -6,7 +6,10 @@
 //   SB_DP       padded head dim (64 or 128)           SB_BF16    output dtype bf16 (else fp16)
 //   SB_CAUSAL   bottom-right aligned causal mask       SB_BIAS    Q-smoothing bias add-back
 //   SB_WARPS    warps per CTA                          SB_MT      16-row m-tiles per warp
+//   SB_WGMMA    sm_90a: S and P̂V̂ as warpgroup products (wgmma) on shared tiles in wgmma layouts,
+//               instead of mma.sync on ldmatrix fragments (one warpgroup: 4 warps x 16 rows)
 #include "common.cuh"
+#include "wgmma.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
 #include "cp_async.cuh"
@@ -32,6 +35,9 @@
 #ifndef SB_MT
 #define SB_MT 1
 #endif
+#ifndef SB_WGMMA
+#define SB_WGMMA 0
+#endif
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per tile (= V scale block)
@@ -44,7 +50,12 @@ constexpr int Q_BYTES = CTA_Q * DP;
 constexpr int K_BYTES = BKV * DP;
 constexpr int V_BYTES = DP * BKV;
 constexpr int KS_BYTES = 4 * BKV;             // the key tile's per-token K scales, f32
-constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KS_BYTES;
+constexpr bool WG = SB_WGMMA;
+// wgmma tiles start on their swizzle atom (1024 bytes covers both), so stages round up to it and
+// the dynamic base is aligned inside 1024 bytes of slack.
+constexpr int STAGE_BYTES = WG ? K_BYTES + V_BYTES + 1024 : K_BYTES + V_BYTES + KS_BYTES;
+constexpr int SMEM_SLACK = WG ? 1024 : 0;
+static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 // Lazy rescaling: O and l are kept relative to a per-row reference max m_ref that moves only when
 // a tile's row max exceeds it by more than this (log2 units). Tile weights exp2(rmax - m_ref) stay
@@ -55,7 +66,7 @@ constexpr float M_NONE = -1e30f;              // m_ref before any key: exp2(M_NO
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
 #ifdef SB_SMEM_BYTES
-static_assert(Q_BYTES + 2 * STAGE_BYTES == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
+static_assert(Q_BYTES + 2 * STAGE_BYTES + SMEM_SLACK == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
 #endif
 
 // Lane offsets of ldmatrix.x4 B fragments for two n-tiles (rows 16·p.. of a k-contiguous tile):
@@ -85,15 +96,16 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     const int q0 = qb * CTA_Q;
     const i64 bhq = static_cast<i64>(b) * Hq + h, bhk = static_cast<i64>(b) * Hkv + hk;
 
-    const u32 sQ = smem_u32(smem);
+    const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
+    const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
     const i8* kg = k8 + bhk * Nk_pad * DP;
     const i8* vg = vt8 + bhk * DP * Nk_pad;
     const float* ksg = k_scale + bhk * Nk_pad;
     // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
-        load_tile<DP, BKV, THREADS>(at, kg + static_cast<i64>(jj) * BKV * DP, DP);
-        load_tile<BKV, DP, THREADS>(at + K_BYTES, vg + jj * BKV, Nk_pad);
+        load_tile<DP, BKV, THREADS, WG>(at, kg + static_cast<i64>(jj) * BKV * DP, DP);
+        load_tile<BKV, DP, THREADS, WG>(at + K_BYTES, vg + jj * BKV, Nk_pad);
         if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * BKV + 4 * threadIdx.x);
     };
 
@@ -101,20 +113,21 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
-    load_tile<DP, CTA_Q, THREADS>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
+    load_tile<DP, CTA_Q, THREADS, WG>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
     if (n_tiles > 0) load_stage(sKV, 0);
     cp_async_commit();
     cp_async_wait<0>();
+    if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
     __syncthreads();
 
-    // Q̂ fragments stay in registers for the whole key loop.
+    // Q̂ fragments stay in registers for the whole key loop (mma.sync; wgmma reads the tile).
     u32 qf[SB_MT][KSTEPS_D][4];
     float qs[SB_MT][2];  // per-token Q scales of rows g, g + 8
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
         const int r0 = (warp * SB_MT + mt) * 16;
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS_D; ++ks) {
+        for (int ks = 0; ks < (WG ? 0 : KSTEPS_D); ++ks) {
             const int m = lane >> 3;
             ldmatrix_x4(qf[mt][ks], sQ + swizzled_offset<DP>(r0 + ((m & 1) << 3) + (lane & 7), 2 * ks + (m >> 1)));
         }
@@ -146,6 +159,18 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 
         // S = Q̂ K̂ᵀ (exact int32).
         int s[SB_MT][NT_KV][4];
+#if SB_WGMMA
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_D; ++ks)
+            wgmma_s8_m64n64(s[0], wgmma_desc<DP>(sQ + 32 * ks), wgmma_desc<DP>(sK + 32 * ks), ks);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) wgmma_hold(s[0][n][c]);
+#else
 #pragma unroll
         for (int mt = 0; mt < SB_MT; ++mt)
 #pragma unroll
@@ -164,10 +189,11 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 }
             }
         }
+#endif
 
         // This thread's key columns n·8 + 2t + c of the tile: their K scales.
         float2 kscale[NT_KV];
-        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
+        const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
 #pragma unroll
         for (int n = 0; n < NT_KV; ++n) kscale[n] = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
         const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / PL);
@@ -251,7 +277,30 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                     for (int c = 0; c < 4; ++c) o[mt][n][c] *= alpha[mt][c >> 1];
         }
 
-        // O += (P̂ V̂)·(β/255)·s_V, two d n-tiles at a time.
+        // O += (P̂ V̂)·(β/255)·s_V: the whole head dim in one warpgroup product, or two d n-tiles at a time.
+#if SB_WGMMA
+        {
+            int pv[NT_D][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                wgmma_u8s8_rega(pv, pf[0][kk], wgmma_desc<BKV>(sV + 32 * kk), kk);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) wgmma_hold(pf[0][kk][x]);
+#pragma unroll
+            for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    wgmma_hold(pv[n][c]);
+                    o[0][n][c] = fmaf(static_cast<float>(pv[n][c]), pv_factor[0][c >> 1], o[0][n][c]);
+                }
+        }
+#else
 #pragma unroll
         for (int nd = 0; nd < NT_D; nd += 2) {
             int pv[SB_MT][2][4];
@@ -278,8 +327,10 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                     for (int c = 0; c < 4; ++c)
                         o[mt][nd + x][c] = fmaf(static_cast<float>(pv[mt][x][c]), pv_factor[mt][c >> 1], o[mt][nd + x][c]);
         }
+#endif
 
         cp_async_wait<0>();
+        if (WG) fence_proxy_async();
         __syncthreads();
     }
 

@@ -8,10 +8,14 @@
 #include "cp_async.cuh"
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are ROW_BYTES long.
-template <int ROW_BYTES>
+// WGMMA: the layout wgmma's descriptors describe (wgmma.cuh); it differs for 64-byte rows only,
+// which use the hardware's 64-byte mode: chunk XOR bits 1-2 of the row (8-row, 512-byte atoms).
+template <int ROW_BYTES, bool WGMMA = false>
 SB_DEVICE int swizzled_offset(int row, int chunk) {
     static_assert(ROW_BYTES % 16 == 0 && (ROW_BYTES >= 128 ? ROW_BYTES % 128 == 0 : 128 % ROW_BYTES == 0),
                   "rows must tile 128-byte lines");
+    static_assert(!WGMMA || ROW_BYTES == 64 || ROW_BYTES == 128, "wgmma layouts for 64- and 128-byte rows");
+    if (WGMMA && ROW_BYTES == 64) return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
     const int linear = row * ROW_BYTES + chunk * 16;
     const int line = linear >> 7;
     const int c = (linear >> 4) & 7;
@@ -21,26 +25,26 @@ SB_DEVICE int swizzled_offset(int row, int chunk) {
 
 // Rows after which the swizzle pattern repeats: moving a multiple of this many rows adds
 // rows * ROW_BYTES to an offset and leaves the XOR unchanged.
-template <int ROW_BYTES>
-constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 ? 8 : 1024 / ROW_BYTES; }
+template <int ROW_BYTES, bool WGMMA = false>
+constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 || WGMMA ? 8 : 1024 / ROW_BYTES; }
 
 // Copy ROWS rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
 // 16 bytes per cp.async, spread over the THREADS threads of the block. Every count is a
 // compile-time constant, so the copy unrolls; when a pass spans whole swizzle periods the
 // thread's shared offset is computed once and later passes add a constant.
-template <int ROW_BYTES, int ROWS, int THREADS>
+template <int ROW_BYTES, int ROWS, int THREADS, bool WGMMA = false>
 SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride) {
     constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
-    constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES>() == 0;
+    constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES, WGMMA>() == 0;
     const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
     const i8* src = g + r0 * gstride + c * 16;
-    const u32 dst0 = smem + swizzled_offset<ROW_BYTES>(r0, c);
+    const u32 dst0 = smem + swizzled_offset<ROW_BYTES, WGMMA>(r0, c);
 #pragma unroll
     for (int k = 0; k < (TOTAL + THREADS - 1) / THREADS; ++k) {
         const int r = r0 + k * ROWS_PER_PASS;
-        const u32 dst = PERIODIC ? dst0 + k * ROWS_PER_PASS * ROW_BYTES : smem + swizzled_offset<ROW_BYTES>(r, c);
+        const u32 dst = PERIODIC ? dst0 + k * ROWS_PER_PASS * ROW_BYTES : smem + swizzled_offset<ROW_BYTES, WGMMA>(r, c);
         if (TOTAL % THREADS == 0 || r < ROWS) cp_async_16(dst, src + k * ROWS_PER_PASS * gstride);
     }
 }

@@ -77,6 +77,8 @@ class KernelSpec:
     def options(self, arch: str) -> tuple:
         defs = dict(numerics.compile_defines())
         defs.update(dict(self.defines))
+        if defs.get("SB_WGMMA"):  # wgmma needs the arch-specific target (sm_90a runs on sm_90 only)
+            arch = arch if arch.endswith("a") else arch + "a"
         flags = [f"--gpu-architecture={arch}", *_BASE_OPTIONS]
         flags += [f"-D{k}={v}" for k, v in sorted(defs.items())]
         return tuple(flags)

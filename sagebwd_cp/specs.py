@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .compiler import KernelSpec, make_spec
 
@@ -38,6 +39,7 @@ def lse_spec(dtype: str) -> KernelSpec:
 class ForwardTiles:
     warps: int
     m_tiles: int  # 16-row m-tiles per warp
+    wgmma: bool = False  # sm_90a warpgroup products (one warpgroup: 4 warps x 1 m-tile)
 
     @property
     def cta_q(self) -> int:
@@ -48,7 +50,10 @@ class ForwardTiles:
         return self.warps * 32
 
     def shared_bytes(self, dp: int, block_kv: int = 64) -> int:
-        # kernels/forward.cu: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's K scales.
+        # kernels/forward.cu: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's K scales;
+        # wgmma: stages padded to 1024 bytes and 1024 bytes of slack to align the base.
+        if self.wgmma:
+            return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 1024) + 1024
         return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 4 * block_kv)
 
 
@@ -56,8 +61,18 @@ class ForwardTiles:
 FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1)}
 
 
-def forward_tiles(dp: int, shared_limit: int | None = None) -> ForwardTiles:
+WGMMA_ARCHS = ("sm_90",)  # compiled as sm_90a
+
+
+def use_wgmma(arch: str | None) -> bool:
+    """The forward's wgmma path on Hopper; SAGEBWD_WGMMA=0 selects the mma.sync path there too."""
+    return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
+
+
+def forward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> ForwardTiles:
     """Tiles for the forward; the default fits 48 KiB of shared memory, smaller if a device has less."""
+    if use_wgmma(arch):
+        return ForwardTiles(warps=4, m_tiles=1, wgmma=True)
     tiles = FORWARD_TILES[dp]
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
         tiles = ForwardTiles(warps=4, m_tiles=1)
@@ -68,10 +83,10 @@ def forward_tiles(dp: int, shared_limit: int | None = None) -> ForwardTiles:
 
 def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles) -> KernelSpec:
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
-           f".w{tiles.warps}m{tiles.m_tiles}")
+           f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}")
     return make_spec(key, "forward.cu", ["attention_forward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
-                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
+                     SB_WGMMA=int(tiles.wgmma), SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
 def backward_rows_spec(dtype: str) -> KernelSpec:
@@ -127,6 +142,8 @@ def all_specs(arch: str | None = None) -> list:
             for causal in (False, True):
                 for bias in (False, True):
                     specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp, limit)))
+                    if arch in WGMMA_ARCHS or arch is None:
+                        specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, wgmma=True)))
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))

@@ -91,6 +91,30 @@ def test_smooth_q_ragged_causal_gqa(causal, hq, hk, lq, lk):
     np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_max_climbing_and_falling_over_key_tiles(causal):
+    """Logits that climb ~16 (log2) per 64-key tile move the kernel's reference max on every tile
+    (the lazy rescale of O); falling ones leave later tiles 2^-16.. 2^-160 below it (weights that
+    underflow). Both against the emulator's running max."""
+    import torch
+
+    q, k, v = make_qkv(1, 4, 4, 300, 700, 64, "float16", "HND", seed=21)
+    ramp = torch.arange(700, device="cuda", dtype=torch.float32) * 0.17
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0], device="cuda")[:, None]
+    k[0, :, :, 0] = (sign * ramp).half()
+    q[0, :, :, 0] = 8.0
+    out, lse = _run(q, k, v, "HND", causal)
+    torch.cuda.synchronize()
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=causal)
+    o = out.float().cpu().numpy()
+    assert np.isfinite(o).all()
+    assert rel_l2(o, o_emu) < EMU_TOL["float16"]
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_cached_plans_follow_each_calls_arrays():
     """Calls that replay one launch plan (same shapes, other tensors) give what a new plan gives."""
     import torch
