@@ -186,3 +186,24 @@ def test_cli_info_reports_versions_and_compiles(capsys):
     assert "NVRTC" in out and "numpy" in out
     assert "No CUDA device present" in out or "CUDA device 0" in out
     assert _forward_spec().key in out
+
+
+def test_forward_uses_wgmma_on_hopper_only(monkeypatch):
+    monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
+    assert specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT["sm_90"], "sm_90").wgmma
+    for arch in ("sm_80", "sm_86", "sm_89", None):
+        assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
+    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
+    assert not specs.forward_tiles(64, specs.ARCH_SHARED_LIMIT["sm_90"], "sm_90").wgmma
+
+
+def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
+    wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
+    assert len(wg) == 16  # 2 head dims x 2 dtypes x causal x Q-smoothing
+    assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
+    assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", False, False,
+                                                            specs.ForwardTiles(4, 1)).options("sm_90")
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
+    # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
+    assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
