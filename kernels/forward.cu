@@ -102,6 +102,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
     const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
+    const u32 q_desc = WG ? wgmma_desc_lo<DP>(sQ) : 0;  // Q̂ tile's descriptor (low word)
     const i8* kg = k8 + bhk * Nk_pad * DP;
     const i8* vg = vt8 + bhk * DP * Nk_pad;
     const float* ksg = k_scale + bhk * Nk_pad;
@@ -166,7 +167,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks)
-            wgmma_s8_m64n64(s[0], wgmma_desc<DP>(sQ + 32 * ks), wgmma_desc<DP>(sK + 32 * ks), ks);
+            wgmma_s8_m64n64(s[0], wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), 32 * ks), ks);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
@@ -288,7 +289,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             int pv[8][4];
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) wgmma_u8s8_rega(pv, pf[0][kk], wgmma_desc<BKV>(sV + dh * 64 * BKV + 32 * kk), kk);
+            for (int kk = 0; kk < 2; ++kk)
+                wgmma_u8s8_rega(pv, pf[0][kk], wgmma_desc<BKV>(wgmma_desc_lo<BKV>(sV), dh * 64 * BKV + 32 * kk), kk);
             wgmma_commit();
             wgmma_wait<0>();
 #pragma unroll

@@ -12,18 +12,23 @@
 
 typedef unsigned long long u64;
 
-// Matrix descriptor of a K-major swizzled tile at shared address `addr` whose rows are ROW_BYTES
-// (64 or 128) long: start address and the stride between 8-row groups (both in 16-byte units),
-// swizzle mode in bits 62-63 (1: 128-byte, 2: 64-byte). The leading offset is unused for
-// swizzled K-major tiles.
+// Matrix descriptor of a K-major swizzled tile whose rows are ROW_BYTES (64 or 128) long, as two
+// words. Low: start address in 16-byte units (bits 0-13) and the leading offset (bits 16-29, unused
+// for swizzled K-major tiles). High: the stride between 8-row groups in 16-byte units (bits 0-13)
+// and the swizzle mode (bits 30-31; 1: 128-byte, 2: 64-byte). A k-step or row block further into
+// a tile adds its offset / 16 to the low word (the start field cannot carry out for shared
+// addresses), so a loop forms each descriptor with one add.
 template <int ROW_BYTES>
-SB_DEVICE u64 wgmma_desc(u32 addr) {
+SB_DEVICE u32 wgmma_desc_lo(u32 addr) {
     static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "descriptors for 64- and 128-byte rows");
-    const u64 start = (addr & 0x3FFFF) >> 4;
-    const u64 lead = 1;
-    const u64 stride = (8 * ROW_BYTES) >> 4;
-    const u64 mode = ROW_BYTES == 128 ? 1 : 2;
-    return start | (lead << 16) | (stride << 32) | (mode << 62);
+    return ((addr & 0x3FFFF) >> 4) | (1u << 16);
+}
+template <int ROW_BYTES>
+SB_DEVICE u64 wgmma_desc(u32 lo, u32 byte_offset = 0) {
+    constexpr u32 hi = ((8 * ROW_BYTES) >> 4) | ((ROW_BYTES == 128 ? 1u : 2u) << 30);
+    u64 d;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (byte_offset >> 4)), "n"(hi));
+    return d;
 }
 
 // Orders this thread's register writes (accumulators, register A operands) before later wgmma.
