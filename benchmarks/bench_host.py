@@ -36,6 +36,7 @@ def mock_the_gpu():
     plan.stream_reader = lambda framework: (lambda device_id: 0)
     compiler.get_function_pointer = lambda spec, entry, device_id, shared=0: 0x1000 + len(entry)
     launch._device_limits[0] = 232448  # an H200's opt-in shared memory per block
+    launch._device_archs[0] = "sm_90"
     runtime.getDevice = lambda: 0
     runtime.memsetAsync = lambda ptr, value, nbytes, stream: None
     driver.ctxGetCurrent = lambda: 1

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import compiler, numerics, specs
+from . import numerics, specs
 from .arrays import ArrayDesc, byte_view
-from .launch import f32, i32, i64, ptr, shared_memory_limit, struct_arg
+from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct_arg
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
@@ -130,7 +130,7 @@ def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
 
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
-    tiles = specs.forward_tiles(dp, shared_memory_limit(dev), compiler.device_arch(dev))
+    tiles = specs.forward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
     spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles)
     ob, oh, on = prob.bhnd_strides(out)
     grid = ((prob.len_q + tiles.cta_q - 1) // tiles.cta_q, prob.heads_q, prob.batch)

@@ -17,6 +17,7 @@ import numpy as np
 from .arrays import ArrayDesc
 
 _device_limits: dict = {}
+_device_archs: dict = {}  # device id -> "sm_XX"
 
 
 class KernelArg(NamedTuple):
@@ -129,6 +130,16 @@ def cuda() -> tuple:
 
         _cuda_modules = runtime, driver
     return _cuda_modules
+
+
+def device_arch(device_id: int) -> str:
+    """The device's ``sm_XX`` (cached: plan building asks once per plan)."""
+    arch = _device_archs.get(device_id)
+    if arch is None:
+        from .compiler import device_arch as query
+
+        arch = _device_archs[device_id] = query(device_id)
+    return arch
 
 
 def shared_memory_limit(device_id: int) -> int:

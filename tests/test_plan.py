@@ -143,6 +143,7 @@ def gpu(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setitem(launch._device_limits, 0, H200_SHARED)
+    monkeypatch.setitem(launch._device_archs, 0, "sm_90")
     monkeypatch.setattr(compiler, "get_function_pointer",
                         lambda spec, entry, device_id, shared=0: hash((spec.key, entry)) & 0xFFFFFFFF)
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0x5157))

@@ -269,6 +269,7 @@ def stubbed_cuda(monkeypatch):
     monkeypatch.setattr(plan, "_plans", {})
     monkeypatch.setattr(compiler, "get_function_pointer", lambda spec, entry, device_id, shared=0: 0x1000)
     monkeypatch.setitem(launch._device_limits, 0, 232448)
+    monkeypatch.setitem(launch._device_archs, 0, "sm_90")
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return fake
