@@ -281,7 +281,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                     for (int c = 0; c < 4; ++c) o[mt][n][c] *= alpha[mt][c >> 1];
         }
 
-        // O += (P̂ V̂)·(β/255)·s_V: the whole head dim in one warpgroup product, or two d n-tiles at a time.
+        // O += (P̂ V̂)·(β/255)·s_V.
 #if SB_WGMMA
         // 64 head-dim columns per product, one after the other: a 32-register accumulator.
 #pragma unroll
@@ -306,6 +306,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 }
         }
 #else
+        // Two d n-tiles at a time.
 #pragma unroll
         for (int nd = 0; nd < NT_D; nd += 2) {
             int pv[SB_MT][2][4];

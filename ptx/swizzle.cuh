@@ -53,7 +53,8 @@ SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride) {
 // the swizzled offset of chunk 2·ks + chunk. Rows ROW_STEP further add ROW_STEP·ROW_BYTES (a
 // whole number of swizzle periods), so with the tile base in a uniform register every load in a
 // loop is [offset + base + immediate]: no address arithmetic per load. Tile bases must be
-// 128-byte aligned.
+// 128-byte aligned. (The register-bound backward keeps one offset per 128-byte line instead and
+// XORs the k-step in: backward.cu, Lanes.)
 template <int ROW_BYTES, int KSTEPS, int ROW_STEP = 16>
 struct LaneOffsets {
     static_assert(ROW_STEP % swizzle_period_rows<ROW_BYTES>() == 0, "row steps must keep the swizzle pattern");

@@ -134,7 +134,8 @@ ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90":
 
 def all_specs(arch: str | None = None) -> list:
     """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90)."""
-    limit = ARCH_SHARED_LIMIT.get(arch or "sm_90", ARCH_SHARED_LIMIT["sm_90"])
+    arch = arch or "sm_90"
+    limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
     specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(), ceiling_spec()]
     specs += [backward_rows_spec(dt) for dt in DTYPES]
     for dp in PADDED_HEAD_DIMS:
@@ -142,7 +143,7 @@ def all_specs(arch: str | None = None) -> list:
             for causal in (False, True):
                 for bias in (False, True):
                     specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp, limit)))
-                    if arch in WGMMA_ARCHS or arch is None:
+                    if arch in WGMMA_ARCHS:
                         specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, wgmma=True)))
                     for fine in (True, False):
                         for det in (False, True):
