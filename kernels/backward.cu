@@ -19,7 +19,10 @@
 //   SB_CAUSAL  bottom-right aligned causal mask   SB_BIAS           Q-smoothing (bias in S, exact dK term)
 //   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
 //   SB_STAGES  query-side buffers in flight (1 or 2)
+//   SB_WGMMA   sm_90a: the five products as warpgroup products (wgmma) on shared tiles in wgmma
+//              layouts (warpgroup = query half; P̂ᵀ and Ẑᵀ register-fed), instead of mma.sync
 #include "common.cuh"
+#include "wgmma.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
 #include "cp_async.cuh"
@@ -48,6 +51,9 @@
 #ifndef SB_STAGES
 #define SB_STAGES 2
 #endif
+#ifndef SB_WGMMA
+#define SB_WGMMA 0
+#endif
 
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= dO scale block)
@@ -60,7 +66,12 @@ constexpr int NT_Q = QW / 8;     // n-tiles of a warp's Sᵀ
 constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
 constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
-constexpr int DS_PITCH = BKV + 16;  // dŜ rows (queries) padded: conflict-free byte stores and ldmatrix
+constexpr bool WG = SB_WGMMA;
+// dŜ rows (queries): wgmma's 64-byte swizzle, else padded (conflict-free byte stores and ldmatrix).
+constexpr int DS_PITCH = WG ? BKV : BKV + 16;
+// wgmma tiles start on their swizzle atom (1024 bytes covers every mode), mma.sync's on 128 bytes
+// (the swizzle's XOR addressing); the dynamic base is aligned inside TILE_ALIGN - 128 bytes of slack.
+constexpr int TILE_ALIGN = WG ? 1024 : 128;
 
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then dŜ and reductions.
 constexpr int K_OFF = 0;                        // K̂  [64 keys][DP] int8, swizzled
@@ -73,7 +84,7 @@ constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragm
 constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
 constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, δ, s_Q, 0) [64] f32x4 (row_stats)
 constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, f32
-constexpr int STAGE_BYTES = SSCALE + 128;         // stages stay 128-byte aligned (the swizzle's XOR addressing)
+constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
 // Maxima exchanged between warps (f32): per key and query half for P and for Z, per key group
 // and query for Y (dQ's scales), per warp for the paper mode's tile maxima of P, Z and Y.
@@ -83,12 +94,19 @@ constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
 constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
+constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16 + (TILE_ALIGN - 128);
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
-static_assert(STAGE_BYTES % 128 == 0 && STAGE0 % 128 == 0, "swizzled tiles need 128-byte aligned bases");
+static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
+              "swizzled tiles need aligned bases");
 #ifdef SB_SMEM_BYTES
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
 #endif
+
+// Offset of 16-byte chunk c of row r in a [64][DP] 16-bit tile. wgmma: 128-byte column blocks of all
+// 64 rows in the 128-byte mode (wgmma.cuh); mma.sync: rows of 2·DP bytes (swizzle.cuh).
+SB_DEVICE int tile16_offset(int r, int c) {
+    return WG ? (c >> 3) * (64 * 128) + swizzled_offset<128>(r, c & 7) : swizzled_offset<2 * DP>(r, c);
+}
 
 // 64 rows of a strided 16-bit array into a swizzled [64][DP] tile; rows >= n_valid and columns
 // >= D are zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
@@ -102,7 +120,7 @@ SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, 
     for (int k = 0; k < 64 / ROWS_PER_PASS; ++k) {
         const int r = r0 + k * ROWS_PER_PASS;
         const bool ok = col_ok && r < n_valid;
-        cp_async_16(smem + swizzled_offset<2 * DP>(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
+        cp_async_16(smem + tile16_offset(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
     }
 }
 
@@ -253,6 +271,28 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
     }
 }
 
+// wgmma: the int32 product Â B̂ over head-dim half `dh` for a whole warpgroup (keys 16w.. of warp w,
+// as in mma_rows_into), issued here and folded into acc by wg_rows_finish after a wgmma_wait.
+// B̂ is a [DP][64] INT8 tile (64-byte rows) whose descriptor low word is tile_lo.
+template <bool UNSIGNED_A>
+SB_DEVICE void wg_rows_issue(int (&pr)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile_lo, int dh) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wgmma_rs<UNSIGNED_A>(pr, a[kk], wgmma_desc<BQ>(tile_lo, dh * (DP / 2) * BQ + 32 * kk), kk);
+    wgmma_commit();
+}
+SB_DEVICE void wg_rows_finish(float (&acc)[NT_D / 2][4], int (&pr)[NT_D / 2][4], u32 (&a)[2][4], const float (&factor)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) wgmma_hold(a[kk][r]);
+    wgmma_hold_all(pr);
+#pragma unroll
+    for (int n = 0; n < NT_D / 2; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
+}
+
 // Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
 SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int qcol0, int t) {
 #pragma unroll
@@ -288,8 +328,9 @@ struct Args {
 
 // Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (128 registers without
 // spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and MMA
-// chains. The other variants need more registers than two CTAs leave.
-constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
+// chains. The other variants need more registers than two CTAs leave (the wgmma deterministic one
+// spills 4 bytes at 128).
+constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !(WG && SB_DETERMINISTIC) ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8* k8_,
@@ -301,7 +342,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
     const Args a = {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,
                     dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
                     Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad};
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
@@ -328,17 +370,17 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
     float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
 
     const int kvalid = min(BKV, a.Lk - j * BKV);
-    load_tile<DP, BKV, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
-    load_tile<BKV, DP, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
+    load_tile<DP, BKV, THREADS, WG>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
+    load_tile<BKV, DP, THREADS, WG>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`.
     auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
-        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
-        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<DP, BQ, THREADS, WG>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
+        load_tile<BQ, DP, THREADS, WG>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<BQ, DP, THREADS, WG>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + tid);
@@ -369,6 +411,9 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
     const Lanes<BQ> b_t = b_lanes<BQ>(lane);  // Q̂ᵀ, dÔᵀ, K̂ᵀ: [DP][64] tiles
     // dQ: warp w computes query rows 16·(w%4).. of the tile over head-dim half w/4.
     const u32 ds_lane = smem_u32(ds_tile) + (kw * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
+    // wgmma descriptors (low words) of the per-CTA tiles.
+    const u32 k_desc = wgmma_desc_lo<DP>(sK), kt_desc = wgmma_desc_lo<BKV>(sKt), v_desc = wgmma_desc_lo<128>(sV);
+    const u32 ds_desc = wgmma_desc_lo<BKV>(smem_u32(ds_tile));
 
     float dk[NT_D / 2][4], dv[NT_D / 2][4];  // keys krow, krow+8 x head-dim half qh
 #pragma unroll
@@ -379,6 +424,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         cp_async_wait<0>();
+        if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
         if (SB_STAGES > 1 && it + 1 < n_it) {
             load_stage(nh, ni, (it + 1) % SB_STAGES);
@@ -395,8 +441,27 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 
         // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2).
         float p[NT_Q][4];
+#if SB_WGMMA
+        float dpt[NT_Q][4];  // dPᵀ = V dOᵀ, issued behind Sᵀ and waited for once P̂ᵀ is out
+#endif
         {
             int s[NT_Q][4];
+#if SB_WGMMA
+            // The warpgroup is the query half: Sᵀ and dPᵀ over its 32 queries (rows 32·qh.. of Q̂ and dO).
+            wgmma_fence();
+            const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
+#pragma unroll
+            for (int ks = 0; ks < KS8; ++ks)
+                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, qh * QW * DP + 32 * ks), ks);
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < KS16; ++ks)
+                wgmma_f16_ss<SB_BF16>(dpt, wgmma_desc<128>(v_desc, (ks >> 2) * BKV * 128 + 32 * (ks & 3)),
+                                      wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + qh * QW * 128 + 32 * (ks & 3)), ks);
+            wgmma_commit();
+            wgmma_wait<1>();
+            wgmma_hold_all(s);
+#else
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0;
 #pragma unroll
@@ -412,6 +477,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                     mma_s8_16832(s[n + 1], ka, b1);
                 }
             }
+#endif
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
                 const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
@@ -481,6 +547,14 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 
         // dPᵀ = V dOᵀ in 16-bit with FP32 accumulation, then dSᵀ = Pᵀ ∘ (dPᵀ - δ) in place.
         float ds[NT_Q][4];
+#if SB_WGMMA
+        wgmma_wait<0>();
+        wgmma_hold_all(dpt);
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ds[n][c] = dpt[n][c];
+#else
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
 #pragma unroll
@@ -496,6 +570,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
             }
         }
+#endif
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
@@ -557,11 +632,19 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
             dk_psi[0] = dk_psi[1] = psi(mz);
             tile_y_psi = psi(my);
         }
+#if SB_WGMMA
+        // dV's product runs while Ŷ and Ẑᵀ are formed; it is folded in before the next barrier.
+        u32 pv_a[2][4];
+        int pv[NT_D / 2][4];
+        both_halves(pv_a, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
+        wg_rows_issue<SB_FINE>(pv, pv_a, wgmma_desc_lo<BQ>(st + SDOT), qh);
+#else
         {
             u32 af[2][4];
             both_halves(af, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
+#endif
 
         // Ŷ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
         // warp's 32 columns are spread one per lane (lane g·4+t takes column (g/2)·8 + 2t + g%2, one
@@ -590,7 +673,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                     const int col = qcol0 + n * 8 + 2 * t + c;
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        ds_tile[col * DS_PITCH + krow + 8 * half] =
+                        ds_tile[(WG ? swizzled_offset<BKV, true>(col, kw) + g : col * DS_PITCH + krow) + 8 * half] =
                             static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv_col[n][c]) & 0xffu);
                 }
         }
@@ -630,12 +713,31 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock()));
             } while (seen != j);
         }
+#if SB_WGMMA
+        wgmma_wait<0>();
+        wg_rows_finish(dv, pv, pv_a, fac_v);
+        fence_proxy_async();  // Ŷ's stores are read by wgmma
+#endif
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
+#if SB_WGMMA
+        // dK += Ẑᵀ Q̂ and dQ_i's Ŷ K̂ (query rows 16·w.. of warp w, head-dim half qh) in flight together.
+        u32 pk_a[2][4];
+        int pk[NT_D / 2][4], pq[NT_D / 2][4];
+        both_halves(pk_a, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
+        wg_rows_issue<false>(pk, pk_a, wgmma_desc_lo<BQ>(st + SQT), qh);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+            wgmma_s8_ss(pq, wgmma_desc<BKV>(ds_desc, 32 * kk), wgmma_desc<BKV>(kt_desc, qh * (DP / 2) * BKV + 32 * kk), kk);
+        wgmma_commit();
+        wgmma_wait<1>();
+        wg_rows_finish(dk, pk, pk_a, fac_k);
+#else
         {
             u32 af[2][4];
             both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
             mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
         }
+#endif
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.
             const float r0 = red[RED_RS + krow] + red[RED_RS + BKV + krow];
@@ -653,9 +755,11 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 
         // dQ_i += Ŷ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
         {
+#if !SB_WGMMA
             u32 da[2][4];
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) ldmatrix_x4(da[kk], ds_lane + kk * 32);
+#endif
             const int r_lo = kw * 16 + g;
             float fq[2];
             if (SB_FINE) {
@@ -666,6 +770,16 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
             float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;
+#if SB_WGMMA
+            wgmma_wait<0>();
+            wgmma_hold_all(pq);
+#pragma unroll
+            for (int n = 0; n < NT_D / 2; ++n)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    red_add2(dq_lo + half * 8 * DP + (qh * (NT_D / 2) + n) * 8, static_cast<float>(pq[n][2 * half]) * fq[half],
+                             static_cast<float>(pq[n][2 * half + 1]) * fq[half]);
+#else
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -685,6 +799,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                         red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
                                  static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
+#endif
         }
         if (SB_DETERMINISTIC) {
             __threadfence();

@@ -167,7 +167,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks)
-            wgmma_s8_m64n64(s[0], wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), 32 * ks), ks);
+            wgmma_s8_ss(s[0], wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), 32 * ks), ks);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
@@ -290,7 +290,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk)
-                wgmma_u8s8_rega(pv, pf[0][kk], wgmma_desc<BKV>(wgmma_desc_lo<BKV>(sV), dh * 64 * BKV + 32 * kk), kk);
+                wgmma_rs<true>(pv, pf[0][kk], wgmma_desc<BKV>(wgmma_desc_lo<BKV>(sV), dh * 64 * BKV + 32 * kk), kk);
             wgmma_commit();
             wgmma_wait<0>();
 #pragma unroll

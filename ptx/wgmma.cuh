@@ -6,7 +6,9 @@
 // INT8 operands must be K-major. Shared tiles use the hardware swizzle of their row length
 // (swizzle.cuh, WGMMA layouts): 128-byte rows the 128-byte mode (atom 8 x 128 B), 64-byte rows the
 // 64-byte mode (atom 8 x 64 B); a tile base is aligned to its atom, and the k-step ks of a row
-// starts 32·ks bytes in (the hardware applies the XOR to the address it forms).
+// starts 32·ks bytes in (the hardware applies the XOR to the address it forms). 16-bit operands
+// (k16 steps, also 32 bytes) use the 128-byte mode; longer rows are stored as 128-byte column
+// blocks of the whole tile, one after the other (a k-step never crosses a block).
 #pragma once
 #include "common.cuh"
 
@@ -41,24 +43,82 @@ SB_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n"
 // empty asm that claims to rewrite it.
 SB_DEVICE void wgmma_hold(int& r) { asm volatile("" : "+r"(r)::"memory"); }
 SB_DEVICE void wgmma_hold(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+SB_DEVICE void wgmma_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // Generic-proxy shared-memory writes (st.shared, cp.async) made visible to wgmma's reads.
 SB_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// S (64x64 s32) += A (64x32, descriptor) · B (64 keys x 32, descriptor); accumulate = 0 overwrites.
-SB_DEVICE void wgmma_s8_m64n64(int (&d)[8][4], u64 a, u64 b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p;\n}\n"
-        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3])
-        : "l"(a), "l"(b), "r"(accumulate));
+// The accumulator operands of the products below: a warp's n-tiles x 4 registers, as asm operand
+// lists (c is the constraint) and as the matching register-list text.
+#define SB_WG_ACC4(c, d, n) c(d[n][0]), c(d[n][1]), c(d[n][2]), c(d[n][3])
+#define SB_WG_ACC16(c, d) SB_WG_ACC4(c, d, 0), SB_WG_ACC4(c, d, 1), SB_WG_ACC4(c, d, 2), SB_WG_ACC4(c, d, 3)
+#define SB_WG_ACC32(c, d) SB_WG_ACC16(c, d), SB_WG_ACC4(c, d, 4), SB_WG_ACC4(c, d, 5), SB_WG_ACC4(c, d, 6), SB_WG_ACC4(c, d, 7)
+#define SB_WG_REGS16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define SB_WG_REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 32 or 64 (the
+// accumulator's n-tiles); accumulate = 0 overwrites.
+SB_DEVICE void wgmma_s8_ss(int (&d)[4][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " SB_WG_REGS16 ", %16, %17, p;\n}\n"
+                 : SB_WG_ACC16("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+SB_DEVICE void wgmma_s8_ss(int (&d)[8][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " SB_WG_REGS32 ", %32, %33, p;\n}\n"
+                 : SB_WG_ACC32("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// O (64x64 s32) += A (64x32 u8, registers) · B (64 x 32 s8, descriptor); accumulate = 0 overwrites.
-SB_DEVICE void wgmma_u8s8_rega(int (&d)[8][4], const u32 (&a)[4], u64 b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p;\n}\n"
-        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+// D (64xN s32) += A (64x32, registers: u8 if UNSIGNED_A, else s8) · B (N x 32 s8, descriptor).
+template <bool UNSIGNED_A>
+SB_DEVICE void wgmma_rs(int (&d)[4][4], const u32 (&a)[4], u64 b, int accumulate) {
+    if (UNSIGNED_A)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.s8 " SB_WG_REGS16 ", {%16,%17,%18,%19}, %20, p;\n}\n"
+                     : SB_WG_ACC16("+r", d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " SB_WG_REGS16 ", {%16,%17,%18,%19}, %20, p;\n}\n"
+                     : SB_WG_ACC16("+r", d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+template <bool UNSIGNED_A>
+SB_DEVICE void wgmma_rs(int (&d)[8][4], const u32 (&a)[4], u64 b, int accumulate) {
+    if (UNSIGNED_A)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 " SB_WG_REGS32 ", {%32,%33,%34,%35}, %36, p;\n}\n"
+                     : SB_WG_ACC32("+r", d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " SB_WG_REGS32 ", {%32,%33,%34,%35}, %36, p;\n}\n"
+                     : SB_WG_ACC32("+r", d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+// D (64x32 f32) += A (64x16 fp16 or bf16, descriptor) · B (32 x 16, descriptor), both K-major
+// (no transpose), unit input scales.
+template <bool BF16>
+SB_DEVICE void wgmma_f16_ss(float (&d)[4][4], u64 a, u64 b, int accumulate) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// After a wgmma_wait: every accumulator register is read only from here on.
+template <int N>
+SB_DEVICE void wgmma_hold_all(int (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) wgmma_hold(d[n][c]);
+}
+template <int N>
+SB_DEVICE void wgmma_hold_all(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) wgmma_hold(d[n][c]);
 }

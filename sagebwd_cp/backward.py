@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import numerics, specs
 from .arrays import ArrayDesc
 from .forward import quantize_inputs
-from .launch import f32, i32, i64, ptr, shared_memory_limit
+from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit
 from .plan import LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
@@ -64,7 +64,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
-    tiles = specs.backward_tiles(dp, shared_memory_limit(prob.q.device_id))
+    dev = prob.q.device_id
+    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
     spec = specs.backward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
                                tiles)
     plan.launch(spec, "attention_backward", ((Lk + numerics.BLOCK_KV - 1) // numerics.BLOCK_KV, Hk, B),

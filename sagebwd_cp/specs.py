@@ -65,7 +65,7 @@ WGMMA_ARCHS = ("sm_90",)  # compiled as sm_90a
 
 
 def use_wgmma(arch: str | None) -> bool:
-    """The forward's wgmma path on Hopper; SAGEBWD_WGMMA=0 selects the mma.sync path there too."""
+    """The wgmma paths (forward and backward) on Hopper; SAGEBWD_WGMMA=0 selects mma.sync there too."""
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
@@ -98,20 +98,24 @@ def backward_rows_spec(dtype: str) -> KernelSpec:
 class BackwardTiles:
     stages: int  # query-side buffers in flight (kernels/backward.cu SB_STAGES)
     threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
+    wgmma: bool = False  # sm_90a warpgroup products (a warpgroup per query half)
 
     def shared_bytes(self, dp: int) -> int:
         # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ
         # scale per stage; Ŷ.
         # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
-        return (256 * dp + self.stages * (320 * dp + 16 * 64 + 128) + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
-                + 2 * 8 * 32 * 16)
+        # wgmma: stages rounded up to 1024 bytes, Ŷ's rows unpadded, 896 bytes of slack to align the base.
+        stage = 320 * dp + 16 * 64 + (1024 if self.wgmma else 128)
+        ds_rows, slack = (64, 896) if self.wgmma else (80, 0)
+        return (256 * dp + self.stages * stage + 64 * ds_rows + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
+                + 2 * 8 * 32 * 16 + slack)
 
 
-def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:
-    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128)."""
-    tiles = BackwardTiles(stages=2)
+def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
+    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); wgmma on sm_90."""
+    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch))
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
-        tiles = BackwardTiles(stages=1)
+        tiles = BackwardTiles(stages=1, wgmma=tiles.wgmma)
         if tiles.shared_bytes(dp) > shared_limit:
             raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
     return tiles
@@ -120,10 +124,11 @@ def backward_tiles(dp: int, shared_limit: int | None = None) -> BackwardTiles:
 def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
                   tiles: BackwardTiles) -> KernelSpec:
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
-           f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}")
+           f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
+           f"{'.wgmma' if tiles.wgmma else ''}")
     return make_spec(key, "backward.cu", ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
-                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages,
+                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma),
                      SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
@@ -148,4 +153,7 @@ def all_specs(arch: str | None = None) -> list:
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
+                            if arch in WGMMA_ARCHS:
+                                specs.append(backward_spec(dp, dt, causal, bias, fine, det,
+                                                           backward_tiles(dp, limit, arch)))
     return specs

@@ -188,18 +188,24 @@ def test_cli_info_reports_versions_and_compiles(capsys):
     assert _forward_spec().key in out
 
 
-def test_forward_uses_wgmma_on_hopper_only(monkeypatch):
+def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
-    assert specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT["sm_90"], "sm_90").wgmma
+    hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
+    assert specs.forward_tiles(128, hopper, "sm_90").wgmma
+    assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
     for arch in ("sm_80", "sm_86", "sm_89", None):
         assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
+        assert not specs.backward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
     monkeypatch.setenv("SAGEBWD_WGMMA", "0")
-    assert not specs.forward_tiles(64, specs.ARCH_SHARED_LIMIT["sm_90"], "sm_90").wgmma
+    assert not specs.forward_tiles(64, hopper, "sm_90").wgmma
+    assert not specs.backward_tiles(64, hopper, "sm_90").wgmma
 
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    assert len(wg) == 16  # 2 head dims x 2 dtypes x causal x Q-smoothing
+    # 2 head dims x 2 dtypes x causal x Q-smoothing; the backward also x granularity x deterministic
+    assert len([s for s in wg if s.key.startswith("forward.")]) == 16
+    assert len([s for s in wg if s.key.startswith("backward.")]) == 64
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
     assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", False, False,
                                                             specs.ForwardTiles(4, 1)).options("sm_90")
@@ -207,3 +213,6 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
     # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
     assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
+    # Backward: stages rounded up to 1024 bytes, Ŷ's 64-byte rows unpadded, 896 bytes of slack.
+    plain, wg = specs.BackwardTiles(2), specs.BackwardTiles(2, wgmma=True)
+    assert wg.shared_bytes(128) - plain.shared_bytes(128) == 2 * (1024 - 128) - 64 * 16 + 896

@@ -102,6 +102,35 @@ def test_backward_strided_views_and_unaligned_rows():
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype,granularity", [(64, "float16", "fine"), (128, "bfloat16", "fine"),
+                                                 (96, "float16", "paper")])
+def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype, granularity):
+    """Hopper runs the wgmma backward by default; the mma.sync kernel (sm_80-89, SAGEBWD_WGMMA=0 on
+    Hopper) has the same integer products and FP32 steps, only dP's FP32 sums in another order. Both
+    match the emulator, and they agree with each other far inside its bound."""
+    import torch
+
+    from sagebwd_cp import plan
+
+    layout = "NHD"
+    q, k, v = make_qkv(2, 4, 2, 333, 517, d, dtype, layout, seed=d + causal)
+    do = _grad_output(q, layout, seed=d + 5)
+    plan.clear_plans()
+    out, saved, grads = _run(q, k, v, do, layout, causal, granularity, deterministic=True)
+    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
+    plan.clear_plans()
+    _, _, grads_sync = _run(q, k, v, do, layout, causal, granularity, deterministic=True)
+    plan.clear_plans()
+    torch.cuda.synchronize()
+    expected = _emulated(q, k, v, out, saved, do, layout, causal, granularity)
+    for name, g, gs, e in zip(("dq", "dk", "dv"), grads, grads_sync, expected):
+        g, gs = to_hnd_numpy(g, layout), to_hnd_numpy(gs, layout)
+        assert rel_l2(gs, e) < EMU_TOL[dtype], f"{name}: mma.sync vs emulator"
+        assert rel_l2(g, e) < EMU_TOL[dtype], f"{name}: default vs emulator"
+        assert rel_l2(g, gs) < EMU_TOL[dtype] / 4, f"{name}: default vs mma.sync"
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_backward_deterministic_is_bitwise_repeatable(causal):
     import torch
 
