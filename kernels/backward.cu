@@ -20,9 +20,11 @@
 //   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
 //   SB_STAGES  query-side buffers in flight (1 or 2)
 //   SB_WGMMA   sm_90a: the five products as warpgroup products (wgmma) on shared tiles in wgmma
-//              layouts (warpgroup = query half; P̂ᵀ and Ẑᵀ register-fed), instead of mma.sync
+//              layouts (warpgroup = query half; P̂ᵀ and Ẑᵀ register-fed), instead of mma.sync;
+//              dQ's partial goes through shared memory to bulk reductions (TMA) unless deterministic
 #include "common.cuh"
 #include "wgmma.cuh"
+#include "bulk.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
 #include "cp_async.cuh"
@@ -94,7 +96,14 @@ constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
 constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16 + (TILE_ALIGN - 128);
+// wgmma at head dim 128, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32, added into
+// dq_acc row by row by bulk reductions (the REDs' source registers stalled the warps); rows padded by 8
+// floats so that the 8-byte stores of a warp hit every bank. At head dim 64 the 256-byte bulk rows
+// measured slower than the REDs (benchmarks/NOTES.md).
+constexpr bool DQ_BULK = WG && !SB_DETERMINISTIC && DP == 128;
+constexpr int DQ_PITCH = DP + 8;
+constexpr int DQ_OFF = FRAG_OFF + 2 * WARPS * 32 * 16;
+constexpr int SMEM_BYTES = DQ_OFF + (DQ_BULK ? BQ * DQ_PITCH * 4 : 0) + (TILE_ALIGN - 128);
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "swizzled tiles need aligned bases");
@@ -326,11 +335,11 @@ struct Args {
     int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
 };
 
-// Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (128 registers without
-// spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and MMA
-// chains. The other variants need more registers than two CTAs leave (the wgmma deterministic one
-// spills 4 bytes at 128).
-constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !(WG && SB_DETERMINISTIC) ? 2 : 1;
+// Two CTAs per SM at head dim 64 without Q-smoothing, in the fine mode (and on the wgmma path the paper
+// mode too): 128 registers without spills, < 100 KB shared. The second CTA's warps hide the latency
+// of the first's barriers and products. The other variants need more registers than two CTAs leave
+// (the wgmma deterministic one spills 4 bytes at 128).
+constexpr int MIN_BLOCKS = DP <= 64 && (SB_FINE || WG) && !SB_BIAS && !(WG && SB_DETERMINISTIC) ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8* k8_,
@@ -415,6 +424,9 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
     const u32 k_desc = wgmma_desc_lo<DP>(sK), kt_desc = wgmma_desc_lo<BKV>(sKt), v_desc = wgmma_desc_lo<128>(sV);
     const u32 ds_desc = wgmma_desc_lo<BKV>(smem_u32(ds_tile));
 
+    const u32 dq_s = base + DQ_OFF;  // DQ_BULK: the dQ partial's tile
+    float* dq_pending = nullptr;     // DQ_BULK: dq_acc rows of the partial in dq_s
+
     float dk[NT_D / 2][4], dv[NT_D / 2][4];  // keys krow, krow+8 x head-dim half qh
 #pragma unroll
     for (int n = 0; n < NT_D / 2; ++n)
@@ -426,6 +438,11 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         cp_async_wait<0>();
         if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
+        if (DQ_BULK && it > 0 && tid < BQ) {
+            // The previous query block's dQ partial is in shared memory (written before the barrier).
+            bulk_reduce_add_f32(dq_pending + tid * DP, dq_s + tid * DQ_PITCH * 4, DP * 4);
+            bulk_commit();
+        }
         if (SB_STAGES > 1 && it + 1 < n_it) {
             load_stage(nh, ni, (it + 1) % SB_STAGES);
             advance(nh, ni);
@@ -717,6 +734,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         wgmma_wait<0>();
         wg_rows_finish(dv, pv, pv_a, fac_v);
         fence_proxy_async();  // Ŷ's stores are read by wgmma
+        if (DQ_BULK && tid < BQ) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
 #endif
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
 #if SB_WGMMA
@@ -773,12 +791,23 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 #if SB_WGMMA
             wgmma_wait<0>();
             wgmma_hold_all(pq);
+            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + r_lo * DQ_PITCH + 2 * t;
 #pragma unroll
             for (int n = 0; n < NT_D / 2; ++n)
 #pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    red_add2(dq_lo + half * 8 * DP + (qh * (NT_D / 2) + n) * 8, static_cast<float>(pq[n][2 * half]) * fq[half],
-                             static_cast<float>(pq[n][2 * half + 1]) * fq[half]);
+                for (int half = 0; half < 2; ++half) {
+                    const float x = static_cast<float>(pq[n][2 * half]) * fq[half];
+                    const float y = static_cast<float>(pq[n][2 * half + 1]) * fq[half];
+                    const int col = (qh * (NT_D / 2) + n) * 8;
+                    if (DQ_BULK)
+                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + col) = make_float2(x, y);
+                    else
+                        red_add2(dq_lo + half * 8 * DP + col, x, y);
+                }
+            if (DQ_BULK) {
+                fence_proxy_async();  // the bulk reductions read what these stores wrote
+                dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DP;
+            }
 #else
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
@@ -812,6 +841,15 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
             advance(nh, ni);
         }
         cp_async_commit();
+    }
+
+    if (DQ_BULK && n_it > 0) {
+        __syncthreads();  // the last query block's dQ partial is in shared memory
+        if (tid < BQ) {
+            bulk_reduce_add_f32(dq_pending + tid * DP, dq_s + tid * DQ_PITCH * 4, DP * 4);
+            bulk_commit();
+            bulk_wait<0>();
+        }
     }
 
     // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this warp's head-dim half, in the input dtype.

@@ -75,7 +75,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                  ptr(dq_acc), ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn),
                  i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),
                  i32(nq), i32(nk)],
-                shared=tiles.shared_bytes(dp))
+                shared=tiles.shared_bytes(dp, deterministic))
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).
     plan.release_workspace(keep=(dq_acc, lock))

@@ -100,15 +100,17 @@ class BackwardTiles:
     threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
     wgmma: bool = False  # sm_90a warpgroup products (a warpgroup per query half)
 
-    def shared_bytes(self, dp: int) -> int:
+    def shared_bytes(self, dp: int, deterministic: bool = False) -> int:
         # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ
         # scale per stage; Ŷ.
         # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
-        # wgmma: stages rounded up to 1024 bytes, Ŷ's rows unpadded, 896 bytes of slack to align the base.
+        # wgmma: stages rounded up to 1024 bytes, Ŷ's rows unpadded, the dQ partial's f32 tile (rows
+        # padded by 8 floats) at head dim 128 unless deterministic, 896 bytes of slack to align the base.
         stage = 320 * dp + 16 * 64 + (1024 if self.wgmma else 128)
         ds_rows, slack = (64, 896) if self.wgmma else (80, 0)
+        dq_tile = 64 * (dp + 8) * 4 if self.wgmma and not deterministic and dp == 128 else 0
         return (256 * dp + self.stages * stage + 64 * ds_rows + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
-                + 2 * 8 * 32 * 16 + slack)
+                + 2 * 8 * 32 * 16 + dq_tile + slack)
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
@@ -129,7 +131,7 @@ def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, det
     return make_spec(key, "backward.cu", ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
                      SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma),
-                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
+                     SB_SMEM_BYTES=tiles.shared_bytes(dp, deterministic))
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
