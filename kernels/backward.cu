@@ -96,12 +96,14 @@ constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
 constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-// wgmma at head dim 128, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32, added into
-// dq_acc row by row by bulk reductions (the REDs' source registers stalled the warps); rows padded by 8
-// floats so that the 8-byte stores of a warp hit every bank. At head dim 64 the 256-byte bulk rows
+// wgmma at head dim 128, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32 is added
+// into dq_acc by one bulk reduction (the REDs' source registers stalled the warps). Rows are padded by
+// 8 floats, so that the 8-byte stores of a warp hit every bank, in shared memory and in dq_acc alike
+// (one contiguous range each); the padding takes zeros. At head dim 64 per-row bulk reductions
 // measured slower than the REDs (benchmarks/NOTES.md).
 constexpr bool DQ_BULK = WG && !SB_DETERMINISTIC && DP == 128;
 constexpr int DQ_PITCH = DP + 8;
+constexpr int DQ_ROW = DQ_BULK ? DQ_PITCH : DP;  // dq_acc's row pitch (specs.BackwardTiles.dq_row)
 constexpr int DQ_OFF = FRAG_OFF + 2 * WARPS * 32 * 16;
 constexpr int SMEM_BYTES = DQ_OFF + (DQ_BULK ? BQ * DQ_PITCH * 4 : 0) + (TILE_ALIGN - 128);
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
@@ -327,7 +329,7 @@ struct Args {
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
     const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
-    float* dq_acc;         // [B][Hq][Nq_pad][DP], zeroed
+    float* dq_acc;         // [B][Hq][Nq_pad][DQ_ROW], zeroed
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
     u16* dv;
@@ -438,9 +440,9 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         cp_async_wait<0>();
         if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
-        if (DQ_BULK && it > 0 && tid < BQ) {
+        if (DQ_BULK && it > 0 && tid == 0) {
             // The previous query block's dQ partial is in shared memory (written before the barrier).
-            bulk_reduce_add_f32(dq_pending + tid * DP, dq_s + tid * DQ_PITCH * 4, DP * 4);
+            bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
             bulk_commit();
         }
         if (SB_STAGES > 1 && it + 1 < n_it) {
@@ -734,7 +736,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         wgmma_wait<0>();
         wg_rows_finish(dv, pv, pv_a, fac_v);
         fence_proxy_async();  // Ŷ's stores are read by wgmma
-        if (DQ_BULK && tid < BQ) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
+        if (DQ_BULK && tid == 0) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
 #endif
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
 #if SB_WGMMA
@@ -787,7 +789,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 fq[0] = fq[1] = tile_y_psi.scale;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;
+            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DQ_ROW + 2 * t;
 #if SB_WGMMA
             wgmma_wait<0>();
             wgmma_hold_all(pq);
@@ -802,11 +804,11 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                     if (DQ_BULK)
                         *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + col) = make_float2(x, y);
                     else
-                        red_add2(dq_lo + half * 8 * DP + col, x, y);
+                        red_add2(dq_lo + half * 8 * DQ_ROW + col, x, y);
                 }
             if (DQ_BULK) {
                 fence_proxy_async();  // the bulk reductions read what these stores wrote
-                dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DP;
+                dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DQ_ROW;
             }
 #else
 #pragma unroll
@@ -825,7 +827,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
+                        red_add2(dq_lo + half * 8 * DQ_ROW + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
                                  static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
 #endif
@@ -845,8 +847,8 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 
     if (DQ_BULK && n_it > 0) {
         __syncthreads();  // the last query block's dQ partial is in shared memory
-        if (tid < BQ) {
-            bulk_reduce_add_f32(dq_pending + tid * DP, dq_s + tid * DQ_PITCH * 4, DP * 4);
+        if (tid == 0) {
+            bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
             bulk_commit();
             bulk_wait<0>();
         }

@@ -52,7 +52,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                 [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
                  i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 
-    dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dp), "float32", zeroed=True)
+    dev = prob.q.device_id
+    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
+    dq_row = tiles.dq_row(dp, deterministic)
+    dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
     lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
@@ -64,8 +67,6 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
-    dev = prob.q.device_id
-    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
     spec = specs.backward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
                                tiles)
     plan.launch(spec, "attention_backward", ((Lk + numerics.BLOCK_KV - 1) // numerics.BLOCK_KV, Hk, B),
@@ -82,6 +83,6 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     qb, qh, qn = prob.bhnd_strides(dq)
     plan.launch(rows, "dq_convert", ((Lq * (D // 2) + 255) // 256, Hq, B), (256, 1, 1),
-                [ptr(dq_acc), i32(Hq), i32(Lq), i32(D), i32(dp), i32(nq), f32(prob.softmax_scale), ptr(dq), i64(qb),
+                [ptr(dq_acc), i32(Hq), i32(Lq), i32(D), i32(dq_row), i32(nq), f32(prob.softmax_scale), ptr(dq), i64(qb),
                  i64(qh), i64(qn)])
     return plan.build(problem=prob)

@@ -100,6 +100,14 @@ class BackwardTiles:
     threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
     wgmma: bool = False  # sm_90a warpgroup products (a warpgroup per query half)
 
+    def bulk_dq(self, dp: int, deterministic: bool) -> bool:
+        """dQ partials through shared memory to one bulk reduction per query block (backward.cu DQ_BULK)."""
+        return self.wgmma and not deterministic and dp == 128
+
+    def dq_row(self, dp: int, deterministic: bool) -> int:
+        """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where the bulk path fills it."""
+        return dp + 8 if self.bulk_dq(dp, deterministic) else dp
+
     def shared_bytes(self, dp: int, deterministic: bool = False) -> int:
         # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ
         # scale per stage; Ŷ.
@@ -108,7 +116,7 @@ class BackwardTiles:
         # padded by 8 floats) at head dim 128 unless deterministic, 896 bytes of slack to align the base.
         stage = 320 * dp + 16 * 64 + (1024 if self.wgmma else 128)
         ds_rows, slack = (64, 896) if self.wgmma else (80, 0)
-        dq_tile = 64 * (dp + 8) * 4 if self.wgmma and not deterministic and dp == 128 else 0
+        dq_tile = 64 * (dp + 8) * 4 if self.bulk_dq(dp, deterministic) else 0
         return (256 * dp + self.stages * stage + 64 * ds_rows + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
                 + 2 * 8 * 32 * 16 + dq_tile + slack)
 
