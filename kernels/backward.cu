@@ -96,12 +96,11 @@ constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
 constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-// wgmma at head dim 128, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32 is added
-// into dq_acc by one bulk reduction (the REDs' source registers stalled the warps). Rows are padded by
-// 8 floats, so that the 8-byte stores of a warp hit every bank, in shared memory and in dq_acc alike
-// (one contiguous range each); the padding takes zeros. At head dim 64 per-row bulk reductions
-// measured slower than the REDs (benchmarks/NOTES.md).
-constexpr bool DQ_BULK = WG && !SB_DETERMINISTIC && DP == 128;
+// wgmma, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32 is added into dq_acc by
+// one bulk reduction (the REDs' source registers stalled the warps). Rows are padded by 8 floats, so
+// that the 8-byte stores of a warp hit every bank, in shared memory and in dq_acc alike (one
+// contiguous range each); the padding takes zeros. The deterministic mode keeps the ordered REDs.
+constexpr bool DQ_BULK = WG && !SB_DETERMINISTIC;
 constexpr int DQ_PITCH = DP + 8;
 constexpr int DQ_ROW = DQ_BULK ? DQ_PITCH : DP;  // dq_acc's row pitch (specs.BackwardTiles.dq_row)
 constexpr int DQ_OFF = FRAG_OFF + 2 * WARPS * 32 * 16;

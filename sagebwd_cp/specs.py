@@ -102,7 +102,7 @@ class BackwardTiles:
 
     def bulk_dq(self, dp: int, deterministic: bool) -> bool:
         """dQ partials through shared memory to one bulk reduction per query block (backward.cu DQ_BULK)."""
-        return self.wgmma and not deterministic and dp == 128
+        return self.wgmma and not deterministic
 
     def dq_row(self, dp: int, deterministic: bool) -> int:
         """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where the bulk path fills it."""
@@ -113,7 +113,7 @@ class BackwardTiles:
         # scale per stage; Ŷ.
         # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
         # wgmma: stages rounded up to 1024 bytes, Ŷ's rows unpadded, the dQ partial's f32 tile (rows
-        # padded by 8 floats) at head dim 128 unless deterministic, 896 bytes of slack to align the base.
+        # padded by 8 floats) unless deterministic, 896 bytes of slack to align the base.
         stage = 320 * dp + 16 * 64 + (1024 if self.wgmma else 128)
         ds_rows, slack = (64, 896) if self.wgmma else (80, 0)
         dq_tile = 64 * (dp + 8) * 4 if self.bulk_dq(dp, deterministic) else 0

@@ -213,11 +213,11 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
     # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
     assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
-    # Backward: stages rounded up to 1024 bytes, Ŷ's 64-byte rows unpadded, 896 bytes of slack, and at
-    # head dim 128 (not deterministic) the dQ partial's tile, whose padded rows dq_acc mirrors.
+    # Backward: stages rounded up to 1024 bytes, Ŷ's 64-byte rows unpadded, 896 bytes of slack, and
+    # (not deterministic) the dQ partial's tile, whose padded rows dq_acc mirrors.
     plain, wg = specs.BackwardTiles(2), specs.BackwardTiles(2, wgmma=True)
-    assert wg.shared_bytes(64) - plain.shared_bytes(64) == 2 * (1024 - 128) - 64 * 16 + 896
-    assert wg.shared_bytes(128, deterministic=True) - plain.shared_bytes(128) == 2 * (1024 - 128) - 64 * 16 + 896
-    assert wg.shared_bytes(128) - wg.shared_bytes(128, deterministic=True) == 64 * 136 * 4
-    assert wg.dq_row(128, False) == 136
-    assert wg.dq_row(64, False) == 64 and plain.dq_row(128, False) == 128 and wg.dq_row(128, True) == 128
+    for dp in (64, 128):
+        assert (wg.shared_bytes(dp, deterministic=True) - plain.shared_bytes(dp, deterministic=True)
+                == 2 * (1024 - 128) - 64 * 16 + 896)
+        assert wg.shared_bytes(dp) - wg.shared_bytes(dp, deterministic=True) == 64 * (dp + 8) * 4
+        assert wg.dq_row(dp, False) == dp + 8 and wg.dq_row(dp, True) == plain.dq_row(dp, False) == dp
