@@ -336,11 +336,12 @@ struct Args {
     int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
 };
 
-// Two CTAs per SM at head dim 64 without Q-smoothing, in the fine mode (and on the wgmma path the paper
-// mode too): 128 registers without spills, < 100 KB shared. The second CTA's warps hide the latency
-// of the first's barriers and products. The other variants need more registers than two CTAs leave
-// (the wgmma deterministic one spills 4 bytes at 128).
-constexpr int MIN_BLOCKS = DP <= 64 && (SB_FINE || WG) && !SB_BIAS && !(WG && SB_DETERMINISTIC) ? 2 : 1;
+// Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (mma.sync: 128 registers
+// without spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and
+// products. The other variants need more registers than two CTAs leave; so does the wgmma kernel at
+// head dim 64 (4-32 bytes of spills with NVRTC 13.0), which is why Hopper runs it at head dim 128 only
+// (specs.backward_tiles).
+constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !WG ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8* k8_,

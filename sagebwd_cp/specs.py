@@ -122,8 +122,9 @@ class BackwardTiles:
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
-    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); wgmma on sm_90."""
-    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch))
+    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); wgmma on sm_90 at head dim
+    128 (at 64 the mma.sync kernel runs two CTAs per SM, which the wgmma one cannot without spills)."""
+    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch) and dp == 128)
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
         tiles = BackwardTiles(stages=1, wgmma=tiles.wgmma)
         if tiles.shared_bytes(dp) > shared_limit:
@@ -163,7 +164,7 @@ def all_specs(arch: str | None = None) -> list:
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
-                            if arch in WGMMA_ARCHS:
+                            if arch in WGMMA_ARCHS and dp == 128:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
                                                            backward_tiles(dp, limit, arch)))
     return specs
