@@ -22,7 +22,7 @@
 //   SB_WGMMA   sm_90a: the five products as warpgroup products (wgmma) on shared tiles in wgmma
 //              layouts (warpgroup = query half; P̂ᵀ and Ẑᵀ register-fed), instead of mma.sync;
 //              dQ's partial goes through shared memory to bulk reductions (TMA) unless deterministic
-#include "common.cuh"
+#include "backward_common.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
 #include "mma.cuh"
@@ -165,83 +165,6 @@ SB_DEVICE Lanes<ROW_BYTES> b_lanes(int lane) {
     return Lanes<ROW_BYTES>(((m >> 1) << 3) + (lane & 7), m & 1);
 }
 
-// Two adjacent FP32 atomic adds (8-byte aligned): one vector reduction on sm_90, two before.
-SB_DEVICE void red_add2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
-}
-
-SB_DEVICE float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-SB_DEVICE float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-// Max over the 8 lanes of equal t (lanes t, t+4, ..., t+28) of eight values v[0..7], scattered:
-// lane g (= lane / 4) returns the max of v[g]. Three butterfly steps halve the values each time
-// (7 shuffles instead of 24): at step `bit`, a lane keeps the half of its values whose index has
-// that bit equal to its own and sends the other half to its partner.
-SB_DEVICE float spread_max8(const float (&v)[8], int g) {
-    float w4[4], w2[2];
-    const bool b2 = g & 4, b1 = g & 2, b0 = g & 1;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-        const float keep = b2 ? v[4 + x] : v[x], send = b2 ? v[x] : v[4 + x];
-        w4[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16));
-    }
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const float keep = b1 ? w4[2 + x] : w4[x], send = b1 ? w4[x] : w4[2 + x];
-        w2[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
-    }
-    const float keep = b0 ? w2[1] : w2[0], send = b0 ? w2[0] : w2[1];
-    return fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
-}
-
-SB_DEVICE float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// ψ of a tile inside the backward for a block with max|x| = amax and L levels (numerics.quantize_tile):
-// scale = amax·(1/L), inv = L·rcp(amax) with the SFU's reciprocal.
-struct Psi {
-    float scale, inv;
-};
-template <int L>
-SB_DEVICE Psi tile_psi(float amax) {
-    if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
-    return {mul_rn(amax, 1.f / L), mul_rn(static_cast<float>(L), rcp_approx(amax))};
-}
-SB_DEVICE Psi psi(float amax) { return tile_psi<SB_INT8_MAX>(amax); }
-// Unsigned ψ of non-negative P (fine mode): codes 0..255.
-SB_DEVICE Psi psi_unsigned(float amax) { return tile_psi<SB_P_LEVELS>(amax); }
-
-// x̂ = rint(x·inv) as a byte (|x·inv| <= 127, or 0 <= x·inv <= 255 unsigned, by construction: no clamp).
-SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
-
-// Pack a warp's [16 rows][32 cols] accumulator-layout tile (rows g / g+8 per half) into the A
-// fragment of one 32-column k-step; the column order inside each 16 is numerics.KEY_PERMUTATION_16,
-// which the B operands (Q̂ᵀ, dÔᵀ) are stored in. inv[half] is the row's inverse scale.
-SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[NT_Q][4], const float (&inv)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float v = inv[half];
-        a[half] = pack4_low_bytes(quant_byte(x[0][2 * half], v), quant_byte(x[0][2 * half + 1], v),
-                                  quant_byte(x[1][2 * half], v), quant_byte(x[1][2 * half + 1], v));
-        a[2 + half] = pack4_low_bytes(quant_byte(x[2][2 * half], v), quant_byte(x[2][2 * half + 1], v),
-                                      quant_byte(x[3][2 * half], v), quant_byte(x[3][2 * half + 1], v));
-    }
-}
-
 // acc[.][.] += (Â B̂)·factor[row half] over head-dim half `dh` (NT_D/2 n-tiles from dh·NT_D/2); Â is
 // the two 32-column k-steps of 16 rows, B̂ a [DP][64] INT8 tile in fragment order.
 // The A fragments of both 32-query k-steps: k-step qh is this warp's own, the other comes from the
@@ -315,26 +238,6 @@ SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const f
         }
 }
 
-struct Args {
-    const i8* q8;          // [B][Hq][Nq_pad][DP]
-    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
-    const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
-    const i8* k8;          // [B][Hkv][Nk_pad][DP]
-    const i8* k8t;         // [B][Hkv][DP][Nk_pad]
-    const float* k_scale;  // [B][Hkv][Nk_pad] (per token)
-    const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
-    const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
-    const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
-    const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
-    const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
-    float* dq_acc;         // [B][Hq][Nq_pad][DQ_ROW], zeroed
-    int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
-    u16* dk;               // 16-bit outputs with strides
-    u16* dv;
-    i64 vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn;  // k*: dK strides, w*: dV strides
-    int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
-};
 
 // Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (mma.sync: 128 registers
 // without spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and
@@ -344,15 +247,9 @@ struct Args {
 constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !WG ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8* k8_,
-                   const i8* k8t_, const float* k_scale_, const float* bias_, const u16* v_, const u16* dout_,
-                   const i8* dot8_, const float* do_scale_, const float4* stats_, float* dq_acc_,
-                   int* dq_lock_, u16* dk_, u16* dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh,
-                   i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad) {
+attention_backward(SB_BACKWARD_PARAMS) {
     SB_REQUIRE_SM80();
-    const Args a = {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,
-                    dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn,
-                    Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad};
+    const Args a = SB_BACKWARD_ARGS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -725,13 +622,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
 
         // The query block's dQ counter, formed where it is used (kept live across dQ it would spill at d=64).
         auto lock = [&] { return a.dq_lock + (static_cast<i64>(b) * a.Hq + h) * n_qb + i; };
-        if (SB_DETERMINISTIC && tid == 0) {
-            // Key blocks add into a query block's dQ in order: wait for the ones before this one.
-            int seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock()));
-            } while (seen != j);
-        }
+        if (SB_DETERMINISTIC && tid == 0) wait_turn(lock(), j);
 #if SB_WGMMA
         wgmma_wait<0>();
         wg_rows_finish(dv, pv, pv_a, fac_v);
@@ -835,7 +726,7 @@ attention_backward(const i8* q8_, const i8* q8t_, const float* q_mean_, const i8
         if (SB_DETERMINISTIC) {
             __threadfence();
             __syncthreads();
-            if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock()), "r"(j + 1));
+            if (tid == 0) pass_turn(lock(), j);
         }
         if (SB_STAGES == 1 && it + 1 < n_it) {
             __syncthreads();  // the single stage is free

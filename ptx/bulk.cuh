@@ -19,3 +19,7 @@ SB_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0
 // Wait until at most N of this thread's bulk groups are still in flight (writes done).
 template <int N>
 SB_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Orders this thread's global-memory accesses through the async proxy (bulk reductions) with its
+// generic ones (the acquire and release of a deterministic turn), both ways.
+SB_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }

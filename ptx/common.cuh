@@ -21,3 +21,16 @@ typedef long long i64;
 SB_DEVICE u32 smem_u32(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
+
+// bar.sync on barrier `id` (1-15; 0 is __syncthreads) among THREADS threads, whole warps: a
+// warpgroup's barrier that leaves the CTA's other warps running.
+template <int THREADS>
+SB_DEVICE void named_barrier(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+
+// threadIdx.x read through a volatile asm: values derived from it are recomputed where they are
+// used instead of being held in registers across a loop (or spilled, in a register-bound kernel).
+SB_DEVICE int fresh_tid() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}

@@ -32,13 +32,14 @@ constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 || WGMMA ? 8 : 102
 // 16 bytes per cp.async, spread over the THREADS threads of the block. Every count is a
 // compile-time constant, so the copy unrolls; when a pass spans whole swizzle periods the
 // thread's shared offset is computed once and later passes add a constant.
+// tid: the thread's index (fresh_tid() in a register-bound loop: the addresses are rebuilt per call).
 template <int ROW_BYTES, int ROWS, int THREADS, bool WGMMA = false>
-SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride) {
+SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride, int tid = threadIdx.x) {
     constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
     constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES, WGMMA>() == 0;
-    const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
     const i8* src = g + r0 * gstride + c * 16;
     const u32 dst0 = smem + swizzled_offset<ROW_BYTES, WGMMA>(r0, c);
 #pragma unroll

@@ -54,7 +54,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     dev = prob.q.device_id
     tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
-    dq_row = tiles.dq_row(dp, deterministic)
+    dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
     lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
 
@@ -69,14 +69,14 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     spec = specs.backward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
                                tiles)
-    plan.launch(spec, "attention_backward", ((Lk + numerics.BLOCK_KV - 1) // numerics.BLOCK_KV, Hk, B),
+    plan.launch(spec, "attention_backward", ((Lk + tiles.block_keys - 1) // tiles.block_keys, Hk, B),
                 (tiles.threads, 1, 1),
                 [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale),
                  ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(qz.dot8), ptr(qz.do_scale), ptr(stats),
                  ptr(dq_acc), ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn),
                  i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),
                  i32(nq), i32(nk)],
-                shared=tiles.shared_bytes(dp, deterministic))
+                shared=tiles.shared_bytes(dp))
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).
     plan.release_workspace(keep=(dq_acc, lock))

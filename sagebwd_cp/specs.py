@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from . import numerics
 from .compiler import KernelSpec, make_spec
 
 DTYPES = ("float16", "bfloat16")
@@ -96,29 +97,35 @@ def backward_rows_spec(dtype: str) -> KernelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
-    stages: int  # query-side buffers in flight (kernels/backward.cu SB_STAGES)
-    threads: int = 256  # 4 key groups x 2 query halves of one 64x64 tile
-    wgmma: bool = False  # sm_90a warpgroup products (a warpgroup per query half)
+    stages: int  # query-side buffers in flight (SB_STAGES)
+    threads: int = 256  # mma.sync: 4 key groups x 2 query halves of a 64x64 tile; wgmma: 2 warpgroups
+    wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys, 128-key CTAs)
 
-    def bulk_dq(self, dp: int, deterministic: bool) -> bool:
-        """dQ partials through shared memory to one bulk reduction per query block (backward.cu DQ_BULK)."""
-        return self.wgmma and not deterministic
+    @property
+    def filename(self) -> str:
+        return "backward_wgmma.cu" if self.wgmma else "backward.cu"
 
-    def dq_row(self, dp: int, deterministic: bool) -> int:
-        """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where the bulk path fills it."""
-        return dp + 8 if self.bulk_dq(dp, deterministic) else dp
+    @property
+    def block_keys(self) -> int:
+        """Keys per CTA (the grid's x extent is the key length over this)."""
+        return 2 * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
 
-    def shared_bytes(self, dp: int, deterministic: bool = False) -> int:
-        # kernels/backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ
-        # scale per stage; Ŷ.
-        # Then the exchanged maxima and sums, dQ's per-query scales and the packed A fragments.
-        # wgmma: stages rounded up to 1024 bytes, Ŷ's rows unpadded, the dQ partial's f32 tile (rows
-        # padded by 8 floats) unless deterministic, 896 bytes of slack to align the base.
-        stage = 320 * dp + 16 * 64 + (1024 if self.wgmma else 128)
-        ds_rows, slack = (64, 896) if self.wgmma else (80, 0)
-        dq_tile = 64 * (dp + 8) * 4 if self.bulk_dq(dp, deterministic) else 0
-        return (256 * dp + self.stages * stage + 64 * ds_rows + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64
-                + 2 * 8 * 32 * 16 + dq_tile + slack)
+    def dq_row(self, dp: int) -> int:
+        """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""
+        return dp + 8 if self.wgmma else dp
+
+    def shared_bytes(self, dp: int) -> int:
+        if self.wgmma:
+            # backward_wgmma.cu: K̂, K̂ᵀ, V of 128 keys; per stage Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows
+            # and the dÔ scale, rounded up to 1024 bytes; Ŷ [64][128]; the warpgroups' maxima; Ŷ's
+            # scales; the dQ partial's tile; 896 bytes of slack to align the base.
+            stage = 320 * dp + 16 * 64 + 1024
+            return 512 * dp + self.stages * stage + 64 * 128 + 4 * (2 * 4 * 64 + 24) + 4 * 2 * 64 + 64 * (dp + 8) * 4 + 896
+        # backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ scale per
+        # stage; Ŷ (rows padded); the exchanged maxima and sums, dQ's per-query scales and the packed
+        # A fragments.
+        stage = 320 * dp + 16 * 64 + 128
+        return 256 * dp + self.stages * stage + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64 + 2 * 8 * 32 * 16
 
 
 # Head dims whose backward runs the wgmma kernel on Hopper: at 64 the mma.sync kernel runs two CTAs per
@@ -142,10 +149,10 @@ def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, det
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
            f"{'.wgmma' if tiles.wgmma else ''}")
-    return make_spec(key, "backward.cu", ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
+    return make_spec(key, tiles.filename, ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
                      SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma),
-                     SB_SMEM_BYTES=tiles.shared_bytes(dp, deterministic))
+                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):

@@ -216,11 +216,13 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
     # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
     assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
-    # Backward: stages rounded up to 1024 bytes, Ŷ's 64-byte rows unpadded, 896 bytes of slack, and
-    # (not deterministic) the dQ partial's tile, whose padded rows dq_acc mirrors.
+    # Backward (backward_wgmma.cu: 128-key CTAs): 128-key K̂, K̂ᵀ, V; stages rounded up to 1024 bytes; Ŷ
+    # [64][128]; the maxima and scales; the dQ partial's tile, whose padded rows dq_acc mirrors; 896
+    # bytes of slack. The kernel's static_assert checks the same sum when it compiles.
     plain, wg = specs.BackwardTiles(2), specs.BackwardTiles(2, wgmma=True)
     for dp in (64, 128):
-        assert (wg.shared_bytes(dp, deterministic=True) - plain.shared_bytes(dp, deterministic=True)
-                == 2 * (1024 - 128) - 64 * 16 + 896)
-        assert wg.shared_bytes(dp) - wg.shared_bytes(dp, deterministic=True) == 64 * (dp + 8) * 4
-        assert wg.dq_row(dp, False) == dp + 8 and wg.dq_row(dp, True) == plain.dq_row(dp, False) == dp
+        assert wg.shared_bytes(dp) == (512 * dp + 2 * (320 * dp + 2048) + 64 * 128 + 4 * (512 + 24) + 4 * 128
+                                       + 64 * (dp + 8) * 4 + 896)
+        assert wg.dq_row(dp) == dp + 8 and plain.dq_row(dp) == dp
+    assert (wg.block_keys, plain.block_keys) == (128, 64)
+    assert (wg.filename, plain.filename) == ("backward_wgmma.cu", "backward.cu")

@@ -1,0 +1,128 @@
+// What the two backward kernels share (backward.cu: mma.sync, 64-key CTAs; backward_wgmma.cu:
+// sm_90a warpgroups, 128-key CTAs): the kernel arguments, the quantizer of dS and P inside the
+// kernel (numerics.quantize_tile), register-A fragment packing and the warp reductions.
+#pragma once
+#include "common.cuh"
+#include "convert.cuh"
+#include "exp2.cuh"
+
+// The kernel's parameters (backward.py passes them in this order) and the struct they fill.
+#define SB_BACKWARD_PARAMS                                                                                        \
+    const i8 *q8_, const i8 *q8t_, const float *q_mean_, const i8 *k8_, const i8 *k8t_, const float *k_scale_,    \
+        const float *bias_, const u16 *v_, const u16 *dout_, const i8 *dot8_, const float *do_scale_,             \
+        const float4 *stats_, float *dq_acc_, int *dq_lock_, u16 *dk_, u16 *dv_, i64 vb, i64 vh, i64 vn, i64 db, \
+        i64 dh, i64 dn, i64 kb, i64 kh, i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D,    \
+        int Nq_pad, int Nk_pad
+#define SB_BACKWARD_ARGS                                                                                         \
+    {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_, dq_acc_, dq_lock_, dk_, \
+     dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn, Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad}
+
+struct Args {
+    const i8* q8;          // [B][Hq][Nq_pad][DP]
+    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
+    const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
+    const i8* k8;          // [B][Hkv][Nk_pad][DP]
+    const i8* k8t;         // [B][Hkv][DP][Nk_pad]
+    const float* k_scale;  // [B][Hkv][Nk_pad] (per token)
+    const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
+    const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
+    const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
+    const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
+    const float* do_scale; // [B][Hq][Nq_pad/64]
+    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, δ, s_Q, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
+    float* dq_acc;         // [B][Hq][Nq_pad][dq_row], zeroed (specs.BackwardTiles.dq_row)
+    int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
+    u16* dk;               // 16-bit outputs with strides
+    u16* dv;
+    i64 vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn;  // k*: dK strides, w*: dV strides
+    int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
+};
+
+// Two adjacent FP32 atomic adds (8-byte aligned): one vector reduction on sm_90, two before.
+SB_DEVICE void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+SB_DEVICE float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+SB_DEVICE float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Max over the 8 lanes of equal t (lanes t, t+4, ..., t+28) of eight values v[0..7], scattered:
+// lane g (= lane / 4) returns the max of v[g]. Three butterfly steps halve the values each time
+// (7 shuffles instead of 24): at step `bit`, a lane keeps the half of its values whose index has
+// that bit equal to its own and sends the other half to its partner.
+SB_DEVICE float spread_max8(const float (&v)[8], int g) {
+    float w4[4], w2[2];
+    const bool b2 = g & 4, b1 = g & 2, b0 = g & 1;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        const float keep = b2 ? v[4 + x] : v[x], send = b2 ? v[x] : v[4 + x];
+        w4[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16));
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const float keep = b1 ? w4[2 + x] : w4[x], send = b1 ? w4[x] : w4[2 + x];
+        w2[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+    }
+    const float keep = b0 ? w2[1] : w2[0], send = b0 ? w2[0] : w2[1];
+    return fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+}
+
+SB_DEVICE float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ψ of a tile inside the backward for a block with max|x| = amax and L levels (numerics.quantize_tile):
+// scale = amax·(1/L), inv = L·rcp(amax) with the SFU's reciprocal.
+struct Psi {
+    float scale, inv;
+};
+template <int L>
+SB_DEVICE Psi tile_psi(float amax) {
+    if (amax < static_cast<float>(SB_TINY_AMAX)) return {1.f, 0.f};
+    return {mul_rn(amax, 1.f / L), mul_rn(static_cast<float>(L), rcp_approx(amax))};
+}
+SB_DEVICE Psi psi(float amax) { return tile_psi<SB_INT8_MAX>(amax); }
+// Unsigned ψ of non-negative P (fine mode): codes 0..255.
+SB_DEVICE Psi psi_unsigned(float amax) { return tile_psi<SB_P_LEVELS>(amax); }
+
+// x̂ = rint(x·inv) as a byte (|x·inv| <= 127, or 0 <= x·inv <= 255 unsigned, by construction: no clamp).
+SB_DEVICE u32 quant_byte(float x, float inv) { return __float_as_uint(round_magic(x, inv)); }
+
+// Pack the [16 rows][32 cols] of a warp's accumulator-layout tile held in n-tiles n0..n0+3 (rows
+// g / g+8 per half) into the A fragment of one 32-column k-step; the column order inside each 16
+// is numerics.KEY_PERMUTATION_16, which the B operands (Q̂ᵀ, dÔᵀ) are stored in. inv[half] is the
+// row's inverse scale.
+template <int N>
+SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2], int n0 = 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float v = inv[half];
+        a[half] = pack4_low_bytes(quant_byte(x[n0][2 * half], v), quant_byte(x[n0][2 * half + 1], v),
+                                  quant_byte(x[n0 + 1][2 * half], v), quant_byte(x[n0 + 1][2 * half + 1], v));
+        a[2 + half] = pack4_low_bytes(quant_byte(x[n0 + 2][2 * half], v), quant_byte(x[n0 + 2][2 * half + 1], v),
+                                      quant_byte(x[n0 + 3][2 * half], v), quant_byte(x[n0 + 3][2 * half + 1], v));
+    }
+}
+
+// Deterministic dQ: key blocks add into a query block's dQ in order. One thread waits for the
+// blocks before this one, and after the block's adds (and a fence and barrier) passes the turn on.
+SB_DEVICE void wait_turn(const int* lock, int j) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
+    } while (seen != j);
+}
+SB_DEVICE void pass_turn(int* lock, int j) { asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1)); }

@@ -1,0 +1,595 @@
+// SageBwd backward on Hopper (sm_90a): warpgroup products (wgmma) and 128-key CTAs. The numerics
+// are backward.cu's (quantization blocks of 64 keys x 64 queries, the same scales and products);
+// the shape is another. Warpgroup w of the two owns keys 64w..64w+63 of the CTA and every query of
+// the 64-query block; warp v of a warpgroup owns 16 of those keys, so its Sᵀ and dPᵀ are 16 keys x
+// 64 queries. A key's maxima (P and Z, per key) stay inside a warp, a query's (Y, per query) inside
+// its warpgroup: no fragment exchange, two CTA-wide barriers per iteration, and one dQ reduction
+// per 128 keys.
+//   Sᵀ = K̂ Q̂ᵀ (m64n64k32 s8)            ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)
+//   dPᵀ = V dOᵀ (m64n64k16 f16/bf16)     ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
+//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ (m64n64k32, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
+//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (m64n64k32 from shared memory; warpgroup w computes head-dim half w)
+// dQ's partial of the 128 keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
+// (deterministic: ordered REDs). See backward.cu for P, Z and Y and their scales.
+//
+// Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
+// SB_DETERMINISTIC, SB_STAGES as in backward.cu.
+#include "backward_common.cuh"
+#include "wgmma.cuh"
+#include "bulk.cuh"
+#include "cp_async.cuh"
+#include "swizzle.cuh"
+
+#ifndef SB_DP
+#define SB_DP 128
+#endif
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+#ifndef SB_CAUSAL
+#define SB_CAUSAL 0
+#endif
+#ifndef SB_BIAS
+#define SB_BIAS 0
+#endif
+#ifndef SB_FINE
+#define SB_FINE 1
+#endif
+#ifndef SB_DETERMINISTIC
+#define SB_DETERMINISTIC 0
+#endif
+#ifndef SB_STAGES
+#define SB_STAGES 2
+#endif
+
+constexpr int DP = SB_DP;
+constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
+constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
+constexpr int GROUPS = 2;            // warpgroups
+constexpr int CTA_KEYS = GROUPS * BKV;
+constexpr int THREADS = GROUPS * 128;
+constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
+constexpr int CHUNKS = DP / 32;      // 32-column chunks of dK and dV (one m64n32 product each: 16 int32
+                                     // registers in flight; 32 would not fit beside dK, dV and dS)
+constexpr int NT_DQ = DP / 16;       // n-tiles of a warpgroup's dQ columns (half the head dim)
+constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
+constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
+static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
+
+// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
+// Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
+constexpr int TILE_ALIGN = 1024;
+constexpr int K_OFF = 0;                         // K̂  [128 keys][DP] int8
+constexpr int KT_OFF = K_OFF + CTA_KEYS * DP;    // K̂ᵀ [DP][128 keys] int8
+constexpr int V_OFF = KT_OFF + DP * CTA_KEYS;    // V  [128 keys][DP] 16-bit, 128-byte column blocks
+constexpr int STAGE0 = V_OFF + 2 * CTA_KEYS * DP;
+constexpr int SQ = 0;                            // Q̂   [64 q][DP] int8
+constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fragment token order
+constexpr int SDOT = SQT + DP * BQ;              // dÔᵀ [DP][64 q] int8, fragment token order
+constexpr int SDO = SDOT + DP * BQ;              // dO  [64 q][DP] 16-bit, 128-byte column blocks
+constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, δ, s_Q, 0) [64] f32x4
+constexpr int SSCALE = SSTATS + 16 * BQ;         // s_dO of the query block, f32
+constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
+constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // Ŷ [64 q][128 keys] int8
+// Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
+// maxima of P, Z and Y per warp.
+constexpr int RED_Y = 0, RED_TILE = RED_Y + GROUPS * 4 * BQ, RED_FLOATS = RED_TILE + 3 * 4 * GROUPS;
+constexpr int RED_OFF = DS_OFF + BQ * CTA_KEYS;
+constexpr int YSCALE_OFF = RED_OFF + 4 * RED_FLOATS;  // Ŷ's scale per (key block, query) [2][64] f32
+constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded: a warp's
+                                  // 8-byte stores hit every bank, and tile and rows are one range each
+constexpr int DQ_OFF = YSCALE_OFF + 4 * GROUPS * BQ;
+constexpr int SMEM_BYTES = DQ_OFF + BQ * DQ_PITCH * 4 + (TILE_ALIGN - 128);
+static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
+              "wgmma tiles need aligned bases");
+static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
+#ifdef SB_SMEM_BYTES
+static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
+#endif
+
+// Offset of 16-byte chunk c of row r in a [ROWS][DP] 16-bit tile stored as 128-byte column blocks.
+template <int ROWS>
+SB_DEVICE int tile16_offset(int r, int c) { return (c >> 3) * (ROWS * 128) + swizzled_offset<128>(r, c & 7); }
+
+// ROWS rows of a strided 16-bit array into a [ROWS][DP] tile; rows >= n_valid and columns >= D are
+// zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
+template <int ROWS>
+SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D, int tid = threadIdx.x) {
+    constexpr int CH = 2 * DP / 16, ROWS_PER_PASS = THREADS / CH;
+    static_assert(THREADS % CH == 0 && ROWS % ROWS_PER_PASS == 0, "passes must cover whole rows");
+    const int r0 = tid / CH, c = tid % CH;
+    const u16* src = g + r0 * row_stride + c * 8;
+    const bool col_ok = c * 8 < D;
+#pragma unroll
+    for (int k = 0; k < ROWS / ROWS_PER_PASS; ++k) {
+        const int r = r0 + k * ROWS_PER_PASS;
+        const bool ok = col_ok && r < n_valid;
+        cp_async_16(smem + tile16_offset<ROWS>(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
+    }
+}
+
+// The int32 product Â B̂ of a warpgroup's 64 keys over head-dim chunk `chunk` (32 columns), Â the
+// two 32-query k-steps in registers, B̂ a [DP][64 q] INT8 tile (64-byte rows) with descriptor low
+// word tile_lo; rows_finish folds it into acc after a wgmma_wait.
+template <bool UNSIGNED_A>
+SB_DEVICE void rows_issue(int (&pr)[4][4], const u32 (&a)[2][4], u32 tile_lo, int chunk) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wgmma_rs<UNSIGNED_A>(pr, a[kk], wgmma_desc<BQ>(tile_lo, chunk * 32 * BQ + 32 * kk), kk);
+    wgmma_commit();
+}
+SB_DEVICE void rows_finish(float (&acc)[4][4], int (&pr)[4][4], u32 (&a)[2][4], const float (&factor)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) wgmma_hold(a[kk][r]);
+    wgmma_hold_all(pr);
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
+}
+
+// Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
+SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int t) {
+#pragma unroll
+    for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float sq = stats_s[n * 8 + 2 * t + c].z;
+            z[n][c] = ds[n][c] * sq;
+            z[n][2 + c] = ds[n][2 + c] * sq;
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_BACKWARD_PARAMS) {
+    SB_REQUIRE_SM80();
+    const Args a = SB_BACKWARD_ARGS;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
+    const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int group = a.Hq / a.Hkv;
+    const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
+    const int n_qb = a.Nq_pad / BQ;
+    const int shift = a.Lk - a.Lq;  // causal: query r sees key c iff c <= r + shift
+
+    // First query block with a row that sees the CTA's first key (causal); every later one does too.
+    int i0 = 0;
+    if (SB_CAUSAL) {
+        const int x = j * CTA_KEYS - shift - (BQ - 1);
+        i0 = x <= 0 ? 0 : (x + BQ - 1) / BQ;
+    }
+    const int last_qb = (a.Lq + BQ - 1) / BQ;  // query blocks holding a valid row
+    const int n_i = max(0, last_qb - i0);
+    const int n_it = group * n_i;
+
+    const u32 base = smem_u32(smem);
+    const u32 sK = base + K_OFF, sKt = base + KT_OFF, sV = base + V_OFF;
+    i8* ds_tile = reinterpret_cast<i8*>(smem + DS_OFF);
+    float* red = reinterpret_cast<float*>(smem + RED_OFF);
+    float* yscale_s = reinterpret_cast<float*>(smem + YSCALE_OFF);
+
+    const int kvalid = min(CTA_KEYS, a.Lk - j * CTA_KEYS);
+    load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (bhk * a.Nk_pad + j * CTA_KEYS) * DP, DP);
+    load_tile<CTA_KEYS, DP, THREADS, true>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * CTA_KEYS, a.Nk_pad);
+    load_tile16<CTA_KEYS>(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * CTA_KEYS * a.vn, a.vn, kvalid, a.D);
+
+    // Query-side tiles of (query head h, query block i) into stage `slot`.
+    // The per-thread addresses are rebuilt per call (fresh_tid): held across the loop they would spill.
+    auto load_stage = [&](int h, int i, int slot) {
+        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
+        const u32 st = base + STAGE0 + slot * STAGE_BYTES;
+        const int ft = fresh_tid();
+        load_tile<DP, BQ, THREADS, true>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP, ft);
+        load_tile<BQ, DP, THREADS, true>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
+        load_tile<BQ, DP, THREADS, true>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
+        load_tile16<BQ>(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
+                        min(BQ, a.Lq - i * BQ), a.D, ft);
+        if (ft < BQ) cp_async_16(st + SSTATS + 16 * ft, a.stats + bhq * a.Nq_pad + i * BQ + ft);
+        if (ft == BQ) cp_async_4(st + SSCALE, a.do_scale + bhq * n_qb + i);
+    };
+    // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
+    const int h_first = hk * group;
+    int h = h_first, i = i0, nh = h_first, ni = i0;
+    auto advance = [&](int& hh, int& ii) {
+        if (++ii == i0 + n_i) {
+            ii = i0;
+            ++hh;
+        }
+    };
+
+    if (n_it > 0) {
+        load_stage(nh, ni, 0);
+        advance(nh, ni);
+    }
+    cp_async_commit();
+
+    const int krow = wv * 16 + g;            // this thread's key rows in the warpgroup's block: krow, krow + 8
+    const int key0 = j * CTA_KEYS + wg * BKV;  // the warpgroup's first key
+    const int key_lo = key0 + krow;
+    const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
+    // Descriptor low words of the warpgroup's K̂ rows and V rows, of K̂ᵀ and of Ŷ.
+    const u32 k_desc = wgmma_desc_lo<DP>(sK + wg * BKV * DP), v_desc = wgmma_desc_lo<128>(sV + wg * BKV * 128);
+    const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
+    // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
+    const int ycol = (g >> 1) * 8 + 2 * t + (g & 1);
+
+    // The dQ partial of a query block waits in its shared tile until the next iteration's first barrier;
+    // then one thread adds it into dq_acc with one bulk reduction. Deterministic: key blocks (CTAs) add
+    // into a query block in order, so that thread waits for its turn and passes it on once the
+    // reduction's writes are done.
+    const u32 dq_s = base + DQ_OFF;
+    float* dq_pending = nullptr;  // dq_acc rows of the partial in dq_s
+    int* lock_pending = nullptr;  // its turn counter (deterministic)
+    auto reduce_dq = [&] {
+        if (SB_DETERMINISTIC) {
+            wait_turn(lock_pending, j);
+            fence_proxy_async_global();
+        }
+        bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
+        bulk_commit();
+        if (SB_DETERMINISTIC) {
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            __threadfence();
+            pass_turn(lock_pending, j);
+        }
+    };
+
+    float dk[CHUNKS][4][4], dv[CHUNKS][4][4];  // keys krow, krow+8 x head-dim columns 32·chunk + 8n + 2t, +1
+#pragma unroll
+    for (int ch = 0; ch < CHUNKS; ++ch)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) dk[ch][n][c] = dv[ch][n][c] = 0.f;
+
+    for (int it = 0; it < n_it; ++it, advance(h, i)) {
+        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
+        cp_async_wait<0>();
+        fence_proxy_async();  // cp.async wrote what wgmma reads
+        __syncthreads();      // stage `it` is in; every warp is done with the stage it will overwrite
+        if (it > 0 && tid == 0) reduce_dq();  // the previous query block's partial is in its tile
+        if (SB_STAGES > 1 && it + 1 < n_it) {
+            load_stage(nh, ni, (it + 1) % SB_STAGES);
+            advance(nh, ni);
+        }
+        cp_async_commit();
+
+        const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        const u32 st = base + stage_off;
+        const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
+        const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
+        const int q0 = i * BQ;
+        const bool need_mask = q0 + BQ > a.Lq || key0 + BKV > a.Lk || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
+
+        // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
+        float p[NT_Q][4], ds[NT_Q][4];
+        {
+            int s[NT_Q][4];
+            wgmma_fence();
+            const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
+#pragma unroll
+            for (int ks = 0; ks < KS8; ++ks)
+                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, 32 * ks), ks);
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < KS16; ++ks)
+                wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
+                                      wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
+            wgmma_commit();
+            wgmma_wait<1>();
+            wgmma_hold_all(s);
+
+            // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), masked past the ends and above the diagonal.
+            float bias_row[2] = {0.f, 0.f};
+            if (SB_BIAS) {
+                const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
+                bias_row[0] = bp[key_lo];
+                bias_row[1] = bp[key_lo + 8];
+            }
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = n * 8 + 2 * t + c;
+                    const float lse = stats_s[col].x, sq = stats_s[col].z;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int key = key_lo + 8 * half, q = q0 + col;
+                        const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
+                        float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
+                        if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                        p[n][2 * half + c] = e;
+                    }
+                }
+        }
+
+        // P̂ᵀ per key (fine: inside the warp) or per 64x64 block (paper: over the warpgroup).
+        u32 pf[2][4];
+        float fac_v[2];
+        {
+            float m_row[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float m = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(p[n][2 * half], p[n][2 * half + 1]));
+                m_row[half] = quad_max(m);
+            }
+            if (!SB_FINE) {
+                const float m = warp_max(fmaxf(m_row[0], m_row[1]));
+                if (lane == 0) red[RED_TILE + warp] = m;
+                named_barrier<128>(1 + wg);
+                float mt = red[RED_TILE + 4 * wg];
+#pragma unroll
+                for (int w = 1; w < 4; ++w) mt = fmaxf(mt, red[RED_TILE + 4 * wg + w]);
+                m_row[0] = m_row[1] = mt;
+            }
+            const Psi p0 = SB_FINE ? psi_unsigned(m_row[0]) : psi(m_row[0]);
+            const Psi p1 = SB_FINE ? psi_unsigned(m_row[1]) : psi(m_row[1]);
+            const float inv_p[2] = {p0.inv, p1.inv};
+            fac_v[0] = p0.scale * s_do;
+            fac_v[1] = p1.scale * s_do;
+            pack_a(pf[0], p, inv_p, 0);
+            pack_a(pf[1], p, inv_p, 4);
+        }
+
+        // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
+        wgmma_wait<0>();
+        wgmma_hold_all(ds);
+#pragma unroll
+        for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float dl = stats_s[n * 8 + 2 * t + c].y;
+                ds[n][c] = p[n][c] * (ds[n][c] - dl);
+                ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
+            }
+
+        // dV += P̂ᵀ dÔ, one 64-column chunk at a time, in flight while dS's maxima are formed.
+        const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
+        int pr[4][4];
+        rows_issue<SB_FINE>(pr, pf, sdot_lo, 0);
+        // Later chunks one at a time between the steps below: step c folds chunk c - 1 and issues chunk c.
+        auto dv_step = [&](int c) {
+            if (c > CHUNKS) return;
+            wgmma_wait<0>();
+            rows_finish(dv[c - 1], pr, pf, fac_v);
+            if (c < CHUNKS) rows_issue<SB_FINE>(pr, pf, sdot_lo, c);
+        };
+
+        // Maxima of Z = dS·s_Q[query] (dK) per key, inside the warp, and of Y = dS·s_K[key] (dQ) per
+        // query over the warpgroup's 64 keys; or each one's block max (paper).
+        float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost registers
+        z_values(z, ds, stats_s, t);
+        float z_row[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(z[n][2 * half]), fabsf(z[n][2 * half + 1])));
+            z_row[half] = quad_max(m);
+        }
+        {
+            float colmax[2][8];  // |Y| of column 32x + (y/2)·8 + 2t + y%2, over this thread's 2 keys
+#pragma unroll
+            for (int x = 0; x < 2; ++x)
+#pragma unroll
+                for (int y = 0; y < 8; ++y) {
+                    const int n = 4 * x + y / 2, c = y % 2;
+                    colmax[x][y] = fmaxf(fabsf(ds[n][c] * s_k[0]), fabsf(ds[n][2 + c] * s_k[1]));
+                }
+            if (SB_FINE) {
+#pragma unroll
+                for (int x = 0; x < 2; ++x) red[RED_Y + warp * BQ + 32 * x + ycol] = spread_max8(colmax[x], g);
+            } else {
+                float my = 0.f;
+#pragma unroll
+                for (int x = 0; x < 2; ++x)
+#pragma unroll
+                    for (int y = 0; y < 8; ++y) my = fmaxf(my, colmax[x][y]);
+                const float mz = warp_max(fmaxf(z_row[0], z_row[1]));
+                my = warp_max(my);
+                if (lane == 0) {
+                    red[RED_TILE + 8 + warp] = mz;
+                    red[RED_TILE + 16 + warp] = my;
+                }
+            }
+        }
+        named_barrier<128>(1 + wg);  // the warpgroup's Y (or tile) maxima are in
+        Psi dk_psi[2], tile_y_psi = {1.f, 0.f};
+        if (SB_FINE) {
+            dk_psi[0] = psi(z_row[0]);
+            dk_psi[1] = psi(z_row[1]);
+        } else {
+            float mz = red[RED_TILE + 8 + 4 * wg], my = red[RED_TILE + 16 + 4 * wg];
+#pragma unroll
+            for (int w = 1; w < 4; ++w) {
+                mz = fmaxf(mz, red[RED_TILE + 8 + 4 * wg + w]);
+                my = fmaxf(my, red[RED_TILE + 16 + 4 * wg + w]);
+            }
+            dk_psi[0] = dk_psi[1] = psi(mz);
+            tile_y_psi = psi(my);
+        }
+
+        dv_step(1);
+
+        // Ŷ for dQ, stored [query][key of the CTA's 128]; per query (fine) or the block's scale (paper).
+        // In two halves of 32 queries (x), each followed by a dV step. Fine: lane (g, t) forms the scale
+        // of query column 32x + ycol and each thread gathers the inverse scales of its 8 columns of the
+        // half by shuffles.
+        {
+            // Query row n·8 + 2t + c has swizzle key 2t + c whatever n (swizzled_offset<128, true>), so
+            // two offsets and immediates address all 32 bytes (16 offsets would not stay in registers).
+            const int y_off[2] = {swizzled_offset<128, true>(2 * t, 4 * wg + wv) + g,
+                                  swizzled_offset<128, true>(2 * t + 1, 4 * wg + wv) + g};
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                Psi ys = tile_y_psi;
+                if (SB_FINE) {
+                    float m = red[RED_Y + 4 * wg * BQ + 32 * x + ycol];
+#pragma unroll
+                    for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + ycol]);
+                    ys = psi(m);
+                }
+                if (wv == 0) yscale_s[wg * BQ + 32 * x + ycol] = ys.scale;
+#pragma unroll
+                for (int n = 4 * x; n < 4 * x + 4; ++n)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float inv = SB_FINE ? __shfl_sync(0xffffffffu, ys.inv, (2 * (n % 4) + c) * 4 + t) : ys.inv;
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            ds_tile[y_off[c] + n * 8 * 128 + 8 * half] =
+                                static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv) & 0xffu);
+                    }
+                dv_step(2 + x);
+            }
+        }
+
+        // Q-smoothing's exact dK term needs colsum(dS) per key from the FP32 dS.
+        float rs[2] = {0.f, 0.f};
+        if (SB_BIAS) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_Q; ++n) sum += ds[n][2 * half] + ds[n][2 * half + 1];
+                rs[half] = quad_sum(sum);
+            }
+        }
+
+        // Ẑᵀ for dK, packed in registers.
+        u32 zf[2][4];
+        const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
+        {
+            const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
+            z_values(z, ds, stats_s, t);
+            pack_a(zf[0], z, inv_d, 0);
+            pack_a(zf[1], z, inv_d, 4);
+        }
+
+        dv_step(4);
+        rows_issue<false>(pr, zf, sqt_lo, 0);  // dK, chunk 0
+        fence_proxy_async();  // Ŷ's stores are read by wgmma
+        if (tid == 0) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
+        __syncthreads();  // both warpgroups' Ŷ and scales are in shared memory
+
+        // dQ's head-dim half wg: Σ over the two key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
+        // product of two k-steps; dK's chunks interleave with them. The FP32 sum builds up in the
+        // shared dQ tile (registers are short): kb = 0 stores, kb = 1 adds.
+        {
+            int pq[NT_DQ][4];
+            // This thread's rows and columns, rebuilt from a fresh thread index (held, they would spill).
+            const int ft = fresh_tid(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
+            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + (ft >> 7) * (DP / 2) + 2 * (ft & 3);
+            auto issue_dq = [&](int kb) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk)
+                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc, 64 * kb + 32 * kk),
+                                wgmma_desc<128>(kt_desc, wg * (DP / 2) * 128 + 64 * kb + 32 * kk), kk);
+                wgmma_commit();
+            };
+            auto fold_dq = [&](int kb) {
+                wgmma_hold_all(pq);
+                const float f[2] = {yscale_s[kb * BQ + rows], yscale_s[kb * BQ + rows + 8]};
+#pragma unroll
+                for (int n = 0; n < NT_DQ; ++n)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        float2* sp = reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + n * 8);
+                        float2 x = make_float2(static_cast<float>(pq[n][2 * half]) * f[half],
+                                               static_cast<float>(pq[n][2 * half + 1]) * f[half]);
+                        if (kb) {
+                            const float2 y = *sp;
+                            x.x += y.x;
+                            x.y += y.y;
+                        }
+                        *sp = x;
+                    }
+            };
+            // In flight, in order: dK 0, dQ 0 | dQ 0, dK 1 | dK 1, dQ 1 | dQ 1, dK 2 | dK 2 | dK 3.
+            static_assert(CHUNKS >= 2, "two dK chunks interleave with the two dQ products");
+            issue_dq(0);
+            wgmma_wait<1>();
+            rows_finish(dk[0], pr, zf, fac_k);
+            rows_issue<false>(pr, zf, sqt_lo, 1);
+            wgmma_wait<1>();
+            fold_dq(0);
+            issue_dq(1);
+            wgmma_wait<1>();
+            rows_finish(dk[1], pr, zf, fac_k);
+            if (CHUNKS > 2) {
+                rows_issue<false>(pr, zf, sqt_lo, 2);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            fold_dq(1);
+#pragma unroll
+            for (int c = 2; c < CHUNKS; ++c) {
+                wgmma_wait<0>();
+                rows_finish(dk[c], pr, zf, fac_k);
+                if (c + 1 < CHUNKS) rows_issue<false>(pr, zf, sqt_lo, c + 1);
+            }
+            fence_proxy_async();  // the bulk reduction reads what these stores wrote
+            // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
+            dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DQ_PITCH;
+            if (SB_DETERMINISTIC) lock_pending = a.dq_lock + bhq * n_qb + i;
+        }
+
+        if (SB_BIAS) {
+            // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q.
+            const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
+#pragma unroll
+            for (int ch = 0; ch < CHUNKS; ++ch)
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float m0 = mu[ch * 32 + n * 8 + 2 * t], m1 = mu[ch * 32 + n * 8 + 2 * t + 1];
+                    dk[ch][n][0] = fmaf(rs[0], m0, dk[ch][n][0]);
+                    dk[ch][n][1] = fmaf(rs[0], m1, dk[ch][n][1]);
+                    dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
+                    dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
+                }
+        }
+
+        if (SB_STAGES == 1 && it + 1 < n_it) {
+            __syncthreads();  // the single stage is free
+            load_stage(nh, ni, 0);
+            advance(nh, ni);
+        }
+        cp_async_commit();
+    }
+
+    if (n_it > 0) {
+        __syncthreads();  // the last query block's dQ partial is in shared memory
+        if (tid == 0) {
+            reduce_dq();
+            bulk_wait<0>();
+        }
+    }
+
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys, in the input dtype.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = key_lo + 8 * half;
+        if (key >= a.Lk) continue;
+        u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
+        u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
+#pragma unroll
+        for (int ch = 0; ch < CHUNKS; ++ch)
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const int col = ch * 32 + n * 8 + 2 * t;
+                if (col >= a.D) continue;
+                *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[ch][n][2 * half] * 0.6931471805599453f,
+                                                                       dk[ch][n][2 * half + 1] * 0.6931471805599453f);
+                *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
+            }
+    }
+}
