@@ -19,18 +19,15 @@
 //   SB_CAUSAL  bottom-right aligned causal mask   SB_BIAS           Q-smoothing (bias in S, exact dK term)
 //   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
 //   SB_STAGES  query-side buffers in flight (1 or 2)
-//   SB_WGMMA   sm_90a: the five products as warpgroup products (wgmma) on shared tiles in wgmma
-//              layouts (warpgroup = query half; P̂ᵀ and Ẑᵀ register-fed), instead of mma.sync;
-//              dQ's partial goes through shared memory to bulk reductions (TMA) unless deterministic
-#include "backward_common.cuh"
-#include "wgmma.cuh"
-#include "bulk.cuh"
+// Hopper runs backward_wgmma.cu (warpgroup products, 128-key CTAs) with the same numerics.
+#include "common.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
 #include "cp_async.cuh"
 #include "swizzle.cuh"
 #include "convert.cuh"
 #include "exp2.cuh"
+#include "backward_common.cuh"
 
 #ifndef SB_DP
 #define SB_DP 128
@@ -53,9 +50,6 @@
 #ifndef SB_STAGES
 #define SB_STAGES 2
 #endif
-#ifndef SB_WGMMA
-#define SB_WGMMA 0
-#endif
 
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= dO scale block)
@@ -68,12 +62,10 @@ constexpr int NT_Q = QW / 8;     // n-tiles of a warp's Sᵀ
 constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
 constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
-constexpr bool WG = SB_WGMMA;
-// dŜ rows (queries): wgmma's 64-byte swizzle, else padded (conflict-free byte stores and ldmatrix).
-constexpr int DS_PITCH = WG ? BKV : BKV + 16;
-// wgmma tiles start on their swizzle atom (1024 bytes covers every mode), mma.sync's on 128 bytes
-// (the swizzle's XOR addressing); the dynamic base is aligned inside TILE_ALIGN - 128 bytes of slack.
-constexpr int TILE_ALIGN = WG ? 1024 : 128;
+// dŜ rows (queries), padded: conflict-free byte stores and ldmatrix.
+constexpr int DS_PITCH = BKV + 16;
+// Tiles start on 128 bytes (the swizzle's XOR addressing).
+constexpr int TILE_ALIGN = 128;
 
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then dŜ and reductions.
 constexpr int K_OFF = 0;                        // K̂  [64 keys][DP] int8, swizzled
@@ -96,15 +88,7 @@ constexpr int RED_FLOATS = RED_RS + 2 * BKV;
 constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
 constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
 constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-// wgmma, not deterministic: the query block's dQ partial [64][DQ_PITCH] f32 is added into dq_acc by
-// one bulk reduction (the REDs' source registers stalled the warps). Rows are padded by 8 floats, so
-// that the 8-byte stores of a warp hit every bank, in shared memory and in dq_acc alike (one
-// contiguous range each); the padding takes zeros. The deterministic mode keeps the ordered REDs.
-constexpr bool DQ_BULK = WG && !SB_DETERMINISTIC;
-constexpr int DQ_PITCH = DP + 8;
-constexpr int DQ_ROW = DQ_BULK ? DQ_PITCH : DP;  // dq_acc's row pitch (specs.BackwardTiles.dq_row)
-constexpr int DQ_OFF = FRAG_OFF + 2 * WARPS * 32 * 16;
-constexpr int SMEM_BYTES = DQ_OFF + (DQ_BULK ? BQ * DQ_PITCH * 4 : 0) + (TILE_ALIGN - 128);
+constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "swizzled tiles need aligned bases");
@@ -112,10 +96,9 @@ static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OF
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
 #endif
 
-// Offset of 16-byte chunk c of row r in a [64][DP] 16-bit tile. wgmma: 128-byte column blocks of all
-// 64 rows in the 128-byte mode (wgmma.cuh); mma.sync: rows of 2·DP bytes (swizzle.cuh).
+// Offset of 16-byte chunk c of row r in a [64][DP] 16-bit tile: rows of 2·DP bytes (swizzle.cuh).
 SB_DEVICE int tile16_offset(int r, int c) {
-    return WG ? (c >> 3) * (64 * 128) + swizzled_offset<128>(r, c & 7) : swizzled_offset<2 * DP>(r, c);
+    return swizzled_offset<2 * DP>(r, c);
 }
 
 // 64 rows of a strided 16-bit array into a swizzled [64][DP] tile; rows >= n_valid and columns
@@ -204,28 +187,6 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
     }
 }
 
-// wgmma: the int32 product Â B̂ over head-dim half `dh` for a whole warpgroup (keys 16w.. of warp w,
-// as in mma_rows_into), issued here and folded into acc by wg_rows_finish after a wgmma_wait.
-// B̂ is a [DP][64] INT8 tile (64-byte rows) whose descriptor low word is tile_lo.
-template <bool UNSIGNED_A>
-SB_DEVICE void wg_rows_issue(int (&pr)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile_lo, int dh) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) wgmma_rs<UNSIGNED_A>(pr, a[kk], wgmma_desc<BQ>(tile_lo, dh * (DP / 2) * BQ + 32 * kk), kk);
-    wgmma_commit();
-}
-SB_DEVICE void wg_rows_finish(float (&acc)[NT_D / 2][4], int (&pr)[NT_D / 2][4], u32 (&a)[2][4], const float (&factor)[2]) {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) wgmma_hold(a[kk][r]);
-    wgmma_hold_all(pr);
-#pragma unroll
-    for (int n = 0; n < NT_D / 2; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
-}
-
 // Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
 SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int qcol0, int t) {
 #pragma unroll
@@ -241,17 +202,15 @@ SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const f
 
 // Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (mma.sync: 128 registers
 // without spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and
-// products. The other variants need more registers than two CTAs leave; so does the wgmma kernel at
-// head dim 64 (4-32 bytes of spills with NVRTC 13.0), which is why Hopper runs it at head dim 128 only
-// (specs.backward_tiles).
-constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !WG ? 2 : 1;
+// products. The other variants need more registers than two CTAs leave.
+constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(SB_BACKWARD_PARAMS) {
     SB_REQUIRE_SM80();
     const Args a = SB_BACKWARD_ARGS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
+    unsigned char* smem = smem_raw;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
@@ -278,17 +237,17 @@ attention_backward(SB_BACKWARD_PARAMS) {
     float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
 
     const int kvalid = min(BKV, a.Lk - j * BKV);
-    load_tile<DP, BKV, THREADS, WG>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
-    load_tile<BKV, DP, THREADS, WG>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
+    load_tile<DP, BKV, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
+    load_tile<BKV, DP, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`.
     auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        load_tile<DP, BQ, THREADS, WG>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
-        load_tile<BQ, DP, THREADS, WG>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
-        load_tile<BQ, DP, THREADS, WG>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
+        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + tid);
@@ -319,13 +278,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
     const Lanes<BQ> b_t = b_lanes<BQ>(lane);  // Q̂ᵀ, dÔᵀ, K̂ᵀ: [DP][64] tiles
     // dQ: warp w computes query rows 16·(w%4).. of the tile over head-dim half w/4.
     const u32 ds_lane = smem_u32(ds_tile) + (kw * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
-    // wgmma descriptors (low words) of the per-CTA tiles.
-    const u32 k_desc = wgmma_desc_lo<DP>(sK), kt_desc = wgmma_desc_lo<BKV>(sKt), v_desc = wgmma_desc_lo<128>(sV);
-    const u32 ds_desc = wgmma_desc_lo<BKV>(smem_u32(ds_tile));
-
-    const u32 dq_s = base + DQ_OFF;  // DQ_BULK: the dQ partial's tile
-    float* dq_pending = nullptr;     // DQ_BULK: dq_acc rows of the partial in dq_s
-
     float dk[NT_D / 2][4], dv[NT_D / 2][4];  // keys krow, krow+8 x head-dim half qh
 #pragma unroll
     for (int n = 0; n < NT_D / 2; ++n)
@@ -335,13 +287,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         cp_async_wait<0>();
-        if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
-        if (DQ_BULK && it > 0 && tid == 0) {
-            // The previous query block's dQ partial is in shared memory (written before the barrier).
-            bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
-            bulk_commit();
-        }
         if (SB_STAGES > 1 && it + 1 < n_it) {
             load_stage(nh, ni, (it + 1) % SB_STAGES);
             advance(nh, ni);
@@ -357,27 +303,8 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
         // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2).
         float p[NT_Q][4];
-#if SB_WGMMA
-        float dpt[NT_Q][4];  // dPᵀ = V dOᵀ, issued behind Sᵀ and waited for once P̂ᵀ is out
-#endif
         {
             int s[NT_Q][4];
-#if SB_WGMMA
-            // The warpgroup is the query half: Sᵀ and dPᵀ over its 32 queries (rows 32·qh.. of Q̂ and dO).
-            wgmma_fence();
-            const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
-#pragma unroll
-            for (int ks = 0; ks < KS8; ++ks)
-                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, qh * QW * DP + 32 * ks), ks);
-            wgmma_commit();
-#pragma unroll
-            for (int ks = 0; ks < KS16; ++ks)
-                wgmma_f16_ss<SB_BF16>(dpt, wgmma_desc<128>(v_desc, (ks >> 2) * BKV * 128 + 32 * (ks & 3)),
-                                      wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + qh * QW * 128 + 32 * (ks & 3)), ks);
-            wgmma_commit();
-            wgmma_wait<1>();
-            wgmma_hold_all(s);
-#else
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0;
 #pragma unroll
@@ -393,7 +320,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
                     mma_s8_16832(s[n + 1], ka, b1);
                 }
             }
-#endif
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
                 const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
@@ -463,14 +389,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
         // dPᵀ = V dOᵀ in 16-bit with FP32 accumulation, then dSᵀ = Pᵀ ∘ (dPᵀ - δ) in place.
         float ds[NT_Q][4];
-#if SB_WGMMA
-        wgmma_wait<0>();
-        wgmma_hold_all(dpt);
-#pragma unroll
-        for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) ds[n][c] = dpt[n][c];
-#else
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
 #pragma unroll
@@ -486,7 +404,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
             }
         }
-#endif
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
@@ -548,19 +465,11 @@ attention_backward(SB_BACKWARD_PARAMS) {
             dk_psi[0] = dk_psi[1] = psi(mz);
             tile_y_psi = psi(my);
         }
-#if SB_WGMMA
-        // dV's product runs while Ŷ and Ẑᵀ are formed; it is folded in before the next barrier.
-        u32 pv_a[2][4];
-        int pv[NT_D / 2][4];
-        both_halves(pv_a, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
-        wg_rows_issue<SB_FINE>(pv, pv_a, wgmma_desc_lo<BQ>(st + SDOT), qh);
-#else
         {
             u32 af[2][4];
             both_halves(af, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
             mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
         }
-#endif
 
         // Ŷ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
         // warp's 32 columns are spread one per lane (lane g·4+t takes column (g/2)·8 + 2t + g%2, one
@@ -589,7 +498,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
                     const int col = qcol0 + n * 8 + 2 * t + c;
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        ds_tile[(WG ? swizzled_offset<BKV, true>(col, kw) + g : col * DS_PITCH + krow) + 8 * half] =
+                        ds_tile[col * DS_PITCH + krow + 8 * half] =
                             static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv_col[n][c]) & 0xffu);
                 }
         }
@@ -623,32 +532,12 @@ attention_backward(SB_BACKWARD_PARAMS) {
         // The query block's dQ counter, formed where it is used (kept live across dQ it would spill at d=64).
         auto lock = [&] { return a.dq_lock + (static_cast<i64>(b) * a.Hq + h) * n_qb + i; };
         if (SB_DETERMINISTIC && tid == 0) wait_turn(lock(), j);
-#if SB_WGMMA
-        wgmma_wait<0>();
-        wg_rows_finish(dv, pv, pv_a, fac_v);
-        fence_proxy_async();  // Ŷ's stores are read by wgmma
-        if (DQ_BULK && tid == 0) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
-#endif
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
-#if SB_WGMMA
-        // dK += Ẑᵀ Q̂ and dQ_i's Ŷ K̂ (query rows 16·w.. of warp w, head-dim half qh) in flight together.
-        u32 pk_a[2][4];
-        int pk[NT_D / 2][4], pq[NT_D / 2][4];
-        both_halves(pk_a, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
-        wg_rows_issue<false>(pk, pk_a, wgmma_desc_lo<BQ>(st + SQT), qh);
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-            wgmma_s8_ss(pq, wgmma_desc<BKV>(ds_desc, 32 * kk), wgmma_desc<BKV>(kt_desc, qh * (DP / 2) * BKV + 32 * kk), kk);
-        wgmma_commit();
-        wgmma_wait<1>();
-        wg_rows_finish(dk, pk, pk_a, fac_k);
-#else
         {
             u32 af[2][4];
             both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
             mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
         }
-#endif
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.
             const float r0 = red[RED_RS + krow] + red[RED_RS + BKV + krow];
@@ -666,11 +555,9 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
         // dQ_i += Ŷ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
         {
-#if !SB_WGMMA
             u32 da[2][4];
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) ldmatrix_x4(da[kk], ds_lane + kk * 32);
-#endif
             const int r_lo = kw * 16 + g;
             float fq[2];
             if (SB_FINE) {
@@ -680,28 +567,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 fq[0] = fq[1] = tile_y_psi.scale;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DQ_ROW + 2 * t;
-#if SB_WGMMA
-            wgmma_wait<0>();
-            wgmma_hold_all(pq);
-            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + r_lo * DQ_PITCH + 2 * t;
-#pragma unroll
-            for (int n = 0; n < NT_D / 2; ++n)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float x = static_cast<float>(pq[n][2 * half]) * fq[half];
-                    const float y = static_cast<float>(pq[n][2 * half + 1]) * fq[half];
-                    const int col = (qh * (NT_D / 2) + n) * 8;
-                    if (DQ_BULK)
-                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + col) = make_float2(x, y);
-                    else
-                        red_add2(dq_lo + half * 8 * DQ_ROW + col, x, y);
-                }
-            if (DQ_BULK) {
-                fence_proxy_async();  // the bulk reductions read what these stores wrote
-                dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DQ_ROW;
-            }
-#else
+            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -718,10 +584,9 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        red_add2(dq_lo + half * 8 * DQ_ROW + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
+                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
                                  static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
-#endif
         }
         if (SB_DETERMINISTIC) {
             __threadfence();
@@ -734,15 +599,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
             advance(nh, ni);
         }
         cp_async_commit();
-    }
-
-    if (DQ_BULK && n_it > 0) {
-        __syncthreads();  // the last query block's dQ partial is in shared memory
-        if (tid == 0) {
-            bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
-            bulk_commit();
-            bulk_wait<0>();
-        }
     }
 
     // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this warp's head-dim half, in the input dtype.

@@ -94,7 +94,7 @@ SB_DEVICE int tile16_offset(int r, int c) { return (c >> 3) * (ROWS * 128) + swi
 // ROWS rows of a strided 16-bit array into a [ROWS][DP] tile; rows >= n_valid and columns >= D are
 // zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
 template <int ROWS>
-SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D, int tid = threadIdx.x) {
+SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D, u32 tid = threadIdx.x) {
     constexpr int CH = 2 * DP / 16, ROWS_PER_PASS = THREADS / CH;
     static_assert(THREADS % CH == 0 && ROWS % ROWS_PER_PASS == 0, "passes must cover whole rows");
     const int r0 = tid / CH, c = tid % CH;
@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
     auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        const int ft = fresh_tid();
+        const u32 ft = fresh_tid();
         load_tile<DP, BQ, THREADS, true>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP, ft);
         load_tile<BQ, DP, THREADS, true>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
         load_tile<BQ, DP, THREADS, true>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
@@ -208,34 +208,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
     cp_async_commit();
 
     const int krow = wv * 16 + g;            // this thread's key rows in the warpgroup's block: krow, krow + 8
-    const int key0 = j * CTA_KEYS + wg * BKV;  // the warpgroup's first key
-    const int key_lo = key0 + krow;
+    // This thread's first key; in the loop it is rebuilt from a fresh thread index, as are the other
+    // warpgroup-dependent values there: held across the loop they would spill.
+    const int key_lo = j * CTA_KEYS + wg * BKV + krow;
     const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
-    // Descriptor low words of the warpgroup's K̂ rows and V rows, of K̂ᵀ and of Ŷ.
-    const u32 k_desc = wgmma_desc_lo<DP>(sK + wg * BKV * DP), v_desc = wgmma_desc_lo<128>(sV + wg * BKV * 128);
+    // Descriptor low words of K̂ᵀ and of Ŷ (the warpgroup's K̂ and V rows: per iteration, below).
     const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
-    // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
-    const int ycol = (g >> 1) * 8 + 2 * t + (g & 1);
+    // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order); formed where
+    // used, from a fresh thread index (held across the loop, it spilled).
+    auto ycol = [] {
+        const int ft = fresh_tid(), fg = ft >> 2 & 7;
+        return (fg >> 1) * 8 + 2 * (ft & 3) + (fg & 1);
+    };
 
     // The dQ partial of a query block waits in its shared tile until the next iteration's first barrier;
     // then one thread adds it into dq_acc with one bulk reduction. Deterministic: key blocks (CTAs) add
     // into a query block in order, so that thread waits for its turn and passes it on once the
     // reduction's writes are done.
     const u32 dq_s = base + DQ_OFF;
-    float* dq_pending = nullptr;  // dq_acc rows of the partial in dq_s
-    int* lock_pending = nullptr;  // its turn counter (deterministic)
+    i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
+    auto lock_pending = [&] { return a.dq_lock + pending_row / BQ; };  // its turn counter
     auto reduce_dq = [&] {
         if (SB_DETERMINISTIC) {
-            wait_turn(lock_pending, j);
+            wait_turn(lock_pending(), j);
             fence_proxy_async_global();
         }
-        bulk_reduce_add_f32(dq_pending, dq_s, BQ * DQ_PITCH * 4);
+        bulk_reduce_add_f32(a.dq_acc + pending_row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
         bulk_commit();
         if (SB_DETERMINISTIC) {
             bulk_wait<0>();
             fence_proxy_async_global();
             __threadfence();
-            pass_turn(lock_pending, j);
+            pass_turn(lock_pending(), j);
         }
     };
 
@@ -264,6 +268,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
         const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const int q0 = i * BQ;
+        const int ftid = fresh_tid(), fwg = ftid >> 7;
+        const int key0 = j * CTA_KEYS + fwg * BKV;  // the warpgroup's first key
+        const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
         const bool need_mask = q0 + BQ > a.Lq || key0 + BKV > a.Lk || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
 
         // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
@@ -272,6 +279,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
             int s[NT_Q][4];
             wgmma_fence();
             const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
+            // The warpgroup's K̂ and V rows.
+            const u32 k_desc = wgmma_desc_lo<DP>(sK) + fwg * BKV * DP / 16, v_desc = wgmma_desc_lo<128>(sV) + fwg * BKV * 128 / 16;
 #pragma unroll
             for (int ks = 0; ks < KS8; ++ks)
                 wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, 32 * ks), ks);
@@ -288,8 +297,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
                 const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
-                bias_row[0] = bp[key_lo];
-                bias_row[1] = bp[key_lo + 8];
+                bias_row[0] = bp[fkey_lo];
+                bias_row[1] = bp[fkey_lo + 8];
             }
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n)
@@ -299,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
                     const float lse = stats_s[col].x, sq = stats_s[col].z;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const int key = key_lo + 8 * half, q = q0 + col;
+                        const int key = fkey_lo + 8 * half, q = q0 + col;
                         const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                         float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
                         if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
@@ -323,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
             if (!SB_FINE) {
                 const float m = warp_max(fmaxf(m_row[0], m_row[1]));
                 if (lane == 0) red[RED_TILE + warp] = m;
-                named_barrier<128>(1 + wg);
+                named_barrier<128>(1 + (fresh_tid() >> 7));  // barrier 1 + wg
                 float mt = red[RED_TILE + 4 * wg];
 #pragma unroll
                 for (int w = 1; w < 4; ++w) mt = fmaxf(mt, red[RED_TILE + 4 * wg + w]);
@@ -385,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
                 }
             if (SB_FINE) {
 #pragma unroll
-                for (int x = 0; x < 2; ++x) red[RED_Y + warp * BQ + 32 * x + ycol] = spread_max8(colmax[x], g);
+                for (int x = 0; x < 2; ++x) red[RED_Y + warp * BQ + 32 * x + ycol()] = spread_max8(colmax[x], g);
             } else {
                 float my = 0.f;
 #pragma unroll
@@ -400,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
                 }
             }
         }
-        named_barrier<128>(1 + wg);  // the warpgroup's Y (or tile) maxima are in
+        named_barrier<128>(1 + (fresh_tid() >> 7));  // barrier 1 + wg: the warpgroup's Y (or tile) maxima are in
         Psi dk_psi[2], tile_y_psi = {1.f, 0.f};
         if (SB_FINE) {
             dk_psi[0] = psi(z_row[0]);
@@ -420,23 +429,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
 
         // Ŷ for dQ, stored [query][key of the CTA's 128]; per query (fine) or the block's scale (paper).
         // In two halves of 32 queries (x), each followed by a dV step. Fine: lane (g, t) forms the scale
-        // of query column 32x + ycol and each thread gathers the inverse scales of its 8 columns of the
+        // of query column 32x + ycol() and each thread gathers the inverse scales of its 8 columns of the
         // half by shuffles.
         {
             // Query row n·8 + 2t + c has swizzle key 2t + c whatever n (swizzled_offset<128, true>), so
             // two offsets and immediates address all 32 bytes (16 offsets would not stay in registers).
             const int y_off[2] = {swizzled_offset<128, true>(2 * t, 4 * wg + wv) + g,
                                   swizzled_offset<128, true>(2 * t + 1, 4 * wg + wv) + g};
+            const int yc = ycol();
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
                 Psi ys = tile_y_psi;
                 if (SB_FINE) {
-                    float m = red[RED_Y + 4 * wg * BQ + 32 * x + ycol];
+                    float m = red[RED_Y + 4 * wg * BQ + 32 * x + yc];
 #pragma unroll
-                    for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + ycol]);
+                    for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + yc]);
                     ys = psi(m);
                 }
-                if (wv == 0) yscale_s[wg * BQ + 32 * x + ycol] = ys.scale;
+                if (wv == 0) yscale_s[wg * BQ + 32 * x + yc] = ys.scale;
 #pragma unroll
                 for (int n = 4 * x; n < 4 * x + 4; ++n)
 #pragma unroll
@@ -487,12 +497,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
             // This thread's rows and columns, rebuilt from a fresh thread index (held, they would spill).
             const int ft = fresh_tid(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + (ft >> 7) * (DP / 2) + 2 * (ft & 3);
+            const u32 kt_lo = kt_desc + (ft >> 7) * (DP / 2) * 128 / 16;  // K̂ᵀ rows of head-dim half wg
             auto issue_dq = [&](int kb) {
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk)
-                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc, 64 * kb + 32 * kk),
-                                wgmma_desc<128>(kt_desc, wg * (DP / 2) * 128 + 64 * kb + 32 * kk), kk);
+                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc, 64 * kb + 32 * kk), wgmma_desc<128>(kt_lo, 64 * kb + 32 * kk), kk);
                 wgmma_commit();
             };
             auto fold_dq = [&](int kb) {
@@ -539,8 +549,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
             }
             fence_proxy_async();  // the bulk reduction reads what these stores wrote
             // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
-            dq_pending = a.dq_acc + (bhq * a.Nq_pad + q0) * DQ_PITCH;
-            if (SB_DETERMINISTIC) lock_pending = a.dq_lock + bhq * n_qb + i;
+            pending_row = bhq * a.Nq_pad + q0;
         }
 
         if (SB_BIAS) {
@@ -566,18 +575,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         cp_async_commit();
     }
 
-    if (n_it > 0) {
-        __syncthreads();  // the last query block's dQ partial is in shared memory
+    if (pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
+        __syncthreads();       // the last query block's dQ partial is in shared memory
         if (tid == 0) {
             reduce_dq();
             bulk_wait<0>();
         }
     }
 
-    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys, in the input dtype.
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys, in the input dtype. The
+    // thread's key and columns come from a fresh index: the compiler would otherwise form them (and the
+    // column predicates) before the loop and hold them across it.
+    const int ft = fresh_tid(), ft_t = ft & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int key = key_lo + 8 * half;
+        const int key = j * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
         if (key >= a.Lk) continue;
         u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
         u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
@@ -585,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
-                const int col = ch * 32 + n * 8 + 2 * t;
+                const int col = ch * 32 + n * 8 + 2 * ft_t;
                 if (col >= a.D) continue;
                 *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[ch][n][2 * half] * 0.6931471805599453f,
                                                                        dk[ch][n][2 * half + 1] * 0.6931471805599453f);

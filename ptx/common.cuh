@@ -29,8 +29,8 @@ SB_DEVICE void named_barrier(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id)
 
 // threadIdx.x read through a volatile asm: values derived from it are recomputed where they are
 // used instead of being held in registers across a loop (or spilled, in a register-bound kernel).
-SB_DEVICE int fresh_tid() {
-    int t;
+SB_DEVICE u32 fresh_tid() {
+    u32 t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
 }

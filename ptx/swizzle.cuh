@@ -34,7 +34,7 @@ constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 || WGMMA ? 8 : 102
 // thread's shared offset is computed once and later passes add a constant.
 // tid: the thread's index (fresh_tid() in a register-bound loop: the addresses are rebuilt per call).
 template <int ROW_BYTES, int ROWS, int THREADS, bool WGMMA = false>
-SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride, int tid = threadIdx.x) {
+SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride, u32 tid = threadIdx.x) {
     constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;

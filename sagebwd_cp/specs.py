@@ -128,15 +128,9 @@ class BackwardTiles:
         return 256 * dp + self.stages * stage + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64 + 2 * 8 * 32 * 16
 
 
-# Head dims whose backward runs the wgmma kernel on Hopper: at 64 the mma.sync kernel runs two CTAs per
-# SM, which the wgmma one cannot without spills (benchmarks/NOTES.md, backward v6).
-BACKWARD_WGMMA_HEAD_DIMS = (128,)
-
-
 def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
-    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); wgmma on sm_90 for
-    BACKWARD_WGMMA_HEAD_DIMS."""
-    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch) and dp in BACKWARD_WGMMA_HEAD_DIMS)
+    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); the wgmma kernel on sm_90."""
+    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch))
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
         tiles = BackwardTiles(stages=1, wgmma=tiles.wgmma)
         if tiles.shared_bytes(dp) > shared_limit:
@@ -176,7 +170,7 @@ def all_specs(arch: str | None = None) -> list:
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
-                            if arch in WGMMA_ARCHS and dp in BACKWARD_WGMMA_HEAD_DIMS:
+                            if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
                                                            BackwardTiles(stages=2, wgmma=True)))
     return specs

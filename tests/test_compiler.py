@@ -192,8 +192,8 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
     assert specs.forward_tiles(128, hopper, "sm_90").wgmma
-    assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
-    assert not specs.backward_tiles(64, hopper, "sm_90").wgmma
+    for dp in (64, 128):
+        assert specs.backward_tiles(dp, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
     for arch in ("sm_80", "sm_86", "sm_89", None):
         assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
         assert not specs.backward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
@@ -204,11 +204,10 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    # Forward: 2 head dims x 2 dtypes x causal x Q-smoothing; backward (head dim 128): 2 dtypes x causal
-    # x Q-smoothing x granularity x deterministic
+    # Forward: 2 head dims x 2 dtypes x causal x Q-smoothing; backward: the same x granularity x deterministic
     assert len([s for s in wg if s.key.startswith("forward.")]) == 16
-    assert len([s for s in wg if s.key.startswith("backward.hd128.")]) == 32
-    assert not [s for s in wg if s.key.startswith("backward.hd64.")]  # two mma.sync CTAs per SM instead
+    assert len([s for s in wg if s.key.startswith("backward.")]) == 64
+    assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
     assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", False, False,
                                                             specs.ForwardTiles(4, 1)).options("sm_90")

@@ -105,10 +105,10 @@ def test_backward_strided_views_and_unaligned_rows():
 @pytest.mark.parametrize("d,dtype,granularity", [(64, "float16", "fine"), (128, "bfloat16", "fine"),
                                                  (96, "float16", "paper")])
 def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype, granularity):
-    """Hopper runs the wgmma backward by default at head dim 128 (96 pads to it; at 64 both runs are
-    the mma.sync kernel); the mma.sync kernel (sm_80-89, SAGEBWD_WGMMA=0 on Hopper) has the same
-    integer products and FP32 steps, only dP's FP32 sums in another order. Both match the emulator,
-    and they agree with each other far inside its bound."""
+    """Hopper runs the wgmma backward (backward_wgmma.cu, 128-key CTAs) by default; the mma.sync kernel
+    (sm_80-89, SAGEBWD_WGMMA=0 on Hopper) has the same quantization blocks, integer products and FP32
+    steps, only FP32 sums in another order (dP's, and dQ's over the two 64-key blocks of a CTA). Both
+    match the emulator, and they agree with each other far inside its bound."""
     import torch
 
     from sagebwd_cp import plan
