@@ -192,11 +192,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         if (ft == BQ) cp_async_4(st + SSCALE, a.do_scale + bhq * n_qb + i);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
-    const int h_first = hk * group;
-    int h = h_first, i = i0, nh = h_first, ni = i0;
+    // Deterministic and causal, query blocks go last to first: every CTA starts on the same block,
+    // so a CTA waits about one iteration for the turn of the CTA before it (first to last, CTA j
+    // would start on block ~2j, which CTA j - 1 reaches two iterations into its own list, and the
+    // waits add up along the CTAs).
+    constexpr bool DESCENDING = SB_DETERMINISTIC && SB_CAUSAL;
+    const int h_first = hk * group, i_start = DESCENDING ? i0 + n_i - 1 : i0;
+    int h = h_first, i = i_start, nh = h_first, ni = i_start;
     auto advance = [&](int& hh, int& ii) {
-        if (++ii == i0 + n_i) {
-            ii = i0;
+        if (DESCENDING ? ii-- == i0 : ++ii == i0 + n_i) {
+            ii = i_start;
             ++hh;
         }
     };
