@@ -6,6 +6,29 @@
 #include "convert.cuh"
 #include "exp2.cuh"
 
+// Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
+#ifndef SB_DP
+#define SB_DP 128
+#endif
+#ifndef SB_BF16
+#define SB_BF16 0
+#endif
+#ifndef SB_CAUSAL
+#define SB_CAUSAL 0
+#endif
+#ifndef SB_BIAS
+#define SB_BIAS 0
+#endif
+#ifndef SB_FINE
+#define SB_FINE 1
+#endif
+#ifndef SB_DETERMINISTIC
+#define SB_DETERMINISTIC 0
+#endif
+#ifndef SB_STAGES
+#define SB_STAGES 2
+#endif
+
 // The kernel's parameters (backward.py passes them in this order) and the struct they fill.
 #define SB_BACKWARD_PARAMS                                                                                        \
     const i8 *q8_, const i8 *q8t_, const float *q_mean_, const i8 *k8_, const i8 *k8t_, const float *k_scale_,    \
@@ -126,3 +149,19 @@ SB_DEVICE void wait_turn(const int* lock, int j) {
     } while (seen != j);
 }
 SB_DEVICE void pass_turn(int* lock, int j) { asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1)); }
+
+// The query blocks (of SB_BLOCK_Q rows) that a CTA whose first key is first_key walks: i0 ..
+// i0 + n_i - 1. Causal (bottom-right aligned: query r sees key c iff c <= r + Lk - Lq), i0 is the first
+// block with a row that sees first_key; every later block does too. Blocks past Lq hold no valid row.
+struct QueryBlocks {
+    int i0, n_i;
+};
+SB_DEVICE QueryBlocks query_blocks(int first_key, int Lq, int Lk) {
+    constexpr int BQ = SB_BLOCK_Q;
+    int i0 = 0;
+    if (SB_CAUSAL) {
+        const int x = first_key - (Lk - Lq) - (BQ - 1);
+        i0 = x <= 0 ? 0 : (x + BQ - 1) / BQ;
+    }
+    return {i0, max(0, (Lq + BQ - 1) / BQ - i0)};
+}

@@ -20,28 +20,6 @@
 #include "cp_async.cuh"
 #include "swizzle.cuh"
 
-#ifndef SB_DP
-#define SB_DP 128
-#endif
-#ifndef SB_BF16
-#define SB_BF16 0
-#endif
-#ifndef SB_CAUSAL
-#define SB_CAUSAL 0
-#endif
-#ifndef SB_BIAS
-#define SB_BIAS 0
-#endif
-#ifndef SB_FINE
-#define SB_FINE 1
-#endif
-#ifndef SB_DETERMINISTIC
-#define SB_DETERMINISTIC 0
-#endif
-#ifndef SB_STAGES
-#define SB_STAGES 2
-#endif
-
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
@@ -156,14 +134,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
     const int n_qb = a.Nq_pad / BQ;
     const int shift = a.Lk - a.Lq;  // causal: query r sees key c iff c <= r + shift
 
-    // First query block with a row that sees the CTA's first key (causal); every later one does too.
-    int i0 = 0;
-    if (SB_CAUSAL) {
-        const int x = j * CTA_KEYS - shift - (BQ - 1);
-        i0 = x <= 0 ? 0 : (x + BQ - 1) / BQ;
-    }
-    const int last_qb = (a.Lq + BQ - 1) / BQ;  // query blocks holding a valid row
-    const int n_i = max(0, last_qb - i0);
+    const QueryBlocks qb = query_blocks(j * CTA_KEYS, a.Lq, a.Lk);
+    const int i0 = qb.i0, n_i = qb.n_i;
     const int n_it = group * n_i;
 
     const u32 base = smem_u32(smem);
