@@ -7,10 +7,10 @@
 // per 128 keys.
 //   Sᵀ = K̂ Q̂ᵀ (m64n64k32 s8)            ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)
 //   dPᵀ = V dOᵀ (m64n64k16 f16/bf16)     ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
-//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ (m64n64k32, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
-//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (m64n64k32 from shared memory; warpgroup w computes head-dim half w)
+//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ (m64n32k32 chunks, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
+//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (from shared memory; warpgroup w computes head-dim half w)
 // dQ's partial of the 128 keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
-// (deterministic: ordered REDs). See backward.cu for P, Z and Y and their scales.
+// (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
 // SB_DETERMINISTIC, SB_STAGES as in backward.cu.
