@@ -165,18 +165,15 @@ SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u3
     }
 }
 
-// Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
-SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int qcol0, int t) {
-#pragma unroll
-    for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].z;
-            z[n][c] = ds[n][c] * sq;
-            z[n][2 + c] = ds[n][2 + c] * sq;
-        }
+// Two adjacent FP32 atomic adds (8-byte aligned): one vector reduction on sm_90, two before.
+SB_DEVICE void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
 }
-
 
 // Two CTAs per SM at head dim 64 in the fine mode without Q-smoothing (mma.sync: 128 registers
 // without spills, ~73 KB shared): the second CTA's warps hide the latency of the first's barriers and
@@ -298,6 +295,8 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 bias_row[0] = bp[key_lo];
                 bias_row[1] = bp[key_lo + 8];
             }
+            // probabilities() spelled out: through the call, NVRTC 13.5 spills 8 bytes of the d=64
+            // two-CTA variants at their 128-register cap (sm_86, sm_89).
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
@@ -323,13 +322,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
         float fac_v[2];
         {
             float m_row[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float m = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(p[n][2 * half], p[n][2 * half + 1]));
-                m_row[half] = quad_max(m);
-            }
+            row_max<false>(m_row, p);
             if (SB_FINE) {
                 if (t == 0) {
                     red[RED_P + qh * BKV + krow] = m_row[0];
@@ -376,14 +369,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
             }
         }
-#pragma unroll
-        for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].y;
-                ds[n][c] = p[n][c] * (ds[n][c] - dl);
-                ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
-            }
+        ds_from_dp(ds, p, stats_s, qcol0, t);
 
         // dK reads Z = dS·s_Q[query], dQ reads Y = dS·s_K[key] (the per-token scales folded in). Their
         // maxima: Z per key (over both query halves), Y per query (over the four key groups); or
@@ -391,13 +377,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
         float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost 16 registers
         z_values(z, ds, stats_s, qcol0, t);
         float z_row[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float m = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(z[n][2 * half]), fabsf(z[n][2 * half + 1])));
-            z_row[half] = quad_max(m);
-        }
+        row_max<true>(z_row, z);
         float colmax[2 * NT_Q];  // |Y| of column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
@@ -477,15 +457,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
         // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS (this warp's half of it).
         float rs[2] = {0.f, 0.f};
-        if (SB_BIAS) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_Q; ++n) sum += ds[n][2 * half] + ds[n][2 * half + 1];
-                rs[half] = quad_sum(sum);
-            }
-        }
+        if (SB_BIAS) row_sum(rs, ds);
 
         // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
         u32 dsf[4];

@@ -1,6 +1,7 @@
 // What the two backward kernels share (backward.cu: mma.sync, 64-key CTAs; backward_wgmma.cu:
 // sm_90a warpgroups, 128-key CTAs): the kernel arguments, the quantizer of dS and P inside the
-// kernel (numerics.quantize_tile), register-A fragment packing and the warp reductions.
+// kernel (numerics.quantize_tile), register-A fragment packing, the warp reductions, the per-score
+// steps of the softmax and dS, the deterministic turn and the causal query-block range.
 #pragma once
 #include "common.cuh"
 #include "convert.cuh"
@@ -60,16 +61,6 @@ struct Args {
     i64 vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn;  // k*: dK strides, w*: dV strides
     int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
 };
-
-// Two adjacent FP32 atomic adds (8-byte aligned): one vector reduction on sm_90, two before.
-SB_DEVICE void red_add2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
-}
 
 SB_DEVICE float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -137,6 +128,83 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
                                   quant_byte(x[n0 + 1][2 * half], v), quant_byte(x[n0 + 1][2 * half + 1], v));
         a[2 + half] = pack4_low_bytes(quant_byte(x[n0 + 2][2 * half], v), quant_byte(x[n0 + 2][2 * half + 1], v),
                                       quant_byte(x[n0 + 3][2 * half], v), quant_byte(x[n0 + 3][2 * half + 1], v));
+    }
+}
+
+// A warp's tiles in the accumulator layout: n-tile n, register 2·half + c is key row g + 8·half and
+// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, δ, s_Q, 0) per query column of the stage.
+
+// Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
+template <int N>
+SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
+                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const Args& a,
+                             int shift) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int col = qcol0 + n * 8 + 2 * t + c;
+            const float lse = stats_s[col].x, sq = stats_s[col].z;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int key = key_lo + 8 * half, q = q0 + col;
+                const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
+                float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
+                if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                p[n][2 * half + c] = e;
+            }
+        }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
+template <int N>
+SB_DEVICE void ds_from_dp(float (&ds)[N][4], const float (&p)[N][4], const float4* stats_s, int qcol0, int t) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].y;
+            ds[n][c] = p[n][c] * (ds[n][c] - dl);
+            ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
+        }
+}
+
+// Z = dS·s_Q[query] for dK.
+template <int N>
+SB_DEVICE void z_values(float (&z)[N][4], const float (&ds)[N][4], const float4* stats_s, int qcol0, int t) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].z;
+            z[n][c] = ds[n][c] * sq;
+            z[n][2 + c] = ds[n][2 + c] * sq;
+        }
+}
+
+// Per key row (half): the max of x (of |x| if ABS) over the warp's columns (its quad).
+template <bool ABS, int N>
+SB_DEVICE void row_max(float (&m)[2], const float (&x)[N][4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float v = 0.f;
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+            v = ABS ? fmaxf(v, fmaxf(fabsf(x[n][2 * half]), fabsf(x[n][2 * half + 1])))
+                    : fmaxf(v, fmaxf(x[n][2 * half], x[n][2 * half + 1]));
+        m[half] = quad_max(v);
+    }
+}
+
+// Per key row (half): the sum of x over the warp's columns.
+template <int N>
+SB_DEVICE void row_sum(float (&r)[2], const float (&x)[N][4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float v = 0.f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) v += x[n][2 * half] + x[n][2 * half + 1];
+        r[half] = quad_sum(v);
     }
 }
 

@@ -108,18 +108,6 @@ SB_DEVICE void rows_finish(float (&acc)[4][4], int (&pr)[4][4], u32 (&a)[2][4], 
         for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
 }
 
-// Z = dS·s_Q[query] for dK, s_Q read from the stage's row statistics.
-SB_DEVICE void z_values(float (&z)[NT_Q][4], const float (&ds)[NT_Q][4], const float4* stats_s, int t) {
-#pragma unroll
-    for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float sq = stats_s[n * 8 + 2 * t + c].z;
-            z[n][c] = ds[n][c] * sq;
-            z[n][2 + c] = ds[n][2 + c] * sq;
-        }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_BACKWARD_PARAMS) {
     SB_REQUIRE_SM80();
     const Args a = SB_BACKWARD_ARGS;
@@ -277,21 +265,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
                 bias_row[0] = bp[fkey_lo];
                 bias_row[1] = bp[fkey_lo + 8];
             }
-#pragma unroll
-            for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int col = n * 8 + 2 * t + c;
-                    const float lse = stats_s[col].x, sq = stats_s[col].z;
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int key = fkey_lo + 8 * half, q = q0 + col;
-                        const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
-                        float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                        if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
-                        p[n][2 * half + c] = e;
-                    }
-                }
+            probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, a, shift);
         }
 
         // P̂ᵀ per key (fine: inside the warp) or per 64x64 block (paper: over the warpgroup).
@@ -299,13 +273,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         float fac_v[2];
         {
             float m_row[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float m = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(p[n][2 * half], p[n][2 * half + 1]));
-                m_row[half] = quad_max(m);
-            }
+            row_max<false>(m_row, p);
             if (!SB_FINE) {
                 const float m = warp_max(fmaxf(m_row[0], m_row[1]));
                 if (lane == 0) red[RED_TILE + warp] = m;
@@ -327,14 +295,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
         wgmma_wait<0>();
         wgmma_hold_all(ds);
-#pragma unroll
-        for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float dl = stats_s[n * 8 + 2 * t + c].y;
-                ds[n][c] = p[n][c] * (ds[n][c] - dl);
-                ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
-            }
+        ds_from_dp(ds, p, stats_s, 0, t);
 
         // dV += P̂ᵀ dÔ, one 64-column chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
@@ -351,15 +312,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         // Maxima of Z = dS·s_Q[query] (dK) per key, inside the warp, and of Y = dS·s_K[key] (dQ) per
         // query over the warpgroup's 64 keys; or each one's block max (paper).
         float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost registers
-        z_values(z, ds, stats_s, t);
+        z_values(z, ds, stats_s, 0, t);
         float z_row[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float m = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_Q; ++n) m = fmaxf(m, fmaxf(fabsf(z[n][2 * half]), fabsf(z[n][2 * half + 1])));
-            z_row[half] = quad_max(m);
-        }
+        row_max<true>(z_row, z);
         {
             float colmax[2][8];  // |Y| of column 32x + (y/2)·8 + 2t + y%2, over this thread's 2 keys
 #pragma unroll
@@ -440,22 +395,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
 
         // Q-smoothing's exact dK term needs colsum(dS) per key from the FP32 dS.
         float rs[2] = {0.f, 0.f};
-        if (SB_BIAS) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_Q; ++n) sum += ds[n][2 * half] + ds[n][2 * half + 1];
-                rs[half] = quad_sum(sum);
-            }
-        }
+        if (SB_BIAS) row_sum(rs, ds);
 
         // Ẑᵀ for dK, packed in registers.
         u32 zf[2][4];
         const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            z_values(z, ds, stats_s, t);
+            z_values(z, ds, stats_s, 0, t);
             pack_a(zf[0], z, inv_d, 0);
             pack_a(zf[1], z, inv_d, 4);
         }
