@@ -19,6 +19,7 @@
 #include "bulk.cuh"
 #include "cp_async.cuh"
 #include "swizzle.cuh"
+#include "tma.cuh"
 
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
@@ -46,8 +47,9 @@ constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fra
 constexpr int SDOT = SQT + DP * BQ;              // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;              // dO  [64 q][DP] 16-bit, 128-byte column blocks
 constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, δ, s_Q, 0) [64] f32x4
-constexpr int SSCALE = SSTATS + 16 * BQ;         // s_dO of the query block, f32
-constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
+constexpr int SBAR = SSTATS + 16 * BQ;           // the stage's mbarrier (its TMA loads' bytes)
+constexpr int STAGE_BYTES = (SBAR + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
+constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // Ŷ [64 q][128 keys] int8
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
 // maxima of P, Z and Y per warp.
@@ -108,7 +110,12 @@ SB_DEVICE void rows_finish(float (&acc)[4][4], int (&pr)[4][4], u32 (&a)[2][4], 
         for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_BACKWARD_PARAMS) {
+// The query-side tiles come by TMA (tensor maps from sagebwd_cp/tensor_map.py, made per call):
+//   tm_q    Q̂   bytes [B·Hq·Nq_pad][DP], box DP x 64 rows       tm_qt, tm_dot  Q̂ᵀ, dÔᵀ bytes [B·Hq·DP][Nq_pad], box 64 x DP
+//   tm_do   dO  16-bit [B][Hq][Lq][D] (its strides), box 64 x 64 x 1 x 1, zero past Lq and D
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_qt,
+                   const __grid_constant__ TensorMap tm_dot, const __grid_constant__ TensorMap tm_do) {
     SB_REQUIRE_SM80();
     const Args a = SB_BACKWARD_ARGS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -137,19 +144,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
     load_tile<CTA_KEYS, DP, THREADS, true>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * CTA_KEYS, a.Nk_pad);
     load_tile16<CTA_KEYS>(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * CTA_KEYS * a.vn, a.vn, kvalid, a.D);
 
-    // Query-side tiles of (query head h, query block i) into stage `slot`.
-    // The per-thread addresses are rebuilt per call (fresh_tid): held across the loop they would spill.
+    // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
     auto load_stage = [&](int h, int i, int slot) {
-        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
-        const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        const u32 ft = fresh_tid();
-        load_tile<DP, BQ, THREADS, true>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP, ft);
-        load_tile<BQ, DP, THREADS, true>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
-        load_tile<BQ, DP, THREADS, true>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
-        load_tile16<BQ>(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
-                        min(BQ, a.Lq - i * BQ), a.D, ft);
-        if (ft < BQ) cp_async_16(st + SSTATS + 16 * ft, a.stats + bhq * a.Nq_pad + i * BQ + ft);
-        if (ft == BQ) cp_async_4(st + SSCALE, a.do_scale + bhq * n_qb + i);
+        const int bhq = b * a.Hq + h;
+        const u32 st = base + STAGE0 + slot * STAGE_BYTES, bar = st + SBAR;
+        mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+        tma_load_2d(st + SQ, tm_q, 0, bhq * a.Nq_pad + i * BQ, bar);
+        tma_load_2d(st + SQT, tm_qt, i * BQ, bhq * DP, bar);
+        tma_load_2d(st + SDOT, tm_dot, i * BQ, bhq * DP, bar);
+#pragma unroll
+        for (int cb = 0; cb < DP / 64; ++cb) tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, i * BQ, h, b, bar);
+        bulk_load(st + SSTATS, a.stats + static_cast<i64>(bhq) * a.Nq_pad + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
     // Deterministic and causal, query blocks go last to first: every CTA starts on the same block,
@@ -166,11 +171,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
         }
     };
 
-    if (n_it > 0) {
-        load_stage(nh, ni, 0);
-        advance(nh, ni);
-    }
     cp_async_commit();
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < SB_STAGES; ++s) mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR, 1);
+        fence_mbarrier_init();
+        prefetch_tensor_map(tm_q);
+        prefetch_tensor_map(tm_qt);
+        prefetch_tensor_map(tm_dot);
+        prefetch_tensor_map(tm_do);
+        if (n_it > 0) load_stage(nh, ni, 0);
+    }
+    if (n_it > 0) advance(nh, ni);
+    cp_async_wait<0>();
+    fence_proxy_async();  // cp.async wrote K̂, K̂ᵀ and V, which wgmma reads
+    __syncthreads();      // and the mbarriers are initialized
 
     const int krow = wv * 16 + g;            // this thread's key rows in the warpgroup's block: krow, krow + 8
     // This thread's first key; in the loop it is rebuilt from a fresh thread index, as are the other
@@ -218,20 +233,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
-        cp_async_wait<0>();
-        fence_proxy_async();  // cp.async wrote what wgmma reads
-        __syncthreads();      // stage `it` is in; every warp is done with the stage it will overwrite
-        if (it > 0 && tid == 0) reduce_dq();  // the previous query block's partial is in its tile
-        if (SB_STAGES > 1 && it + 1 < n_it) {
-            load_stage(nh, ni, (it + 1) % SB_STAGES);
-            advance(nh, ni);
+        __syncthreads();  // every warp is done with the stage that is loaded next and with the dQ tile
+        if (tid == 0) {
+            if (it > 0) reduce_dq();  // the previous query block's partial is in its tile
+            if (SB_STAGES > 1 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
         }
-        cp_async_commit();
+        if (SB_STAGES > 1 && it + 1 < n_it) advance(nh, ni);
 
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
-        const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
+        const float s_do = a.do_scale[bhq * n_qb + i];
+        mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
         const int ftid = fresh_tid(), fwg = ftid >> 7;
         const int key0 = j * CTA_KEYS + fwg * BKV;  // the warpgroup's first key
@@ -493,10 +506,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_backward(SB_B
 
         if (SB_STAGES == 1 && it + 1 < n_it) {
             __syncthreads();  // the single stage is free
-            load_stage(nh, ni, 0);
+            if (tid == 0) load_stage(nh, ni, 0);
             advance(nh, ni);
         }
-        cp_async_commit();
     }
 
     if (pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from . import numerics, specs
 from .arrays import ArrayDesc
 from .forward import quantize_inputs
-from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit
+from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, tensor_map
 from .plan import LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
+from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
 def _cp_async_ready(desc: ArrayDesc, prob: AttentionProblem) -> bool:
@@ -17,9 +18,16 @@ def _cp_async_ready(desc: ArrayDesc, prob: AttentionProblem) -> bool:
     return desc.ptr % 16 == 0 and all(s % 8 == 0 for s in prob.bhnd_strides(desc))
 
 
-def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int):
+def _tma_ready(desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int) -> bool:
+    """A TMA tensor map also needs positive strides (where the extent is above 1)."""
+    extents = (prob.batch, heads, length)
+    return _cp_async_ready(desc, prob) and all(s > 0 for s, n in zip(prob.bhnd_strides(desc), extents) if n > 1)
+
+
+def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int,
+                  tma: bool = False):
     """(array, (batch, head, token) strides): the array itself, or a packed [B][H][L][D] copy."""
-    if _cp_async_ready(desc, prob):
+    if _tma_ready(desc, prob, heads, length) if tma else _cp_async_ready(desc, prob):
         return desc, prob.bhnd_strides(desc)
     d = prob.head_dim
     packed = plan.workspace(name, (prob.batch, heads, length, d), prob.dtype)
@@ -27,6 +35,22 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
     plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", ((length * d + 255) // 256, heads, prob.batch),
                 (256, 1, 1), [ptr(desc), i64(sb), i64(sh), i64(sn), i32(heads), i32(length), i32(d), ptr(packed)])
     return packed, (heads * length * d, length * d, d)
+
+
+def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> list:
+    """The tensor maps backward_wgmma.cu loads its query-side tiles with: Q̂ (64 rows of Dp bytes),
+    Q̂ᵀ and dÔᵀ (Dp rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D)."""
+    B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
+    rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), (dp, numerics.BLOCK_Q), dp)
+    cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), (numerics.BLOCK_Q, dp), 64)
+    # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
+    db, dh, dn = do_strides
+    strides, inner = [], D * 2
+    for n, s in zip((Lq, Hq, B), (dn, dh, db)):
+        strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
+        inner = strides[-1] * n
+    grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), (64, numerics.BLOCK_Q, 1, 1), 128)
+    return [tensor_map(rows, qz.q8), tensor_map(cols, qz.q8t), tensor_map(cols, qz.dot8), tensor_map(grad, do_rows)]
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")
@@ -59,7 +83,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
-    do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq)
+    do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq, tma=tiles.wgmma)
 
     dq = plan.output("dq", prob.shape(Hq, Lq), prob.dtype)
     dk = plan.output("dk", prob.shape(Hk, Lk), prob.dtype)
@@ -75,7 +99,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                  ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(qz.dot8), ptr(qz.do_scale), ptr(stats),
                  ptr(dq_acc), ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn),
                  i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),
-                 i32(nq), i32(nk)],
+                 i32(nq), i32(nk)] + (_query_tile_maps(qz, do_rows, (db, dh, dn), prob) if tiles.wgmma else []),
                 shared=tiles.shared_bytes(dp))
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).

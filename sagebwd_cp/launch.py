@@ -4,7 +4,9 @@ The arguments of one launch are laid out in one buffer, each value at its natura
 struct argument laid out as C lays out a struct), next to the array of pointers to them that
 ``cuLaunchKernel`` reads (``kernelParams``).  Pointer values that are only known per call (the
 caller's arrays, the workspace) are written as 0 and listed in ``PackedArgs.symbolic``: a launch
-plan (``plan.py``) rewrites just those words before each launch.
+plan (``plan.py``) rewrites just those words before each launch.  A TMA tensor map argument holds the
+address of its array too; one whose array is only known per call is listed in
+``PackedArgs.symbolic_maps`` and encoded by the plan per call.
 """
 from __future__ import annotations
 
@@ -15,14 +17,16 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import ArrayDesc
+from .tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapLayout
 
 _device_limits: dict = {}
 _device_archs: dict = {}  # device id -> "sm_XX"
 
 
 class KernelArg(NamedTuple):
-    """One kernel argument: ``kind`` is "ptr", "i32", "i64", "f32" or "struct" (``value`` then
-    holds the struct's fields, themselves KernelArgs, in declaration order)."""
+    """One kernel argument: ``kind`` is "ptr", "i32", "i64", "f32", "struct" (``value`` then holds
+    the struct's fields, themselves KernelArgs, in declaration order) or "tmap" (``value`` is a
+    (TensorMapLayout, pointer) pair: a CUtensorMap passed by value)."""
 
     kind: str
     value: object
@@ -54,7 +58,23 @@ def struct_arg(*fields: KernelArg) -> KernelArg:
     return KernelArg("struct", tuple(fields))
 
 
+def tensor_map(layout: TensorMapLayout, pointer) -> KernelArg:
+    """A TMA tensor map of the array at ``pointer`` (anything ``ptr`` takes)."""
+    return KernelArg("tmap", (layout, pointer))
+
+
+def _concrete_pointer(value):
+    """The address of a pointer value known now (None, an int or an ArrayDesc), else None."""
+    if value is None or isinstance(value, (int, np.integer)):
+        return int(value or 0)
+    if isinstance(value, ArrayDesc):
+        return value.ptr
+    return None
+
+
 def _size_align(arg: KernelArg) -> tuple:
+    if arg.kind == "tmap":
+        return MAP_BYTES, MAP_ALIGN
     if arg.kind != "struct":
         size = struct.calcsize(_SCALAR_FORMATS[arg.kind])
         return size, size
@@ -69,10 +89,12 @@ def _size_align(arg: KernelArg) -> tuple:
 class PackedArgs:
     """The arguments of one launch in ``kernelParams`` form.
 
-    ``offsets[i]`` and ``sizes[i]`` locate argument i in ``buffer``; ``params_ptr`` is the address of
-    the pointer array for the driver; ``words`` views the buffer as 64-bit words, and
-    ``symbolic`` lists ``(word index, value)`` for each pointer whose value is neither None, an int
-    nor an ArrayDesc (written as 0 here, for a plan to fill in per call)."""
+    ``offsets[i]`` and ``sizes[i]`` locate argument i from ``base`` (the buffer's address, 64-byte
+    aligned for tensor maps); ``params_ptr`` is the address of the pointer array for the driver;
+    ``words`` views the arguments as 64-bit words, and ``symbolic`` lists ``(word index, value)`` for
+    each pointer whose value is neither None, an int nor an ArrayDesc (written as 0 here, for a plan
+    to fill in per call); ``symbolic_maps`` lists ``(byte offset, layout, value)`` for each tensor
+    map whose pointer is such a value."""
 
     def __init__(self, args):
         self.offsets, self.sizes, fields = [], [], []
@@ -85,22 +107,29 @@ class PackedArgs:
             self._flatten(arg, pos, fields)
             pos += size
         self.nbytes = pos
-        self.buffer = ctypes.create_string_buffer(max(8, -(-pos // 8) * 8))  # malloc'd: 16-byte aligned
-        base = ctypes.addressof(self.buffer)
-        self.params = (ctypes.c_void_p * max(1, len(args)))(*(base + off for off in self.offsets))
+        size = max(8, -(-pos // 8) * 8)
+        self.buffer = ctypes.create_string_buffer(size + MAP_ALIGN)
+        self._pad = -ctypes.addressof(self.buffer) % MAP_ALIGN
+        self.base = ctypes.addressof(self.buffer) + self._pad
+        self.params = (ctypes.c_void_p * max(1, len(args)))(*(self.base + off for off in self.offsets))
         self.params_ptr = ctypes.addressof(self.params)
-        self.words = memoryview(self.buffer).cast("B").cast("Q")
-        self.symbolic = []
+        self.words = memoryview(self.buffer).cast("B")[self._pad:self._pad + size].cast("Q")
+        self.symbolic, self.symbolic_maps = [], []
         for offset, kind, value in fields:
-            if kind == "ptr":
-                if value is None or isinstance(value, (int, np.integer)):
-                    value = int(value or 0)
-                elif isinstance(value, ArrayDesc):
-                    value = value.ptr
+            if kind == "tmap":
+                layout, pointer = value
+                address = _concrete_pointer(pointer)
+                if address is None:
+                    self.symbolic_maps.append((offset, layout, pointer))
                 else:
+                    layout.encode_into(self.base + offset, address)
+                continue
+            if kind == "ptr":
+                address = _concrete_pointer(value)
+                if address is None:
                     self.symbolic.append((offset // 8, value))
-                    value = 0
-            struct.pack_into(_SCALAR_FORMATS[kind], self.buffer, offset, value)
+                value = address or 0
+            struct.pack_into(_SCALAR_FORMATS[kind], self.buffer, self._pad + offset, value)
 
     @staticmethod
     def _flatten(arg: KernelArg, offset: int, out: list) -> None:
@@ -116,7 +145,8 @@ class PackedArgs:
 
     def argument_bytes(self, index: int) -> bytes:
         """The bytes the driver copies for argument ``index``."""
-        return self.buffer.raw[self.offsets[index]:self.offsets[index] + self.sizes[index]]
+        start = self._pad + self.offsets[index]
+        return self.buffer.raw[start:start + self.sizes[index]]
 
 
 _cuda_modules = None

@@ -74,13 +74,15 @@ def carve(buffers) -> tuple:
 class Step:
     """One launch of a plan."""
 
-    __slots__ = ("spec", "entry", "head", "args", "slots")
+    __slots__ = ("spec", "entry", "head", "args", "slots", "maps")
 
-    def __init__(self, spec, entry, function: int, grid, block, shared: int, args: PackedArgs, slots: tuple):
+    def __init__(self, spec, entry, function: int, grid, block, shared: int, args: PackedArgs, slots: tuple,
+                 maps: tuple = ()):
         self.spec, self.entry = spec, entry
         self.head = (function, *grid, *block, shared)  # cuLaunchKernel's arguments before the stream
         self.args = args
         self.slots = slots  # ((word index in args, pointer-table index, byte offset), ...)
+        self.maps = maps  # ((argument address, TensorMapLayout, pointer-table index, byte offset), ...)
 
 
 class Release:
@@ -157,6 +159,8 @@ class LaunchPlan:
                         words = step.args.words
                         for word, source, offset in step.slots:
                             words[word] = table[source] + offset
+                        for address, layout, source, offset in step.maps:
+                            layout.encode_into(address, table[source] + offset)
                         launch_kernel(*step.head, stream, step.args.params_ptr, 0)
             finally:
                 if previous != dev:
@@ -250,19 +254,19 @@ class PlanBuilder:
             packed = PackedArgs(args)
             if cacheable and _has_constant_pointer(args):
                 raise ValueError(f"{spec.key}:{entry}: a cached plan cannot hold a constant pointer")
-            slots = []
-            for word, value in packed.symbolic:
+            def source_of(value):
                 if isinstance(value, _Input):
-                    slots.append((word, value.index, 0))
-                else:
-                    if isinstance(value, Buffer) and value.released and index >= self.release_at:
-                        raise ValueError(f"{spec.key}:{entry}: reads workspace {value.name!r} after its release")
-                    source, offset = self._pointer_source(value, len(self.inputs))
-                    slots.append((word, source, offset))
-                    if isinstance(value, Output):
-                        first_use.setdefault(self.outputs.index(value), index)
+                    return value.index, 0
+                if isinstance(value, Buffer) and value.released and index >= self.release_at:
+                    raise ValueError(f"{spec.key}:{entry}: reads workspace {value.name!r} after its release")
+                if isinstance(value, Output):
+                    first_use.setdefault(self.outputs.index(value), index)
+                return self._pointer_source(value, len(self.inputs))
+
+            slots = tuple((word, *source_of(value)) for word, value in packed.symbolic)
+            maps = tuple((packed.base + off, layout, *source_of(value)) for off, layout, value in packed.symbolic_maps)
             function = resolve(spec, entry, self.device_id, shared)
-            steps.append(Step(spec, entry, function, grid, block, shared, packed, tuple(slots)))
+            steps.append(Step(spec, entry, function, grid, block, shared, packed, slots, maps))
         release = None
         if self.release_at is not None:
             late = tuple(n for n, step in sorted(first_use.items()) if step >= self.release_at)
@@ -286,6 +290,8 @@ def _symbolize(arg, input_ids: dict):
         return arg._replace(value=tuple(_symbolize(f, input_ids) for f in arg.value))
     if arg.kind == "ptr" and isinstance(arg.value, ArrayDesc) and id(arg.value) in input_ids:
         return arg._replace(value=_Input(input_ids[id(arg.value)]))
+    if arg.kind == "tmap" and isinstance(arg.value[1], ArrayDesc) and id(arg.value[1]) in input_ids:
+        return arg._replace(value=(arg.value[0], _Input(input_ids[id(arg.value[1])])))
     return arg
 
 
@@ -294,8 +300,10 @@ def _has_constant_pointer(args) -> bool:
         if arg.kind == "struct":
             if _has_constant_pointer(arg.value):
                 return True
-        elif arg.kind == "ptr" and not (arg.value is None or isinstance(arg.value, (_Input, Buffer, Output))):
-            return True
+        elif arg.kind in ("ptr", "tmap"):
+            value = arg.value[1] if arg.kind == "tmap" else arg.value
+            if not (value is None or isinstance(value, (_Input, Buffer, Output))):
+                return True
     return False
 
 

@@ -117,7 +117,7 @@ class BackwardTiles:
     def shared_bytes(self, dp: int) -> int:
         if self.wgmma:
             # backward_wgmma.cu: K̂, K̂ᵀ, V of 128 keys; per stage Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows
-            # and the dÔ scale, rounded up to 1024 bytes; Ŷ [64][128]; the warpgroups' maxima; Ŷ's
+            # and the stage's mbarrier (its TMA loads), rounded up to 1024 bytes; Ŷ [64][128]; the warpgroups' maxima; Ŷ's
             # scales; the dQ partial's tile; 896 bytes of slack to align the base.
             stage = 320 * dp + 16 * 64 + 1024
             return 512 * dp + self.stages * stage + 64 * 128 + 4 * (2 * 4 * 64 + 24) + 4 * 2 * 64 + 64 * (dp + 8) * 4 + 896

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import compiler, launch, numerics, plan
+from sagebwd_cp import compiler, launch, numerics, plan, tensor_map
 from sagebwd_cp.arrays import ArrayDesc
 from sagebwd_cp.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
 
@@ -71,7 +71,8 @@ def test_packed_bytes_equal_the_values_given():
     assert p.argument_bytes(8) == np.float32(np.inf).tobytes()  # float32 rounding, as NumPy does
     # The kernelParams array points at each argument.
     params = (ctypes.c_void_p * len(args)).from_address(p.params_ptr)
-    base = ctypes.addressof(p.buffer)
+    base = p.base
+    assert base % 64 == 0  # tensor maps are 64-byte aligned
     assert [params[i] - base for i in range(len(args))] == p.offsets
     assert ctypes.string_at(params[1], 4) == struct.pack("<i", -7)
 
@@ -147,6 +148,9 @@ def gpu(monkeypatch):
     monkeypatch.setattr(compiler, "get_function_pointer",
                         lambda spec, entry, device_id, shared=0: hash((spec.key, entry)) & 0xFFFFFFFF)
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0x5157))
+    # Tensor maps are encoded by the driver: record what would be encoded, and where.
+    monkeypatch.setattr(tensor_map, "_encoder", lambda layout: (lambda out, address: fake.calls.append(
+        ("tensor_map", layout, out, address))))
     allocations = []
 
     def allocate(shape, dtype, framework, device_id):
@@ -393,6 +397,47 @@ def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monk
     kept_slot = len(bwd.inputs) + len(bwd.outputs)
     assert {(src, off) for _, src, off in convert.slots} == {(kept_slot, names["dq_acc"].offset),
                                                               (len(bwd.inputs), 0)}
+
+
+def test_backward_encodes_its_query_tile_maps_per_call(gpu):
+    """On sm_90 the backward kernel loads Q̂, Q̂ᵀ, dÔᵀ and dO by TMA: the plan encodes their four
+    tensor maps at every call, with that call's addresses, into the kernel's 64-byte aligned
+    arguments; dO's map has its strides (bytes) and zero fill past Lq and D."""
+    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=300, d=80)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    nq, dp = 128, 128
+    for base in (7 << 44, 9 << 44):
+        gpu.calls.clear()
+        sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=base))
+        maps = [c for c in gpu.calls if c[0] == "tensor_map"]
+        assert len(maps) == 4
+        layouts = [m[1] for m in maps]
+        assert layouts[0].dims == (dp, 2 * 4 * nq) and layouts[0].box == (dp, 64) and layouts[0].swizzle == 128
+        assert layouts[1] == layouts[2] and layouts[1].dims == (nq, 2 * 4 * dp) and layouts[1].box == (64, dp)
+        assert layouts[3].dims == (80, 100, 4, 2) and layouts[3].strides == (160, 100 * 160, 4 * 100 * 160)
+        assert layouts[3].box == (64, 64, 1, 1) and maps[3][3] == base
+        bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
+        step = [st for st in bwd.steps if st.entry == "attention_backward"][0]
+        names = {b.name: b for b in _buffers(bwd)}
+        assert [m[2] for m in maps] == [step.args.base + off for off in step.args.offsets[-4:]]
+        assert all(m[2] % 64 == 0 for m in maps)
+        # Q̂, Q̂ᵀ and dÔᵀ at their offsets in one workspace allocation of this call.
+        bases = {m[3] - names[n].offset for m, n in zip(maps, ("q8", "q8t", "dot8"))}
+        assert len(bases) == 1 and bases.pop() % 256 == 0
+
+
+def test_tensor_map_layouts_are_checked():
+    from sagebwd_cp.tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
+
+    TensorMapLayout(DTYPE_UINT16, (80, 100, 4, 2), (160, 16000, 64000), (64, 64, 1, 1), 128)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        TensorMapLayout(DTYPE_UINT16, (80, 100), (170,), (64, 64), 128)
+    with pytest.raises(ValueError, match="does not fit swizzle 64"):
+        TensorMapLayout(DTYPE_UINT8, (128, 1000), (128,), (128, 64), 64)
+    with pytest.raises(ValueError, match="box"):
+        TensorMapLayout(DTYPE_UINT8, (64, 1000), (64,), (8, 64), 64)  # 8-byte box rows
+    with pytest.raises(ValueError, match="rank"):
+        TensorMapLayout(DTYPE_UINT8, (64, 1000), (), (64, 64), 64)
 
 
 def test_a_launch_may_not_read_a_released_buffer():
