@@ -238,7 +238,7 @@ def stubbed_cuda(monkeypatch):
     """CPU tensors take the adapter's CUDA path: described as CUDA arrays, plans built and cached,
     outputs from the library's allocation code ("device 0" mapped to the CPU), launches recorded
     instead of run (outputs hold no results: only their metadata is meaningful)."""
-    from sagebwd_cp import arrays, compiler, launch, plan
+    from sagebwd_cp import arrays, compiler, launch, plan, tensor_map
 
     real = arrays._from_torch
 
@@ -271,6 +271,7 @@ def stubbed_cuda(monkeypatch):
     monkeypatch.setitem(launch._device_limits, 0, 232448)
     monkeypatch.setitem(launch._device_archs, 0, "sm_90")
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
+    monkeypatch.setattr(tensor_map, "_encoder", lambda layout: (lambda out, address: None))  # the driver's job
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return fake
 
