@@ -74,9 +74,10 @@ SB_DEVICE int tile16_offset(int r, int c) { return (c >> 3) * (ROWS * 128) + swi
 // ROWS rows of a strided 16-bit array into a [ROWS][DP] tile; rows >= n_valid and columns >= D are
 // zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
 template <int ROWS>
-SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D, u32 tid = threadIdx.x) {
+SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D) {
     constexpr int CH = 2 * DP / 16, ROWS_PER_PASS = THREADS / CH;
     static_assert(THREADS % CH == 0 && ROWS % ROWS_PER_PASS == 0, "passes must cover whole rows");
+    const u32 tid = threadIdx.x;
     const int r0 = tid / CH, c = tid % CH;
     const u16* src = g + r0 * row_stride + c * 8;
     const bool col_ok = c * 8 < D;

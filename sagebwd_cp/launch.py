@@ -122,7 +122,7 @@ class PackedArgs:
                 if address is None:
                     self.symbolic_maps.append((offset, layout, pointer))
                 else:
-                    layout.encode_into(self.base + offset, address)
+                    layout.encoder()(self.base + offset, address)
                 continue
             if kind == "ptr":
                 address = _concrete_pointer(value)

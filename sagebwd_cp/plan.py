@@ -82,7 +82,7 @@ class Step:
         self.head = (function, *grid, *block, shared)  # cuLaunchKernel's arguments before the stream
         self.args = args
         self.slots = slots  # ((word index in args, pointer-table index, byte offset), ...)
-        self.maps = maps  # ((argument address, TensorMapLayout, pointer-table index, byte offset), ...)
+        self.maps = maps  # ((argument address, tensor-map encoder, pointer-table index, byte offset), ...)
 
 
 class Release:
@@ -159,8 +159,8 @@ class LaunchPlan:
                         words = step.args.words
                         for word, source, offset in step.slots:
                             words[word] = table[source] + offset
-                        for address, layout, source, offset in step.maps:
-                            layout.encode_into(address, table[source] + offset)
+                        for address, encode, source, offset in step.maps:
+                            encode(address, table[source] + offset)
                         launch_kernel(*step.head, stream, step.args.params_ptr, 0)
             finally:
                 if previous != dev:
@@ -264,7 +264,8 @@ class PlanBuilder:
                 return self._pointer_source(value, len(self.inputs))
 
             slots = tuple((word, *source_of(value)) for word, value in packed.symbolic)
-            maps = tuple((packed.base + off, layout, *source_of(value)) for off, layout, value in packed.symbolic_maps)
+            maps = tuple((packed.base + off, layout.encoder(), *source_of(value))
+                         for off, layout, value in packed.symbolic_maps)
             function = resolve(spec, entry, self.device_id, shared)
             steps.append(Step(spec, entry, function, grid, block, shared, packed, slots, maps))
         release = None

@@ -47,9 +47,10 @@ class TensorMapLayout:
         if self.swizzle not in SWIZZLE_BYTES or (self.swizzle and self.box[0] * item > self.swizzle):
             raise ValueError(f"tensor map: a {self.box[0] * item}-byte box row does not fit swizzle {self.swizzle}")
 
-    def encode_into(self, out_address: int, global_address: int) -> None:
-        """Write the map of the array at ``global_address`` (16-byte aligned) to ``out_address``."""
-        _encoder(self)(out_address, global_address)
+    def encoder(self):
+        """A function (out_address, global_address) writing the map of the array at
+        ``global_address`` (16-byte aligned) to ``out_address``; a plan holds it for its calls."""
+        return _encoder(self)
 
 
 _libcuda = None
