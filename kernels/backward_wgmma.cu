@@ -13,7 +13,7 @@
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
-// SB_DETERMINISTIC, SB_STAGES as in backward.cu.
+// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two).
 #include "backward_common.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -63,6 +63,7 @@ constexpr int SMEM_BYTES = DQ_OFF + BQ * DQ_PITCH * 4 + (TILE_ALIGN - 128);
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
+static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
 #ifdef SB_SMEM_BYTES
 static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
 #endif
@@ -237,9 +238,9 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         __syncthreads();  // every warp is done with the stage that is loaded next and with the dQ tile
         if (tid == 0) {
             if (it > 0) reduce_dq();  // the previous query block's partial is in its tile
-            if (SB_STAGES > 1 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
+            if (it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
         }
-        if (SB_STAGES > 1 && it + 1 < n_it) advance(nh, ni);
+        if (it + 1 < n_it) advance(nh, ni);
 
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;
@@ -503,12 +504,6 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                     dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
                     dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
                 }
-        }
-
-        if (SB_STAGES == 1 && it + 1 < n_it) {
-            __syncthreads();  // the single stage is free
-            if (tid == 0) load_stage(nh, ni, 0);
-            advance(nh, ni);
         }
     }
 

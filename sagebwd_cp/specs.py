@@ -129,10 +129,13 @@ class BackwardTiles:
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
-    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128); the wgmma kernel on sm_90."""
+    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128; the mma.sync kernel only);
+    the wgmma kernel on sm_90."""
     tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch))
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
-        tiles = BackwardTiles(stages=1, wgmma=tiles.wgmma)
+        if tiles.wgmma:
+            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
+        tiles = BackwardTiles(stages=1)
         if tiles.shared_bytes(dp) > shared_limit:
             raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
     return tiles
