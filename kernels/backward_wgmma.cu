@@ -1,19 +1,21 @@
-// SageBwd backward on Hopper (sm_90a): warpgroup products (wgmma) and 128-key CTAs. The numerics
-// are backward.cu's (quantization blocks of 64 keys x 64 queries, the same scales and products);
-// the shape is another. Warpgroup w of the two owns keys 64w..64w+63 of the CTA and every query of
-// the 64-query block; warp v of a warpgroup owns 16 of those keys, so its Sᵀ and dPᵀ are 16 keys x
-// 64 queries. A key's maxima (P and Z, per key) stay inside a warp, a query's (Y, per query) inside
-// its warpgroup: no fragment exchange, two CTA-wide barriers per iteration, and one dQ reduction
-// per 128 keys.
+// SageBwd backward on Hopper (sm_90a): warpgroup products (wgmma) and CTAs of 2 or 3 warpgroups
+// (128 or 192 keys). The numerics are backward.cu's (quantization blocks of 64 keys x 64 queries,
+// the same scales and products); the shape is another. Warpgroup w owns keys 64w..64w+63 of the
+// CTA and every query of the 64-query block; warp v of a warpgroup owns 16 of those keys, so its Sᵀ
+// and dPᵀ are 16 keys x 64 queries. A key's maxima (P and Z, per key) stay inside a warp, a
+// query's (Y, per query) inside its warpgroup: no fragment exchange, two CTA-wide barriers per
+// iteration, and one dQ reduction per CTA's keys.
 //   Sᵀ = K̂ Q̂ᵀ (m64n64k32 s8)            ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)
 //   dPᵀ = V dOᵀ (m64n64k16 f16/bf16)     ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
 //   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ (m64n32k32 chunks, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
-//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (from shared memory; warpgroup w computes head-dim half w)
-// dQ's partial of the 128 keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
+//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (from shared memory; warpgroup w computes head-dim slice w)
+// dQ's partial of the CTA's keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
-// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two).
+// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two);
+// SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
+// registers: there dK's accumulators live in shared memory).
 #include "backward_common.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -24,13 +26,26 @@
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
-constexpr int GROUPS = 2;            // warpgroups
+#ifndef SB_GROUPS
+#define SB_GROUPS 2
+#endif
+constexpr int GROUPS = SB_GROUPS;    // warpgroups
 constexpr int CTA_KEYS = GROUPS * BKV;
 constexpr int THREADS = GROUPS * 128;
+constexpr bool DK_SMEM = GROUPS > 2;  // dK's FP32 accumulators in shared memory (a slot per thread)
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
 constexpr int CHUNKS = DP / 32;      // 32-column chunks of dK and dV (one m64n32 product each: 16 int32
                                      // registers in flight; 32 would not fit beside dK, dV and dS)
-constexpr int NT_DQ = DP / 16;       // n-tiles of a warpgroup's dQ columns (half the head dim)
+// dQ: warpgroup w computes DQ_COLS head-dim columns from DQ_COL0(w) over every key block of the CTA,
+// and stores those from w·DQ_COLS on (3 warpgroups at d=64: columns 0-23, 24-47, 40-63 of which
+// the last stores 48-63).
+constexpr int DQ_COLS = (DP / GROUPS + 7) / 8 * 8;
+constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
+SB_DEVICE int dq_col0(int w) { return GROUPS * DQ_COLS == DP ? w * DQ_COLS : min(w * DQ_COLS, DP - DQ_COLS); }
+// Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows: blocks of 128 keys one after the other,
+// the last one half used when GROUPS is odd (so that every block keeps the 128-byte swizzle).
+constexpr int KEY_BLOCKS = (CTA_KEYS + 127) / 128;
+static_assert(GROUPS == 2 || (GROUPS == 3 && DP == 64), "3 warpgroups fit the registers at head dim 64 only");
 constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
@@ -38,9 +53,9 @@ static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
 // Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
 constexpr int TILE_ALIGN = 1024;
-constexpr int K_OFF = 0;                         // K̂  [128 keys][DP] int8
-constexpr int KT_OFF = K_OFF + CTA_KEYS * DP;    // K̂ᵀ [DP][128 keys] int8
-constexpr int V_OFF = KT_OFF + DP * CTA_KEYS;    // V  [128 keys][DP] 16-bit, 128-byte column blocks
+constexpr int K_OFF = 0;                         // K̂  [keys][DP] int8
+constexpr int KT_OFF = K_OFF + CTA_KEYS * DP;    // K̂ᵀ [key block][DP][128 keys] int8
+constexpr int V_OFF = KT_OFF + DP * 128 * KEY_BLOCKS;  // V  [keys][DP] 16-bit, 128-byte column blocks
 constexpr int STAGE0 = V_OFF + 2 * CTA_KEYS * DP;
 constexpr int SQ = 0;                            // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fragment token order
@@ -50,16 +65,17 @@ constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, δ, s_Q, 0) [64] f32x
 constexpr int SBAR = SSTATS + 16 * BQ;           // the stage's mbarrier (its TMA loads' bytes)
 constexpr int STAGE_BYTES = (SBAR + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
-constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // Ŷ [64 q][128 keys] int8
+constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // Ŷ [key block][64 q][128 keys] int8
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
 // maxima of P, Z and Y per warp.
 constexpr int RED_Y = 0, RED_TILE = RED_Y + GROUPS * 4 * BQ, RED_FLOATS = RED_TILE + 3 * 4 * GROUPS;
-constexpr int RED_OFF = DS_OFF + BQ * CTA_KEYS;
-constexpr int YSCALE_OFF = RED_OFF + 4 * RED_FLOATS;  // Ŷ's scale per (key block, query) [2][64] f32
+constexpr int RED_OFF = DS_OFF + BQ * 128 * KEY_BLOCKS;
+constexpr int YSCALE_OFF = RED_OFF + 4 * RED_FLOATS;  // Ŷ's scale per (key block, query) [GROUPS][64] f32
 constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded: a warp's
                                   // 8-byte stores hit every bank, and tile and rows are one range each
 constexpr int DQ_OFF = YSCALE_OFF + 4 * GROUPS * BQ;
-constexpr int SMEM_BYTES = DQ_OFF + BQ * DQ_PITCH * 4 + (TILE_ALIGN - 128);
+constexpr int DK_OFF = DQ_OFF + BQ * DQ_PITCH * 4;  // DK_SMEM: [CHUNKS][4 n-tiles][THREADS] float4
+constexpr int SMEM_BYTES = DK_OFF + (DK_SMEM ? CHUNKS * 4 * THREADS * 16 : 0) + (TILE_ALIGN - 128);
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
@@ -143,7 +159,15 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
     const int kvalid = min(CTA_KEYS, a.Lk - j * CTA_KEYS);
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (bhk * a.Nk_pad + j * CTA_KEYS) * DP, DP);
-    load_tile<CTA_KEYS, DP, THREADS, true>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * CTA_KEYS, a.Nk_pad);
+#pragma unroll
+    for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
+        constexpr int LAST = CTA_KEYS - 128 * (KEY_BLOCKS - 1);  // keys of the last block
+        const i8* src = a.k8t + bhk * DP * a.Nk_pad + j * CTA_KEYS + 128 * kb2;
+        if (kb2 + 1 < KEY_BLOCKS)
+            load_tile<128, DP, THREADS, true>(sKt + kb2 * DP * 128, src, a.Nk_pad);
+        else
+            load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, a.Nk_pad);
+    }
     load_tile16<CTA_KEYS>(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * CTA_KEYS * a.vn, a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
@@ -225,13 +249,35 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         }
     };
 
-    float dk[CHUNKS][4][4], dv[CHUNKS][4][4];  // keys krow, krow+8 x head-dim columns 32·chunk + 8n + 2t, +1
+    // Keys krow, krow+8 x head-dim columns 32·chunk + 8n + 2t, +1. dK: registers, or (DK_SMEM) this
+    // thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
+    // [ch][n][thread]: a warp's accesses are conflict-free).
+    float dk[DK_SMEM ? 1 : CHUNKS][4][4], dv[CHUNKS][4][4];
+    auto dk_slot = [&] { return reinterpret_cast<float4*>(smem + DK_OFF) + fresh_tid(); };
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < 4; ++n) {
+            if (DK_SMEM) dk_slot()[(ch * 4 + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) dk[ch][n][c] = dv[ch][n][c] = 0.f;
+            for (int c = 0; c < 4; ++c) dk[DK_SMEM ? 0 : ch][n][c] = dv[ch][n][c] = 0.f;
+        }
+    auto fold_dk = [&](int ch, int (&pr)[4][4], u32 (&zf)[2][4], const float (&f)[2]) {
+        if constexpr (DK_SMEM) {
+            float4* slot = dk_slot() + ch * 4 * THREADS;
+            float acc[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const float4 v = slot[n * THREADS];
+                acc[n][0] = v.x, acc[n][1] = v.y, acc[n][2] = v.z, acc[n][3] = v.w;
+            }
+            rows_finish(acc, pr, zf, f);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) slot[n * THREADS] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+        } else {
+            rows_finish(dk[ch], pr, zf, f);
+        }
+    };
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
@@ -351,8 +397,8 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                 const float mz = warp_max(fmaxf(z_row[0], z_row[1]));
                 my = warp_max(my);
                 if (lane == 0) {
-                    red[RED_TILE + 8 + warp] = mz;
-                    red[RED_TILE + 16 + warp] = my;
+                    red[RED_TILE + 4 * GROUPS + warp] = mz;
+                    red[RED_TILE + 8 * GROUPS + warp] = my;
                 }
             }
         }
@@ -362,11 +408,11 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             dk_psi[0] = psi(z_row[0]);
             dk_psi[1] = psi(z_row[1]);
         } else {
-            float mz = red[RED_TILE + 8 + 4 * wg], my = red[RED_TILE + 16 + 4 * wg];
+            float mz = red[RED_TILE + 4 * GROUPS + 4 * wg], my = red[RED_TILE + 8 * GROUPS + 4 * wg];
 #pragma unroll
             for (int w = 1; w < 4; ++w) {
-                mz = fmaxf(mz, red[RED_TILE + 8 + 4 * wg + w]);
-                my = fmaxf(my, red[RED_TILE + 16 + 4 * wg + w]);
+                mz = fmaxf(mz, red[RED_TILE + 4 * GROUPS + 4 * wg + w]);
+                my = fmaxf(my, red[RED_TILE + 8 * GROUPS + 4 * wg + w]);
             }
             dk_psi[0] = dk_psi[1] = psi(mz);
             tile_y_psi = psi(my);
@@ -374,15 +420,16 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
         dv_step(1);
 
-        // Ŷ for dQ, stored [query][key of the CTA's 128]; per query (fine) or the block's scale (paper).
+        // Ŷ for dQ, stored [query][key of the CTA]; per query (fine) or the block's scale (paper).
         // In two halves of 32 queries (x), each followed by a dV step. Fine: lane (g, t) forms the scale
         // of query column 32x + ycol() and each thread gathers the inverse scales of its 8 columns of the
         // half by shuffles.
         {
             // Query row n·8 + 2t + c has swizzle key 2t + c whatever n (swizzled_offset<128, true>), so
             // two offsets and immediates address all 32 bytes (16 offsets would not stay in registers).
-            const int y_off[2] = {swizzled_offset<128, true>(2 * t, 4 * wg + wv) + g,
-                                  swizzled_offset<128, true>(2 * t + 1, 4 * wg + wv) + g};
+            const int ychunk = GROUPS > 2 ? 4 * (wg % 2) + wv : 4 * wg + wv, yblock = GROUPS > 2 ? (wg / 2) * BQ * 128 : 0;
+            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + yblock + g,
+                                  swizzled_offset<128, true>(2 * t + 1, ychunk) + yblock + g};
             const int yc = ycol();
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -428,27 +475,31 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         if (tid == 0) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
         __syncthreads();  // both warpgroups' Ŷ and scales are in shared memory
 
-        // dQ's head-dim half wg: Σ over the two key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
+        // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
         // product of two k-steps; dK's chunks interleave with them. The FP32 sum builds up in the
-        // shared dQ tile (registers are short): kb = 0 stores, kb = 1 adds.
+        // shared dQ tile (registers are short): kb = 0 stores, later blocks add.
         {
             int pq[NT_DQ][4];
             // This thread's rows and columns, rebuilt from a fresh thread index (held, they would spill).
-            const int ft = fresh_tid(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
-            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + (ft >> 7) * (DP / 2) + 2 * (ft & 3);
-            const u32 kt_lo = kt_desc + (ft >> 7) * (DP / 2) * 128 / 16;  // K̂ᵀ rows of head-dim half wg
+            const int ft = fresh_tid(), fw = ft >> 7, rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
+            const int col0 = dq_col0(fw), own0 = fw * DQ_COLS;  // first computed and first stored column
+            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + col0 + 2 * (ft & 3);
+            const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
             auto issue_dq = [&](int kb) {
+                const int blk = kb / 2 * (BQ * 128 / 16), in = 64 * (kb % 2);  // Ŷ's and K̂ᵀ's 128-key block, offset in it
+                const int kt_blk = kb / 2 * (DP * 128 / 16);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk)
-                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc, 64 * kb + 32 * kk), wgmma_desc<128>(kt_lo, 64 * kb + 32 * kk), kk);
+                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc + blk, in + 32 * kk), wgmma_desc<128>(kt_lo + kt_blk, in + 32 * kk), kk);
                 wgmma_commit();
             };
             auto fold_dq = [&](int kb) {
                 wgmma_hold_all(pq);
                 const float f[2] = {yscale_s[kb * BQ + rows], yscale_s[kb * BQ + rows + 8]};
 #pragma unroll
-                for (int n = 0; n < NT_DQ; ++n)
+                for (int n = 0; n < NT_DQ; ++n) {
+                    if (DP % GROUPS != 0 && col0 + 8 * n < own0) continue;  // another warpgroup's columns
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         float2* sp = reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + n * 8);
@@ -461,30 +512,22 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                         }
                         *sp = x;
                     }
+                }
             };
-            // In flight, in order: dK 0, dQ 0 | dQ 0, dK 1 | dK 1, dQ 1 | dQ 1, dK 2 | dK 2 | dK 3.
-            static_assert(CHUNKS >= 2, "two dK chunks interleave with the two dQ products");
+            // One dK chunk and one dQ product in flight, issued alternately: dK s, dQ s, dK s+1, dQ s+1, ...
             issue_dq(0);
-            wgmma_wait<1>();
-            rows_finish(dk[0], pr, zf, fac_k);
-            rows_issue<false>(pr, zf, sqt_lo, 1);
-            wgmma_wait<1>();
-            fold_dq(0);
-            issue_dq(1);
-            wgmma_wait<1>();
-            rows_finish(dk[1], pr, zf, fac_k);
-            if (CHUNKS > 2) {
-                rows_issue<false>(pr, zf, sqt_lo, 2);
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
-            }
-            fold_dq(1);
 #pragma unroll
-            for (int c = 2; c < CHUNKS; ++c) {
-                wgmma_wait<0>();
-                rows_finish(dk[c], pr, zf, fac_k);
-                if (c + 1 < CHUNKS) rows_issue<false>(pr, zf, sqt_lo, c + 1);
+            for (int st = 0; st < (CHUNKS > GROUPS ? CHUNKS : GROUPS); ++st) {
+                if (st < CHUNKS) {
+                    if (st < GROUPS) wgmma_wait<1>(); else wgmma_wait<0>();  // dK st (dQ st may still run)
+                    fold_dk(st, pr, zf, fac_k);
+                    if (st + 1 < CHUNKS) rows_issue<false>(pr, zf, sqt_lo, st + 1);
+                }
+                if (st < GROUPS) {
+                    if (st + 1 < CHUNKS) wgmma_wait<1>(); else wgmma_wait<0>();  // dQ st (dK st+1 may still run)
+                    fold_dq(st);
+                    if (st + 1 < GROUPS) issue_dq(st + 1);
+                }
             }
             fence_proxy_async();  // the bulk reduction reads what these stores wrote
             // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
@@ -499,10 +542,18 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     const float m0 = mu[ch * 32 + n * 8 + 2 * t], m1 = mu[ch * 32 + n * 8 + 2 * t + 1];
-                    dk[ch][n][0] = fmaf(rs[0], m0, dk[ch][n][0]);
-                    dk[ch][n][1] = fmaf(rs[0], m1, dk[ch][n][1]);
-                    dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
-                    dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
+                    if constexpr (DK_SMEM) {
+                        float4* v = dk_slot() + (ch * 4 + n) * THREADS;
+                        v->x = fmaf(rs[0], m0, v->x);
+                        v->y = fmaf(rs[0], m1, v->y);
+                        v->z = fmaf(rs[1], m0, v->z);
+                        v->w = fmaf(rs[1], m1, v->w);
+                    } else {
+                        dk[ch][n][0] = fmaf(rs[0], m0, dk[ch][n][0]);
+                        dk[ch][n][1] = fmaf(rs[0], m1, dk[ch][n][1]);
+                        dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
+                        dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
+                    }
                 }
         }
     }
@@ -531,8 +582,16 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             for (int n = 0; n < 4; ++n) {
                 const int col = ch * 32 + n * 8 + 2 * ft_t;
                 if (col >= a.D) continue;
-                *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[ch][n][2 * half] * 0.6931471805599453f,
-                                                                       dk[ch][n][2 * half + 1] * 0.6931471805599453f);
+                float k0, k1;
+                if constexpr (DK_SMEM) {
+                    const float4 v = reinterpret_cast<const float4*>(smem + DK_OFF)[(ch * 4 + n) * THREADS + ft];
+                    k0 = half ? v.z : v.x;
+                    k1 = half ? v.w : v.y;
+                } else {
+                    k0 = dk[ch][n][2 * half];
+                    k1 = dk[ch][n][2 * half + 1];
+                }
+                *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);
                 *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
             }
     }

@@ -31,11 +31,13 @@ constexpr int swizzle_period_rows() { return ROW_BYTES >= 128 || WGMMA ? 8 : 102
 // Copy ROWS rows of ROW_BYTES int8 from global (row stride gstride bytes) into a swizzled tile,
 // 16 bytes per cp.async, spread over the THREADS threads of the block. Every count is a
 // compile-time constant, so the copy unrolls; when a pass spans whole swizzle periods the
-// thread's shared offset is computed once and later passes add a constant.
+// thread's shared offset is computed once and later passes add a constant. LOAD_BYTES < ROW_BYTES
+// fills only the first LOAD_BYTES of each row (a tile wider than its data).
 // tid: the thread's index (fresh_tid() in a register-bound loop: the addresses are rebuilt per call).
-template <int ROW_BYTES, int ROWS, int THREADS, bool WGMMA = false>
+template <int ROW_BYTES, int ROWS, int THREADS, bool WGMMA = false, int LOAD_BYTES = ROW_BYTES>
 SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride, u32 tid = threadIdx.x) {
-    constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
+    static_assert(LOAD_BYTES % 16 == 0 && LOAD_BYTES <= ROW_BYTES, "whole chunks of a row");
+    constexpr int CHUNKS = LOAD_BYTES / 16, TOTAL = ROWS * CHUNKS;
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
     constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES, WGMMA>() == 0;

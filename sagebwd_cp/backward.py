@@ -77,7 +77,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                  i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 
     dev = prob.q.device_id
-    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
+    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), granularity == "fine", deterministic)
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
     lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None

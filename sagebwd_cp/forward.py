@@ -71,7 +71,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     backward), dO is quantized in the same launch (see ``quantize_grad_output``)."""
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
-    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, specs.TOKEN_PAD)
+    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, specs.KEY_PAD)
     spec = specs.quantize_spec(prob.dtype)
 
     k_mean = k_sum = None

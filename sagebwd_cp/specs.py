@@ -10,6 +10,7 @@ from .compiler import KernelSpec, make_spec
 DTYPES = ("float16", "bfloat16")
 PADDED_HEAD_DIMS = (64, 128)
 TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (the largest CTA tile)
+KEY_PAD = 384  # the key-side ones a multiple of this (the backward's 192-key CTAs load whole tiles)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -98,17 +99,22 @@ def backward_rows_spec(dtype: str) -> KernelSpec:
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
-    threads: int = 256  # mma.sync: 4 key groups x 2 query halves of a 64x64 tile; wgmma: 2 warpgroups
-    wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys, 128-key CTAs)
+    wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
+    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 at head dim 64, see wgmma_groups)
 
     @property
     def filename(self) -> str:
         return "backward_wgmma.cu" if self.wgmma else "backward.cu"
 
     @property
+    def threads(self) -> int:
+        """mma.sync: 4 key groups x 2 query halves of a 64x64 tile; wgmma: 128 per warpgroup."""
+        return 128 * self.groups if self.wgmma else 256
+
+    @property
     def block_keys(self) -> int:
         """Keys per CTA (the grid's x extent is the key length over this)."""
-        return 2 * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
+        return self.groups * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
 
     def dq_row(self, dp: int) -> int:
         """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""
@@ -116,11 +122,15 @@ class BackwardTiles:
 
     def shared_bytes(self, dp: int) -> int:
         if self.wgmma:
-            # backward_wgmma.cu: K̂, K̂ᵀ, V of 128 keys; per stage Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows
-            # and the stage's mbarrier (its TMA loads), rounded up to 1024 bytes; Ŷ [64][128]; the warpgroups' maxima; Ŷ's
-            # scales; the dQ partial's tile; 896 bytes of slack to align the base.
+            # backward_wgmma.cu: K̂, K̂ᵀ, V of the CTA's keys (K̂ᵀ in blocks of 128 keys); per stage Q̂,
+            # Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the stage's mbarrier (its TMA loads), rounded up to
+            # 1024 bytes; Ŷ [128-key blocks][64][128]; the warpgroups' maxima; Ŷ's scales; the dQ
+            # partial's tile; dK's accumulators when 3 warpgroups hold them there; 896 bytes of slack.
+            g, key_blocks = self.groups, (self.groups + 1) // 2
             stage = 320 * dp + 16 * 64 + 1024
-            return 512 * dp + self.stages * stage + 64 * 128 + 4 * (2 * 4 * 64 + 24) + 4 * 2 * 64 + 64 * (dp + 8) * 4 + 896
+            dk = (dp // 32) * 4 * self.threads * 16 if g > 2 else 0
+            return (64 * g * dp + 128 * key_blocks * dp + 128 * g * dp + self.stages * stage + 64 * 128 * key_blocks
+                    + 4 * (g * 4 * 64 + 12 * g) + 4 * g * 64 + 64 * (dp + 8) * 4 + dk + 896)
         # backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, δ, s_Q, 0) rows and the dÔ scale per
         # stage; Ŷ (rows padded); the exchanged maxima and sums, dQ's per-query scales and the packed
         # A fragments.
@@ -128,10 +138,27 @@ class BackwardTiles:
         return 256 * dp + self.stages * stage + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64 + 2 * 8 * 32 * 16
 
 
-def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> BackwardTiles:
+def wgmma_groups(dp: int, fine: bool = True, deterministic: bool = False) -> int:
+    """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
+    the deterministic and paper kernels (dK's accumulators in shared memory, 168 registers: 12 warps
+    per SM; measured 8-15% and 2-6% faster), 2 for the default fine kernel (3 measured 1-5% slower:
+    benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64."""
+    if dp != 64:
+        return 2
+    forced = os.environ.get("SAGEBWD_BACKWARD_GROUPS")
+    if forced is not None:
+        if forced not in ("2", "3"):
+            raise ValueError(f"SAGEBWD_BACKWARD_GROUPS: expected 2 or 3, got {forced!r}")
+        return int(forced)
+    return 3 if deterministic or not fine else 2
+
+
+def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None, fine: bool = True,
+                   deterministic: bool = False) -> BackwardTiles:
     """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128; the mma.sync kernel only);
     the wgmma kernel on sm_90."""
-    tiles = BackwardTiles(stages=2, wgmma=use_wgmma(arch))
+    wg = use_wgmma(arch)
+    tiles = BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, fine, deterministic) if wg else 2)
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
         if tiles.wgmma:
             raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
@@ -145,11 +172,12 @@ def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, det
                   tiles: BackwardTiles) -> KernelSpec:
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
-           f"{'.wgmma' if tiles.wgmma else ''}")
+           f"{'.wgmma' if tiles.wgmma else ''}{f'.g{tiles.groups}' if tiles.wgmma and tiles.groups != 2 else ''}")
+    groups = {"SB_GROUPS": tiles.groups} if tiles.wgmma else {}
     return make_spec(key, tiles.filename, ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
                      SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma),
-                     SB_SMEM_BYTES=tiles.shared_bytes(dp))
+                     SB_SMEM_BYTES=tiles.shared_bytes(dp), **groups)
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
@@ -175,5 +203,5 @@ def all_specs(arch: str | None = None) -> list:
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(stages=2, wgmma=True)))
+                                                           BackwardTiles(2, True, wgmma_groups(dp, fine, det))))
     return specs

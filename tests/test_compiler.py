@@ -192,8 +192,17 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
     assert specs.forward_tiles(128, hopper, "sm_90").wgmma
-    for dp in (64, 128):
-        assert specs.backward_tiles(dp, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
+    assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
+    assert specs.backward_tiles(64, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
+    for fine, det in ((False, False), (True, True), (False, True)):  # 3 warpgroups where they measured faster
+        assert specs.backward_tiles(64, hopper, "sm_90", fine, det).groups == 3
+        assert specs.backward_tiles(128, hopper, "sm_90", fine, det).groups == 2
+    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "3")
+    assert specs.backward_tiles(64, hopper, "sm_90").groups == 3
+    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "4")
+    with pytest.raises(ValueError, match="SAGEBWD_BACKWARD_GROUPS"):
+        specs.backward_tiles(64, hopper, "sm_90")
+    monkeypatch.delenv("SAGEBWD_BACKWARD_GROUPS")
     for arch in ("sm_80", "sm_86", "sm_89", None):
         assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
         assert not specs.backward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
@@ -213,6 +222,7 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
                                                             specs.ForwardTiles(4, 1)).options("sm_90")
     for arch in ("sm_80", "sm_86", "sm_89"):
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
+    hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
     # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
     assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
     # Backward (backward_wgmma.cu: 128-key CTAs): 128-key K̂, K̂ᵀ, V; stages rounded up to 1024 bytes; Ŷ
@@ -223,5 +233,14 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
         assert wg.shared_bytes(dp) == (512 * dp + 2 * (320 * dp + 2048) + 64 * 128 + 4 * (512 + 24) + 4 * 128
                                        + 64 * (dp + 8) * 4 + 896)
         assert wg.dq_row(dp) == dp + 8 and plain.dq_row(dp) == dp
-    assert (wg.block_keys, plain.block_keys) == (128, 64)
+    assert (wg.block_keys, plain.block_keys, wg.threads, plain.threads) == (128, 64, 256, 256)
     assert (wg.filename, plain.filename) == ("backward_wgmma.cu", "backward.cu")
+    # Three warpgroups (head dim 64): 192 keys, K̂ᵀ and Ŷ in two 128-key blocks (the second half
+    # used), and dK's accumulators (2 chunks x 4 float4 per thread) in shared memory; it must fit
+    # Hopper's opt-in limit, and the key-side buffers hold whole 192-key tiles.
+    g3 = specs.BackwardTiles(2, wgmma=True, groups=3)
+    assert (g3.block_keys, g3.threads) == (192, 384)
+    assert g3.shared_bytes(64) == (192 * 64 + 256 * 64 + 384 * 64 + 2 * (320 * 64 + 2048) + 2 * 64 * 128
+                                   + 4 * (768 + 36) + 4 * 192 + 64 * 72 * 4 + 2 * 4 * 384 * 16 + 896)
+    assert g3.shared_bytes(64) <= hopper_limit
+    assert specs.KEY_PAD % g3.block_keys == 0 and specs.KEY_PAD % specs.TOKEN_PAD == 0

@@ -132,11 +132,45 @@ def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_deterministic_is_bitwise_repeatable(causal):
+@pytest.mark.parametrize("granularity", ["fine", "paper"])
+def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
+    """At head dim 64 Hopper runs 192-key CTAs of three warpgroups (dK accumulated in shared memory,
+    dQ's columns split 24/24/16) for the paper and deterministic kernels and 128-key CTAs of two
+    for the default; SAGEBWD_BACKWARD_GROUPS forces either. Same blocks and integer products: only
+    FP32 sums of dQ over a CTA's key blocks differ in order."""
+    import torch
+
+    from sagebwd_cp import plan, specs
+    from sagebwd_cp.launch import device_arch
+
+    if not specs.use_wgmma(device_arch(0)):
+        pytest.skip("the wgmma backward runs on sm_90 only")
+    layout = "HND"
+    q, k, v = make_qkv(2, 4, 2, 333, 517, 64, "bfloat16", layout, seed=7 + causal)
+    do = _grad_output(q, layout, seed=8)
+    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "3")
+    plan.clear_plans()
+    out, saved, grads = _run(q, k, v, do, layout, causal, granularity, deterministic=False)
+    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "2")
+    plan.clear_plans()
+    _, _, grads_two = _run(q, k, v, do, layout, causal, granularity, deterministic=False)
+    plan.clear_plans()
+    torch.cuda.synchronize()
+    expected = _emulated(q, k, v, out, saved, do, layout, causal, granularity)
+    for name, g, g2, e in zip(("dq", "dk", "dv"), grads, grads_two, expected):
+        g, g2 = to_hnd_numpy(g, layout), to_hnd_numpy(g2, layout)
+        assert rel_l2(g, e) < EMU_TOL["bfloat16"], f"{name}: three warpgroups vs emulator"
+        assert rel_l2(g2, e) < EMU_TOL["bfloat16"], f"{name}: two warpgroups vs emulator"
+        assert rel_l2(g, g2) < EMU_TOL["bfloat16"] / 4, f"{name}: three vs two warpgroups"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_deterministic_is_bitwise_repeatable(causal, d):
     import torch
 
     layout = "HND"
-    q, k, v = make_qkv(2, 4, 2, 1500, 1500, 128, "float16", layout, seed=11)
+    q, k, v = make_qkv(2, 4, 2, 1500, 1500, d, "float16", layout, seed=11)
     do = _grad_output(q, layout, seed=12)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal)
     first = sagebwd_cp.attention_backward(saved, do, deterministic=True)
