@@ -135,10 +135,9 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
 // query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, δ, s_Q, 0) per query column of the stage.
 
 // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
-template <int N>
-SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const Args& a,
-                             int shift) {
+template <bool MASK, int N>
+SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
+                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const Args& a, int shift) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -150,10 +149,21 @@ SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float
                 const int key = key_lo + 8 * half, q = q0 + col;
                 const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                 float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                if (MASK && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
                 p[n][2 * half + c] = e;
             }
         }
+}
+// need_mask is uniform over the warp: tiles inside the sequences and below the diagonal (most of
+// them) branch around the per-score compares and selects.
+template <int N>
+SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
+                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const Args& a,
+                             int shift) {
+    if (need_mask)
+        probabilities_of<true>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, a, shift);
+    else
+        probabilities_of<false>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, a, shift);
 }
 
 // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
