@@ -253,18 +253,18 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     // thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
     // [ch][n][thread]: a warp's accesses are conflict-free).
     float dk[DK_SMEM ? 1 : CHUNKS][4][4], dv[CHUNKS][4][4];
-    auto dk_slot = [&] { return reinterpret_cast<float4*>(smem + DK_OFF) + fresh_tid(); };
+    auto dk_slot = [&](u32 thread) { return reinterpret_cast<float4*>(smem + DK_OFF) + thread; };
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-            if (DK_SMEM) dk_slot()[(ch * 4 + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (DK_SMEM) dk_slot(tid)[(ch * 4 + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int c = 0; c < 4; ++c) dk[DK_SMEM ? 0 : ch][n][c] = dv[ch][n][c] = 0.f;
         }
     auto fold_dk = [&](int ch, int (&pr)[4][4], u32 (&zf)[2][4], const float (&f)[2]) {
         if constexpr (DK_SMEM) {
-            float4* slot = dk_slot() + ch * 4 * THREADS;
+            float4* slot = dk_slot(fresh_tid()) + ch * 4 * THREADS;
             float acc[4][4];
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
@@ -537,13 +537,15 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q.
             const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
+            float4* own = nullptr;  // DK_SMEM: this thread's slot
+            if constexpr (DK_SMEM) own = dk_slot(fresh_tid());
 #pragma unroll
             for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     const float m0 = mu[ch * 32 + n * 8 + 2 * t], m1 = mu[ch * 32 + n * 8 + 2 * t + 1];
                     if constexpr (DK_SMEM) {
-                        float4* v = dk_slot() + (ch * 4 + n) * THREADS;
+                        float4* v = own + (ch * 4 + n) * THREADS;
                         v->x = fmaf(rs[0], m0, v->x);
                         v->y = fmaf(rs[0], m1, v->y);
                         v->z = fmaf(rs[1], m0, v->z);
@@ -584,7 +586,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                 if (col >= a.D) continue;
                 float k0, k1;
                 if constexpr (DK_SMEM) {
-                    const float4 v = reinterpret_cast<const float4*>(smem + DK_OFF)[(ch * 4 + n) * THREADS + ft];
+                    const float4 v = dk_slot(ft)[(ch * 4 + n) * THREADS];
                     k0 = half ? v.z : v.x;
                     k1 = half ? v.w : v.y;
                 } else {

@@ -66,7 +66,9 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     dp = prob.padded_head_dim
     rows = specs.backward_rows_spec(prob.dtype)
 
-    qz = quantize_inputs(plan, prob, True, do)
+    dev = prob.q.device_id
+    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), granularity == "fine", deterministic)
+    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad)
     nq, nk = qz.nq_pad, qz.nk_pad
 
     stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, δ, s_Q, 0) per query row
@@ -76,8 +78,6 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                 [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
                  i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 
-    dev = prob.q.device_id
-    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), granularity == "fine", deterministic)
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
     lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None

@@ -65,13 +65,15 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
                 jobs + [i32(prob.head_dim), i32(prob.padded_head_dim)])
 
 
-def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None) -> Quantized:
+def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
+                    key_pad: int = specs.TOKEN_PAD) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
     quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
-    backward), dO is quantized in the same launch (see ``quantize_grad_output``)."""
+    backward), dO is quantized in the same launch (see ``quantize_grad_output``).  Key-side buffers
+    hold a multiple of ``key_pad`` tokens (the backward's: ``BackwardTiles.key_pad``)."""
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
-    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, specs.KEY_PAD)
+    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, key_pad)
     spec = specs.quantize_spec(prob.dtype)
 
     k_mean = k_sum = None

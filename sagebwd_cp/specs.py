@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from . import numerics
@@ -9,8 +10,7 @@ from .compiler import KernelSpec, make_spec
 
 DTYPES = ("float16", "bfloat16")
 PADDED_HEAD_DIMS = (64, 128)
-TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (the largest CTA tile)
-KEY_PAD = 384  # the key-side ones a multiple of this (the backward's 192-key CTAs load whole tiles)
+TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (key-side: BackwardTiles.key_pad in the backward)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -115,6 +115,11 @@ class BackwardTiles:
     def block_keys(self) -> int:
         """Keys per CTA (the grid's x extent is the key length over this)."""
         return self.groups * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
+
+    @property
+    def key_pad(self) -> int:
+        """Key-side INT8 buffers hold a multiple of this many tokens: CTAs load whole key tiles."""
+        return math.lcm(TOKEN_PAD, self.block_keys)
 
     def dq_row(self, dp: int) -> int:
         """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""

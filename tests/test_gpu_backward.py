@@ -101,34 +101,45 @@ def test_backward_strided_views_and_unaligned_rows():
         assert rel_l2(to_hnd_numpy(g, layout), e) < EMU_TOL["bfloat16"]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,dtype,granularity", [(64, "float16", "fine"), (128, "bfloat16", "fine"),
-                                                 (96, "float16", "paper")])
-def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype, granularity):
-    """Hopper runs the wgmma backward (backward_wgmma.cu, 128-key CTAs) by default; the mma.sync kernel
-    (sm_80-89, SAGEBWD_WGMMA=0 on Hopper) has the same quantization blocks, integer products and FP32
-    steps, only FP32 sums in another order (dP's, and dQ's over the two 64-key blocks of a CTA). Both
-    match the emulator, and they agree with each other far inside its bound."""
+def _assert_kernels_agree(monkeypatch, settings, labels, q, k, v, do, layout, causal, granularity, deterministic,
+                          dtype):
+    """Runs the backward under each of two environment settings (fresh plans each) and checks both
+    against the emulator, and against each other far inside its bound: the kernels share the
+    quantization blocks and integer products and differ only in the order of FP32 sums."""
     import torch
 
     from sagebwd_cp import plan
 
+    runs = []
+    for env in settings:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        plan.clear_plans()
+        runs.append(_run(q, k, v, do, layout, causal, granularity, deterministic=deterministic))
+    plan.clear_plans()
+    torch.cuda.synchronize()
+    out, saved, _ = runs[0]
+    expected = _emulated(q, k, v, out, saved, do, layout, causal, granularity)
+    for name, a, b, e in zip(("dq", "dk", "dv"), runs[0][2], runs[1][2], expected):
+        a, b = to_hnd_numpy(a, layout), to_hnd_numpy(b, layout)
+        assert rel_l2(a, e) < EMU_TOL[dtype], f"{name}: {labels[0]} vs emulator"
+        assert rel_l2(b, e) < EMU_TOL[dtype], f"{name}: {labels[1]} vs emulator"
+        assert rel_l2(a, b) < EMU_TOL[dtype] / 4, f"{name}: {labels[0]} vs {labels[1]}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype,granularity", [(64, "float16", "fine"), (128, "bfloat16", "fine"),
+                                                 (96, "float16", "paper")])
+def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype, granularity):
+    """Hopper runs the wgmma backward (backward_wgmma.cu, CTAs of 128 or 192 keys) by default; the
+    mma.sync kernel (sm_80-89, SAGEBWD_WGMMA=0 on Hopper) has the same quantization blocks, integer
+    products and FP32 steps, only FP32 sums in another order (dP's, and dQ's over the 64-key blocks
+    of a CTA)."""
     layout = "NHD"
     q, k, v = make_qkv(2, 4, 2, 333, 517, d, dtype, layout, seed=d + causal)
     do = _grad_output(q, layout, seed=d + 5)
-    plan.clear_plans()
-    out, saved, grads = _run(q, k, v, do, layout, causal, granularity, deterministic=True)
-    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
-    plan.clear_plans()
-    _, _, grads_sync = _run(q, k, v, do, layout, causal, granularity, deterministic=True)
-    plan.clear_plans()
-    torch.cuda.synchronize()
-    expected = _emulated(q, k, v, out, saved, do, layout, causal, granularity)
-    for name, g, gs, e in zip(("dq", "dk", "dv"), grads, grads_sync, expected):
-        g, gs = to_hnd_numpy(g, layout), to_hnd_numpy(gs, layout)
-        assert rel_l2(gs, e) < EMU_TOL[dtype], f"{name}: mma.sync vs emulator"
-        assert rel_l2(g, e) < EMU_TOL[dtype], f"{name}: default vs emulator"
-        assert rel_l2(g, gs) < EMU_TOL[dtype] / 4, f"{name}: default vs mma.sync"
+    _assert_kernels_agree(monkeypatch, ({}, {"SAGEBWD_WGMMA": "0"}), ("default", "mma.sync"), q, k, v, do, layout,
+                          causal, granularity, True, dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -136,11 +147,9 @@ def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype
 def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
     """At head dim 64 Hopper runs 192-key CTAs of three warpgroups (dK accumulated in shared memory,
     dQ's columns split 24/24/16) for the paper and deterministic kernels and 128-key CTAs of two
-    for the default; SAGEBWD_BACKWARD_GROUPS forces either. Same blocks and integer products: only
-    FP32 sums of dQ over a CTA's key blocks differ in order."""
-    import torch
-
-    from sagebwd_cp import plan, specs
+    for the default; SAGEBWD_BACKWARD_GROUPS forces either. Only FP32 sums of dQ over a CTA's key
+    blocks differ in order."""
+    from sagebwd_cp import specs
     from sagebwd_cp.launch import device_arch
 
     if not specs.use_wgmma(device_arch(0)):
@@ -148,20 +157,9 @@ def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
     layout = "HND"
     q, k, v = make_qkv(2, 4, 2, 333, 517, 64, "bfloat16", layout, seed=7 + causal)
     do = _grad_output(q, layout, seed=8)
-    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "3")
-    plan.clear_plans()
-    out, saved, grads = _run(q, k, v, do, layout, causal, granularity, deterministic=False)
-    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "2")
-    plan.clear_plans()
-    _, _, grads_two = _run(q, k, v, do, layout, causal, granularity, deterministic=False)
-    plan.clear_plans()
-    torch.cuda.synchronize()
-    expected = _emulated(q, k, v, out, saved, do, layout, causal, granularity)
-    for name, g, g2, e in zip(("dq", "dk", "dv"), grads, grads_two, expected):
-        g, g2 = to_hnd_numpy(g, layout), to_hnd_numpy(g2, layout)
-        assert rel_l2(g, e) < EMU_TOL["bfloat16"], f"{name}: three warpgroups vs emulator"
-        assert rel_l2(g2, e) < EMU_TOL["bfloat16"], f"{name}: two warpgroups vs emulator"
-        assert rel_l2(g, g2) < EMU_TOL["bfloat16"] / 4, f"{name}: three vs two warpgroups"
+    groups = ({"SAGEBWD_BACKWARD_GROUPS": "3"}, {"SAGEBWD_BACKWARD_GROUPS": "2"})
+    _assert_kernels_agree(monkeypatch, groups, ("three warpgroups", "two warpgroups"), q, k, v, do, layout, causal,
+                          granularity, False, "bfloat16")
 
 
 @pytest.mark.parametrize("causal", [False, True])

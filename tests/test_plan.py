@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import compiler, launch, numerics, plan, specs, tensor_map
+from sagebwd_cp import compiler, launch, numerics, plan, tensor_map
 from sagebwd_cp.arrays import ArrayDesc
 from sagebwd_cp.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
 
@@ -343,9 +343,7 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
-    # Quantize: 64-token blocks of the padded buffers (queries to 128 tokens, keys to KEY_PAD).
-    kb = specs.KEY_PAD // 64
-    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), (2 * 2 + kb * 1 + kb * 1, 1, 1), (1, 2, 1)]
+    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), (2 * 2 + 2 * 1 + 2 * 1, 1, 1), (1, 2, 1)]
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
     sagebwd_cp.attention_backward(saved, do, deterministic=True)
@@ -354,6 +352,21 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
     zeroed = sorted(b.name for b in _buffers(bwd) if b.zeroed)
     assert zeroed == ["dq_acc", "lock"] and memsets[0][3] == bwd.zero_bytes
+
+
+def test_backward_pads_keys_to_whole_cta_tiles(gpu):
+    """K̂ and K̂ᵀ are padded to the backward's key tile (192-key CTAs of three warpgroups for the
+    deterministic kernel at head dim 64 on sm_90, 128 keys for the default one); the forward to 128."""
+    q, k, v = qkv(lq=64, lk=64)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    do = cuda_desc(q.shape, base=7 << 44)
+    for deterministic, nk in ((True, 384), (False, 128)):
+        plan.clear_plans()
+        sagebwd_cp.attention_backward(saved, do, deterministic=deterministic)
+        bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
+        shapes = {b.name: b.shape for b in _buffers(bwd)}
+        assert shapes["k8"][2] == nk and shapes["k8t"][3] == nk and shapes["k_scale"][2] == nk
+        assert shapes["q8"][2] == 128
 
 
 def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monkeypatch):
