@@ -227,10 +227,13 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         return (fg >> 1) * 8 + 2 * (ft & 3) + (fg & 1);
     };
 
-    // The dQ partial of a query block waits in its shared tile until the next iteration's first barrier;
-    // then one thread adds it into dq_acc with one bulk reduction. Deterministic: key blocks (CTAs) add
-    // into a query block in order, so that thread waits for its turn and passes it on once the
-    // reduction's writes are done.
+    // The dQ partial of a query block waits in its shared tile until the next iteration; there, once its
+    // warpgroup's products are issued, thread REDUCER (not thread 0, which issues the stage loads) adds
+    // it into dq_acc with one bulk reduction. Issued at the top of the iteration with the loads, the
+    // reduction held the copy engine while thread 0's later loads waited, and warp 0's warpgroup waited
+    // for warp 0 at its first product. Deterministic: key blocks (CTAs) add into a query block in
+    // order, so that thread waits for its turn and passes it on once the reduction's writes are done.
+    constexpr int REDUCER = (GROUPS - 1) * 128;
     const u32 dq_s = base + DQ_OFF;
     i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
     auto lock_pending = [&] { return a.dq_lock + pending_row / BQ; };  // its turn counter
@@ -282,10 +285,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         __syncthreads();  // every warp is done with the stage that is loaded next and with the dQ tile
-        if (tid == 0) {
-            if (it > 0) reduce_dq();  // the previous query block's partial is in its tile
-            if (it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
-        }
+        if (tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
         if (it + 1 < n_it) advance(nh, ni);
 
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
@@ -316,6 +316,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                 wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
                                       wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
             wgmma_commit();
+            if (tid == REDUCER && it > 0) reduce_dq();  // the previous query block's partial is in its tile
             wgmma_wait<1>();
             wgmma_hold_all(s);
 
@@ -472,7 +473,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         dv_step(4);
         rows_issue<false>(pr, zf, sqt_lo, 0);  // dK, chunk 0
         fence_proxy_async();  // Ŷ's stores are read by wgmma
-        if (tid == 0) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
+        if (tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
         __syncthreads();  // both warpgroups' Ŷ and scales are in shared memory
 
         // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
@@ -562,7 +563,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
     if (pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
         __syncthreads();       // the last query block's dQ partial is in shared memory
-        if (tid == 0) {
+        if (tid == REDUCER) {
             reduce_dq();
             bulk_wait<0>();
         }
