@@ -146,7 +146,7 @@ class BackwardTiles:
 def wgmma_groups(dp: int, fine: bool = True, deterministic: bool = False) -> int:
     """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
     the deterministic and paper kernels (dK's accumulators in shared memory, 168 registers: 12 warps
-    per SM; measured 8-15% and 2-6% faster), 2 for the default fine kernel (3 measured 1-5% slower:
+    per SM; measured 10-22% and 0-5% faster), 2 for the default fine kernel (3 measured 8-12% slower:
     benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64."""
     if dp != 64:
         return 2
