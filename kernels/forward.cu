@@ -8,6 +8,9 @@
 //   SB_WARPS    warps per CTA                          SB_MT      16-row m-tiles per warp
 //   SB_WGMMA    sm_90a: S and P̂V̂ as warpgroup products (wgmma) on shared tiles in wgmma layouts,
 //               instead of mma.sync on ldmatrix fragments (one warpgroup: 4 warps x 16 rows)
+//   SB_TILE_KEYS keys per tile: 64 (the V scale block), or 128 with SB_WGMMA. A 128-key tile takes
+//               its row maxima, P̂'s scale and the O update once for two V blocks; P̂ then folds the
+//               ratio of the blocks' V scales in (numerics.py, forward P quantization).
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "mma.cuh"
@@ -39,23 +42,32 @@
 #define SB_WGMMA 0
 #endif
 
+#ifndef SB_TILE_KEYS
+#define SB_TILE_KEYS SB_BLOCK_KV
+#endif
+
 constexpr int DP = SB_DP;
-constexpr int BKV = SB_BLOCK_KV;             // keys per tile (= V scale block)
+constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
+constexpr int TILE = SB_TILE_KEYS;           // keys per tile
+constexpr int VBLOCKS = TILE / BKV;          // V scale blocks per tile
 constexpr int THREADS = SB_WARPS * 32;
 constexpr int CTA_Q = SB_WARPS * 16 * SB_MT;  // query rows per CTA
 constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
-constexpr int NT_KV = BKV / 8;                // n-tiles of S over the key tile
+constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
+constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
 constexpr int NT_D = DP / 8;                  // n-tiles of O over the head dim
 constexpr int Q_BYTES = CTA_Q * DP;
-constexpr int K_BYTES = BKV * DP;
-constexpr int V_BYTES = DP * BKV;
-constexpr int KS_BYTES = 4 * BKV;             // the key tile's per-token K scales, f32
+constexpr int K_BYTES = TILE * DP;
+constexpr int V_BYTES = DP * TILE;
+constexpr int KS_BYTES = 4 * TILE;            // the key tile's per-token K scales, f32
 constexpr bool WG = SB_WGMMA;
 // wgmma tiles start on their swizzle atom (1024 bytes covers both), so stages round up to it and
 // the dynamic base is aligned inside 1024 bytes of slack.
 constexpr int STAGE_BYTES = WG ? K_BYTES + V_BYTES + 1024 : K_BYTES + V_BYTES + KS_BYTES;
 constexpr int SMEM_SLACK = WG ? 1024 : 0;
 static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
+static_assert(TILE == BKV || (WG && TILE == 2 * BKV), "128-key tiles on the wgmma path only");
+static_assert(!WG || KS_BYTES <= 1024, "the K scales live in a stage's 1024 bytes of padding");
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 // Lazy rescaling: O and l are kept relative to a per-row reference max m_ref that moves only when
 // a tile's row max exceeds it by more than this (log2 units). Tile weights exp2(rmax - m_ref) stay
@@ -64,7 +76,7 @@ constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned,
 constexpr float LAZY_LOG2 = 8.f;
 constexpr float M_NONE = -1e30f;              // m_ref before any key: exp2(M_NONE - x) = 0
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
-static_assert(BKV == 64, "the P fragment packing assumes 64-key tiles");
+static_assert(BKV == 64, "V scale blocks of 64 keys: two 32-key k-steps of P̂V̂ each");
 #ifdef SB_SMEM_BYTES
 static_assert(Q_BYTES + 2 * STAGE_BYTES + SMEM_SLACK == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
 #endif
@@ -79,9 +91,11 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
 
 // mma.sync: one CTA per SM is the floor that lets ptxas keep every accumulator in registers (it
 // otherwise trades a few spills for occupancy on sm_90). wgmma: Q̂ stays in shared memory and P̂V̂
-// goes 64 columns at a time, so 4 CTAs (128 registers) fit an SM without spills (5 at d=64 measured
-// 1% slower); the Q-smoothing variants hold more and take one CTA fewer.
-constexpr int MIN_BLOCKS = !WG ? 1 : 4 - (SB_BIAS ? 1 : 0);
+// goes 64 columns at a time; 64-key tiles fit 4 CTAs (128 registers) without spills (5 at d=64
+// measured 1% slower); 128-key tiles hold twice the S accumulator: 4 CTAs at d=64, 3 at d=128 (168
+// registers; three CTAs' 76800 bytes fill the SM's shared memory). The Q-smoothing variants hold
+// more and take one CTA fewer.
+constexpr int MIN_BLOCKS = !WG ? 1 : (TILE > BKV && DP > 64 ? 3 : 4) - (SB_BIAS ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                   const i8* __restrict__ k8, const float* __restrict__ k_scale,
@@ -108,13 +122,13 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     const float* ksg = k_scale + bhk * Nk_pad;
     // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
-        load_tile<DP, BKV, THREADS, WG>(at, kg + static_cast<i64>(jj) * BKV * DP, DP);
-        load_tile<BKV, DP, THREADS, WG>(at + K_BYTES, vg + jj * BKV, Nk_pad);
-        if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * BKV + 4 * threadIdx.x);
+        load_tile<DP, TILE, THREADS, WG>(at, kg + static_cast<i64>(jj) * TILE * DP, DP);
+        load_tile<TILE, DP, THREADS, WG>(at + K_BYTES, vg + jj * TILE, Nk_pad);
+        if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * TILE + 4 * threadIdx.x);
     };
 
-    int n_tiles = (Lk + BKV - 1) / BKV;
-    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / BKV + 1));
+    int n_tiles = (Lk + TILE - 1) / TILE;
+    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / TILE + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
     load_tile<DP, CTA_Q, THREADS, WG>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
@@ -141,7 +155,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 
     // Loop-invariant ldmatrix offsets: K̂ tile [BKV][DP] (k-steps over d), V̂ᵀ tile [DP][BKV] (over keys).
     const LaneOffsets<DP, KSTEPS_D> k_lanes = b_pair_lanes<DP, KSTEPS_D>(lane);
-    const LaneOffsets<BKV, BKV / 32> v_lanes = b_pair_lanes<BKV, BKV / 32>(lane);
+    const LaneOffsets<TILE, KSTEPS_P> v_lanes = b_pair_lanes<TILE, KSTEPS_P>(lane);
 
     float o[SB_MT][NT_D][4];
     float m_ref[SB_MT][2], l_run[SB_MT][2];
@@ -195,78 +209,95 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         }
 #endif
 
-        // This thread's key columns n·8 + 2t + c of the tile: their K scales.
-        float2 kscale[NT_KV];
-        const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
+        // P̂'s coefficient per V block of the tile (numerics: forward P quantization): 255 for the
+        // block with the largest V scale s_max among those holding a key < Lk, 255·s_V/s_max for
+        // the other; O then adds (P̂V̂)·β·s_max/255.
+        float pcoef[VBLOCKS], pv_scale;
+        {
+            const float* vs = v_scale + bhk * (Nk_pad / BKV) + j * VBLOCKS;
+            float sv[VBLOCKS], smax = vs[0];
 #pragma unroll
-        for (int n = 0; n < NT_KV; ++n) kscale[n] = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
-        const float pv_scale = v_scale[bhk * (Nk_pad / BKV) + j] * (1.f / PL);
-        const bool need_mask = (j + 1) * BKV > Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + Lk - Lq);
+            for (int vb = 0; vb < VBLOCKS; ++vb) {
+                sv[vb] = vs[vb];
+                if (vb > 0 && (j * VBLOCKS + vb) * BKV < Lk) smax = fmaxf(smax, sv[vb]);
+            }
+#pragma unroll
+            for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = VBLOCKS == 1 || sv[vb] == smax ? PL : __fdiv_rn(__fmul_rn(PL, sv[vb]), smax);
+            pv_scale = smax * (1.f / PL);
+        }
+        const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
+        const bool need_mask = (j + 1) * TILE > Lk || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + Lk - Lq);
 
-        u32 pf[SB_MT][2][4];  // P̂ as A fragments for the two 32-key k-steps
+        u32 pf[SB_MT][KSTEPS_P][4];  // P̂ as A fragments for the 32-key k-steps
         float pv_factor[SB_MT][2], alpha[SB_MT][2];
         bool rebase = false;  // some row of this warp moves its m_ref
 #pragma unroll
         for (int mt = 0; mt < SB_MT; ++mt) {
             const int rbase = q0 + (warp * SB_MT + mt) * 16 + g;
-            float e[NT_KV][4];
+            // The warp's 16 rows lie in one Q-smoothing block.
+            const float* bp = SB_BIAS ? bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (rbase - g) / SB_BLOCK_Q) * Nk_pad + j * TILE
+                                      : nullptr;
+            // u = Ŝ·s_K[key] (numerics: the key scale first, then the row's), in place of S; masked
+            // entries -inf. Without the bias the row max is taken on u: s_Q > 0 commutes with it.
+            float u[NT_KV][4];
+            float rmax[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n) {
+                const float2 ksn = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int half = c >> 1, key = j * TILE + n * 8 + 2 * t + (c & 1);
+                    const bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= rbase + 8 * half + Lk - Lq));
+                    const float x = static_cast<float>(s[mt][n][c]) * ((c & 1) ? ksn.y : ksn.x);
+                    u[n][c] = ok ? (SB_BIAS ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)]) : x) : -__int_as_float(0x7f800000);
+                    rmax[half] = fmaxf(rmax[half], u[n][c]);
+                }
+            }
+            float r_use[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int row = rbase + 8 * half;
-                const float sq = qs[mt][half];
-                // u = Ŝ·s_K[key] (numerics: the key scale first, then the row's); masked entries -inf.
-                // Without the bias the row max is taken on u: s_Q > 0 commutes with it.
-                const float* bp = SB_BIAS ? bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (row - g - 8 * half) / SB_BLOCK_Q) * Nk_pad + j * BKV
-                                          : nullptr;
-                float sf[NT_KV][2];
-                float rmax = -__int_as_float(0x7f800000);
-#pragma unroll
-                for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int key = j * BKV + n * 8 + 2 * t + c;
-                        const bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= row + Lk - Lq));
-                        const float u = static_cast<float>(s[mt][n][2 * half + c]) * (c ? kscale[n].y : kscale[n].x);
-                        sf[n][c] = ok ? (SB_BIAS ? fmaf(u, sq, bp[n * 8 + 2 * t + c]) : u) : -__int_as_float(0x7f800000);
-                        rmax = fmaxf(rmax, sf[n][c]);
-                    }
-                rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
-                rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
-                if (!SB_BIAS) rmax *= sq;
+                float rm = rmax[half];
+                rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
+                rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
+                if (!SB_BIAS) rm *= qs[mt][half];
                 // A row whose tile max passes m_ref + LAZY_LOG2 moves m_ref to it (below, after
                 // the warp agrees to rescale); -inf (every key masked) never does.
                 const float m_old = m_ref[mt][half];
-                const float m_use = rmax > m_old + LAZY_LOG2 ? rmax : m_old;
-                const float a = exp2_approx(m_old - m_use);    // 1 unless m_ref moved; 0 from M_NONE
+                const float m_use = rm > m_old + LAZY_LOG2 ? rm : m_old;
+                alpha[mt][half] = exp2_approx(m_old - m_use);  // 1 unless m_ref moved; 0 from M_NONE
                 rebase |= m_use != m_old;
                 m_ref[mt][half] = m_use;
-                alpha[mt][half] = a;
-                const float beta = exp2_approx(rmax - m_use);  // 0 for a fully masked row
-                // A row with every key of the tile masked has rmax = -inf: exponents must be
+                rmax[half] = exp2_approx(rm - m_use);  // β (0 for a fully masked row)
+                // A row with every key of the tile masked has rm = -inf: exponents must be
                 // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
-                const float r_use = rmax == -__int_as_float(0x7f800000) ? 0.f : rmax;
-                float rsum = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const float x = exp2_approx(SB_BIAS ? sf[n][c] - r_use : fmaf(sf[n][c], sq, -r_use));
-                        e[n][2 * half + c] = x;
-                        rsum += x;
-                    }
-                l_run[mt][half] = fmaf(beta, rsum, a * l_run[mt][half]);
-                pv_factor[mt][half] = beta * pv_scale;
+                r_use[half] = rm == -__int_as_float(0x7f800000) ? 0.f : rm;
             }
-            // P̂ = rint(255 e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
+            float rsum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int half = c >> 1;
+                    const float x = exp2_approx(SB_BIAS ? u[n][c] - r_use[half] : fmaf(u[n][c], qs[mt][half], -r_use[half]));
+                    u[n][c] = x;
+                    rsum[half] += x;
+                }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                l_run[mt][half] = fmaf(rmax[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
+                pv_factor[mt][half] = rmax[half] * pv_scale;
+            }
+            // P̂ = rint(coef·e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS_P; ++kk) {
                 const int n = 4 * kk;
+                const float pc = pcoef[kk * 32 / BKV];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    pf[mt][kk][half] = pack4_magic(round_magic(e[n][2 * half], PL), round_magic(e[n][2 * half + 1], PL),
-                                                   round_magic(e[n + 1][2 * half], PL), round_magic(e[n + 1][2 * half + 1], PL));
-                    pf[mt][kk][2 + half] = pack4_magic(round_magic(e[n + 2][2 * half], PL), round_magic(e[n + 2][2 * half + 1], PL),
-                                                       round_magic(e[n + 3][2 * half], PL), round_magic(e[n + 3][2 * half + 1], PL));
+                    pf[mt][kk][half] = pack4_magic(round_magic(u[n][2 * half], pc), round_magic(u[n][2 * half + 1], pc),
+                                                   round_magic(u[n + 1][2 * half], pc), round_magic(u[n + 1][2 * half + 1], pc));
+                    pf[mt][kk][2 + half] = pack4_magic(round_magic(u[n + 2][2 * half], pc), round_magic(u[n + 2][2 * half + 1], pc),
+                                                       round_magic(u[n + 3][2 * half], pc), round_magic(u[n + 3][2 * half + 1], pc));
                 }
             }
         }
@@ -289,12 +320,12 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             int pv[8][4];
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk)
-                wgmma_rs<true>(pv, pf[0][kk], wgmma_desc<BKV>(wgmma_desc_lo<BKV>(sV), dh * 64 * BKV + 32 * kk), kk);
+            for (int kk = 0; kk < KSTEPS_P; ++kk)
+                wgmma_rs<true>(pv, pf[0][kk], wgmma_desc<TILE>(wgmma_desc_lo<TILE>(sV), dh * 64 * TILE + 32 * kk), kk);
             wgmma_commit();
             wgmma_wait<0>();
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk)
+            for (int kk = 0; kk < KSTEPS_P; ++kk)
 #pragma unroll
                 for (int x = 0; x < 4; ++x) wgmma_hold(pf[0][kk][x]);
 #pragma unroll
@@ -315,7 +346,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
                 for (int x = 0; x < 2; ++x) pv[mt][x][0] = pv[mt][x][1] = pv[mt][x][2] = pv[mt][x][3] = 0;
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
+            for (int kk = 0; kk < KSTEPS_P; ++kk) {
                 u32 bf[4];
                 ldmatrix_x4(bf, v_lanes.at(sV, kk, nd / 2));
                 const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
@@ -360,7 +391,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (lse2 && t == 0)
-                    lse2[bhq * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    lse2[fresh_batch_head(Hq) * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

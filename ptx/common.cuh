@@ -34,3 +34,10 @@ SB_DEVICE u32 fresh_tid() {
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
 }
+// (batch, head) = (blockIdx.z, blockIdx.y) read the same way: b * heads + h after a long loop.
+SB_DEVICE long long fresh_batch_head(int heads) {
+    u32 y, z;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return static_cast<long long>(z) * heads + y;
+}

@@ -53,10 +53,14 @@ SB_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta
 #define SB_WG_ACC4(c, d, n) c(d[n][0]), c(d[n][1]), c(d[n][2]), c(d[n][3])
 #define SB_WG_ACC16(c, d) SB_WG_ACC4(c, d, 0), SB_WG_ACC4(c, d, 1), SB_WG_ACC4(c, d, 2), SB_WG_ACC4(c, d, 3)
 #define SB_WG_ACC32(c, d) SB_WG_ACC16(c, d), SB_WG_ACC4(c, d, 4), SB_WG_ACC4(c, d, 5), SB_WG_ACC4(c, d, 6), SB_WG_ACC4(c, d, 7)
+#define SB_WG_ACC64(c, d) SB_WG_ACC32(c, d), SB_WG_ACC4(c, d, 8), SB_WG_ACC4(c, d, 9), SB_WG_ACC4(c, d, 10), \
+    SB_WG_ACC4(c, d, 11), SB_WG_ACC4(c, d, 12), SB_WG_ACC4(c, d, 13), SB_WG_ACC4(c, d, 14), SB_WG_ACC4(c, d, 15)
 #define SB_WG_REGS16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define SB_WG_REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define SB_WG_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 24, 32 or 64 (the
+// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 24, 32, 64 or 128 (the
 // accumulator's n-tiles); accumulate = 0 overwrites.
 SB_DEVICE void wgmma_s8_ss(int (&d)[3][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
@@ -72,6 +76,11 @@ SB_DEVICE void wgmma_s8_ss(int (&d)[8][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " SB_WG_REGS32 ", %32, %33, p;\n}\n"
                  : SB_WG_ACC32("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+SB_DEVICE void wgmma_s8_ss(int (&d)[16][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " SB_WG_REGS64 ", %64, %65, p;\n}\n"
+                 : SB_WG_ACC64("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // D (64xN s32) += A (64x32, registers: u8 if UNSIGNED_A, else s8) · B (N x 32 s8, descriptor).

@@ -218,13 +218,27 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
 
 # ----------------------------------------------------------------------------- forward
 
+def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
+    """P̂'s coefficient per V block of a key tile and the tile's V scale (numerics.py, forward P
+    quantization): s_max = the largest s_V among the tile's blocks that hold a key < Lk (the first
+    always does); 255 for a block with s_V = s_max, float32(float32(255·s_V) / s_max) otherwise.
+    s_v_tile (..., nb) float32; blocks_valid (nb,) bool.  Returns (coef (..., nb), s_max (...))."""
+    s_max = np.max(np.where(blocks_valid, s_v_tile, s_v_tile[..., :1]), axis=-1).astype(np.float32)
+    ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) / s_max[..., None]).astype(np.float32)
+    coef = np.where(s_v_tile == s_max[..., None], _F32(P_LEVELS), ratio).astype(np.float32)
+    return coef, s_max
+
+
 def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                    quantize=True, dtype="float16"):
+                    quantize=True, dtype="float16", key_tile=BLOCK_KV):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
     ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
-    key), saved the dict ``emulate_backward`` needs."""
+    key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64 or 128) is the kernel's
+    keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
+    if key_tile not in (BLOCK_KV, 2 * BLOCK_KV):
+        raise ValueError(f"key_tile: expected {BLOCK_KV} or {2 * BLOCK_KV}, got {key_tile!r}")
     q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
     group = _check_inputs(q32, k32, v32)
     if softmax_scale is None:
@@ -247,13 +261,15 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     acc = np.zeros((b, hq, lq_pad, d), dtype=np.float32)
     zero = _F32(0)
 
-    for j in range(n_kb):
-        c0, c1 = j * BLOCK_KV, (j + 1) * BLOCK_KV
+    for c0 in range(0, n_kb * BLOCK_KV, key_tile):
+        c1 = min(c0 + key_tile, n_kb * BLOCK_KV)
+        blocks = np.arange(c0 // BLOCK_KV, c1 // BLOCK_KV)
         if not _tile_visible(0, lq_pad, c0, lq, lk, causal):
             continue
         bias = None
-        if smooth_q:
-            bias = _rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c0:c1]), BLOCK_Q)
+        if smooth_q:  # per 64-key block, as the backward recomputes it
+            bias = np.concatenate([_rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c:c + BLOCK_KV]), BLOCK_Q)
+                                   for c in range(c0, c1, BLOCK_KV)], axis=-1)
         s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias)
         mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, causal)
         s = np.where(mask, s, _F32(-np.inf))
@@ -264,16 +280,18 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         rmax_safe = np.where(np.isfinite(rmax), rmax, zero)
         m_new_safe = np.where(np.isfinite(m_new), m_new, zero)
         e = np.exp2(s - rmax_safe[..., None]).astype(np.float32)
+        coef, s_max = _pv_coefficients(s_v[:, :, blocks], blocks * BLOCK_KV < lk)
+        coef = np.repeat(coef, BLOCK_KV, axis=-1)[:, :, None, :]
         if quantize:
-            p_hat = np.clip(np.rint(_F32(P_LEVELS) * e), 0, P_LEVELS).astype(np.float32)
+            p_hat = np.clip(np.rint((coef * e).astype(np.float32)), 0, P_LEVELS).astype(np.float32)
         else:
-            p_hat = (_F32(P_LEVELS) * e).astype(np.float32)
+            p_hat = (coef * e).astype(np.float32)
         beta = np.exp2(rmax - m_new_safe).astype(np.float32)
         alpha = np.exp2(m - m_new_safe).astype(np.float32)
 
         l = (alpha * l + beta * np.sum(e, axis=-1, dtype=np.float32)).astype(np.float32)
         pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
-        factor = ((beta / _F32(P_LEVELS)) * s_v[:, :, j, None]).astype(np.float32)
+        factor = ((beta / _F32(P_LEVELS)) * s_max[..., None]).astype(np.float32)
         acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
         m = m_new
 

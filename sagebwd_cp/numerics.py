@@ -26,7 +26,11 @@ Conventions
 * Forward P quantization (per row of a key tile, the "free" scale): with rmax the tile's row max of
   S and m_new the running max, e = exp2(S - rmax), P̂ = rint(255 * e) (unsigned: P ≥ 0, so all
   256 codes of a u8 operand are used), l = α·l + β·Σe and acc = α·acc + (P̂V̂)·(β/255)·s_V with
-  β = exp2(rmax - m_new), α = exp2(m - m_new).
+  β = exp2(rmax - m_new), α = exp2(m - m_new).  A key tile of 128 keys (the wgmma forward) spans
+  two V blocks: it quantizes P̃·s_V[block]/s_max per row instead (legal: the scale is applied
+  before the rounding), P̂ = rint(coef·e) with coef = 255 for a block whose s_V equals s_max and
+  float32(float32(255·s_V)/s_max) for the other, s_max the largest s_V among the tile's blocks that
+  hold a key < Lk, and acc adds (P̂V̂)·(β/255)·s_max: one row max, scale and O update per 128 keys.
 * Backward P for dV: "fine" quantizes per key, unsigned with 255 levels; "paper" uses 127 levels
   over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their
   inverse scale from a fast reciprocal (``quantize_tile``); the pre-pass quantizer of Q, K, V, dO

@@ -42,6 +42,7 @@ class ForwardTiles:
     warps: int
     m_tiles: int  # 16-row m-tiles per warp
     wgmma: bool = False  # sm_90a warpgroup products (one warpgroup: 4 warps x 1 m-tile)
+    key_tile: int = numerics.BLOCK_KV  # keys per tile: 64, or 128 with wgmma (kernels/forward.cu SB_TILE_KEYS)
 
     @property
     def cta_q(self) -> int:
@@ -51,9 +52,10 @@ class ForwardTiles:
     def threads(self) -> int:
         return self.warps * 32
 
-    def shared_bytes(self, dp: int, block_kv: int = 64) -> int:
+    def shared_bytes(self, dp: int) -> int:
         # kernels/forward.cu: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's K scales;
         # wgmma: stages padded to 1024 bytes and 1024 bytes of slack to align the base.
+        block_kv = self.key_tile
         if self.wgmma:
             return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 1024) + 1024
         return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 4 * block_kv)
@@ -71,10 +73,19 @@ def use_wgmma(arch: str | None) -> bool:
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
+def forward_key_tile() -> int:
+    """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
+    benchmarks/NOTES.md, forward v4); SAGEBWD_FORWARD_KEY_TILE=64 selects the 64-key kernel."""
+    forced = os.environ.get("SAGEBWD_FORWARD_KEY_TILE", "128")
+    if forced not in ("64", "128"):
+        raise ValueError(f"SAGEBWD_FORWARD_KEY_TILE: expected 64 or 128, got {forced!r}")
+    return int(forced)
+
+
 def forward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> ForwardTiles:
     """Tiles for the forward; the default fits 48 KiB of shared memory, smaller if a device has less."""
     if use_wgmma(arch):
-        return ForwardTiles(warps=4, m_tiles=1, wgmma=True)
+        return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
     tiles = FORWARD_TILES[dp]
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
         tiles = ForwardTiles(warps=4, m_tiles=1)
@@ -85,10 +96,11 @@ def forward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = N
 
 def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles) -> KernelSpec:
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
-           f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}")
+           f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}"
+           f"{f'.k{tiles.key_tile}' if tiles.key_tile != numerics.BLOCK_KV else ''}")
     return make_spec(key, "forward.cu", ["attention_forward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
-                     SB_WGMMA=int(tiles.wgmma), SB_SMEM_BYTES=tiles.shared_bytes(dp))
+                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile, SB_SMEM_BYTES=tiles.shared_bytes(dp))
 
 
 def backward_rows_spec(dtype: str) -> KernelSpec:
@@ -202,7 +214,8 @@ def all_specs(arch: str | None = None) -> list:
                 for bias in (False, True):
                     specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp, limit)))
                     if arch in WGMMA_ARCHS:
-                        specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, wgmma=True)))
+                        for key_tile in (64, 128):
+                            specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile)))
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))

@@ -191,7 +191,13 @@ def test_cli_info_reports_versions_and_compiles(capsys):
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
-    assert specs.forward_tiles(128, hopper, "sm_90").wgmma
+    assert specs.forward_tiles(128, hopper, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
+    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "64")
+    assert specs.forward_tiles(64, hopper, "sm_90").key_tile == 64
+    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "96")
+    with pytest.raises(ValueError, match="SAGEBWD_FORWARD_KEY_TILE"):
+        specs.forward_tiles(64, hopper, "sm_90")
+    monkeypatch.delenv("SAGEBWD_FORWARD_KEY_TILE")
     assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     assert specs.backward_tiles(64, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     for fine, det in ((False, False), (True, True), (False, True)):  # 3 warpgroups where they measured faster
@@ -204,6 +210,7 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
         specs.backward_tiles(64, hopper, "sm_90")
     monkeypatch.delenv("SAGEBWD_BACKWARD_GROUPS")
     for arch in ("sm_80", "sm_86", "sm_89", None):
+        assert specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).key_tile == 64
         assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
         assert not specs.backward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
     monkeypatch.setenv("SAGEBWD_WGMMA", "0")
@@ -213,8 +220,9 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    # Forward: 2 head dims x 2 dtypes x causal x Q-smoothing; backward: the same x granularity x deterministic
-    assert len([s for s in wg if s.key.startswith("forward.")]) == 16
+    # Forward: 2 head dims x 2 dtypes x causal x Q-smoothing x 64- or 128-key tiles; backward: 2 head dims x
+    # 2 dtypes x causal x Q-smoothing x granularity x deterministic
+    assert len([s for s in wg if s.key.startswith("forward.")]) == 32
     assert len([s for s in wg if s.key.startswith("backward.")]) == 64
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
@@ -225,6 +233,9 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
     # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
     assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
+    # 128-key tiles: three CTAs (and the 1 KB each reserves) fill an SM's 228 KB.
+    assert specs.ForwardTiles(4, 1, True, 128).shared_bytes(128) == 64 * 128 + 2 * (2 * 128 * 128 + 1024) + 1024
+    assert 3 * (specs.ForwardTiles(4, 1, True, 128).shared_bytes(128) + 1024) <= 228 * 1024
     # Backward (backward_wgmma.cu: 128-key CTAs): 128-key K̂, K̂ᵀ, V; stages rounded up to 1024 bytes; Ŷ
     # [64][128]; the maxima and scales; the dQ partial's tile, whose padded rows dq_acc mirrors; 896
     # bytes of slack. The kernel's static_assert checks the same sum when it compiles.

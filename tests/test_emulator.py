@@ -175,9 +175,10 @@ def test_quantize_inputs_layout(smooth_q):
 
 # ----------------------------------------------------------------------------- forward = spec
 
-def _spec_forward(qi, lq, lk, causal, group, smooth_q):
+def _spec_forward(qi, lq, lk, causal, group, smooth_q, key_tile=BLOCK_KV):
     """The forward pseudo-code, one query block and one (b, h) at a time, for cross-checking
-    the vectorised emulator bit for bit (o before rounding, base-2 lse)."""
+    the vectorised emulator bit for bit (o before rounding, base-2 lse).  A key tile of two V
+    blocks quantizes P̃·s_V/s_max per row (numerics.py)."""
     b, hq, lq_pad, d = qi["q_int8"].shape
     f32 = np.float32
     o = np.zeros((b, hq, lq_pad, d), f32)
@@ -189,8 +190,9 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
         m = np.full(BLOCK_Q, -np.inf, f32)
         l = np.zeros(BLOCK_Q, f32)
         acc = np.zeros((BLOCK_Q, d), f32)
-        for j in range(qi["v_scale"].shape[-1]):
-            cols = np.arange(j * BLOCK_KV, (j + 1) * BLOCK_KV)
+        n_keys = qi["v_scale"].shape[-1] * BLOCK_KV
+        for j in range(-(-n_keys // key_tile)):
+            cols = np.arange(j * key_tile, min((j + 1) * key_tile, n_keys))
             mask = (rows[:, None] < lq) & (cols[None, :] < lk)
             if causal:
                 mask &= cols[None, :] <= rows[:, None] + lk - lq
@@ -209,11 +211,14 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
             r0 = np.where(np.isinf(rmax), f32(0), rmax)
             m0 = np.where(np.isinf(m_new), f32(0), m_new)
             e = np.exp2(s - r0[:, None])
-            p = np.clip(np.rint(f32(255) * e), 0, 255)  # numerics: unsigned P̂, 255 levels
+            s_v = qi["v_scale"][bi, hk, cols // BLOCK_KV]  # per key
+            s_max = max(s_v[c] for c in range(0, len(cols), BLOCK_KV) if c == 0 or cols[c] < lk)
+            coef = np.array([f32(255) if sv == s_max else f32(f32(255) * sv) / s_max for sv in s_v], f32)
+            p = np.clip(np.rint((coef[None, :] * e).astype(f32)), 0, 255)  # numerics: unsigned P̂, 255 levels
             beta, alpha = np.exp2(rmax - m0), np.exp2(m - m0)
             l = alpha * l + beta * e.sum(axis=1, dtype=f32)
             pv = (p.astype(np.float64) @ qi["v_int8"][bi, hk, cols].astype(np.float64)).astype(f32)
-            acc = alpha[:, None] * acc + pv * (beta / f32(255) * qi["v_scale"][bi, hk, j])[:, None]
+            acc = alpha[:, None] * acc + pv * (beta / f32(255) * s_max)[:, None]
             m = m_new
         live = l > 0
         o[bi, h, rows] = np.where(live[:, None], acc / np.where(live, l, 1)[:, None], 0)
@@ -222,11 +227,13 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q):
     return o, lse2
 
 
+@pytest.mark.parametrize("key_tile,lk", [(64, 100), (128, 100), (128, 60), (128, 230)])
 @pytest.mark.parametrize("causal,smooth_q", [(False, False), (True, False), (True, True)])
-def test_forward_matches_spec_pseudocode(causal, smooth_q):
-    q, k, v, _ = _inputs(21, b=1, hq=4, hkv=2, lq=150, lk=100, d=16)
-    o, _, saved = emulate_forward(q, k, v, causal=causal, smooth_q=smooth_q, dtype="float32")
-    o_spec, lse2_spec = _spec_forward(saved["inputs"], 150, 100, causal, 2, smooth_q)
+def test_forward_matches_spec_pseudocode(causal, smooth_q, key_tile, lk):
+    q, k, v, _ = _inputs(21, b=1, hq=4, hkv=2, lq=150, lk=lk, d=16)
+    v[:, :, 64:128] *= 3  # V blocks of unequal scales: a 128-key tile folds their ratio into P̂
+    o, _, saved = emulate_forward(q, k, v, causal=causal, smooth_q=smooth_q, dtype="float32", key_tile=key_tile)
+    o_spec, lse2_spec = _spec_forward(saved["inputs"], 150, lk, causal, 2, smooth_q, key_tile)
     np.testing.assert_array_equal(o, o_spec[:, :, :150])
     np.testing.assert_array_equal(saved["lse2"], lse2_spec)
 
@@ -297,6 +304,7 @@ def sigma_sweep():
         v, do = (round_to_dtype(x, "float16") for x in base[2:])
         refs = (attention_reference(q, k, v)[0],) + attention_reference_backward(q, k, v, do)
         o, _, saved = emulate_forward(q, k, v)
+        table["o128", sigma] = _rel(emulate_forward(q, k, v, key_tile=128)[0], refs[0])
         for granularity in ("fine", "paper"):
             outs = (o,) + emulate_backward(saved, do, granularity=granularity)
             for name, x, ref in zip(QUANTITIES, outs, refs):
@@ -331,6 +339,15 @@ def test_sigma_sweep_fine_within_sb26(sigma_sweep, sigma, name):
     assert rel <= 1.1 * published, (
         f"fine {name} σ={sigma}: Rel-L2 {rel:.4f} > 1.1 x SB26 {published:.4f} "
         f"(ratio {rel / published:.3f})\n{text}")
+
+
+@pytest.mark.parametrize("sigma", list(PAPER_REL_L2))
+def test_sigma_sweep_128_key_tiles_within_sb26(sigma_sweep, sigma):
+    """The wgmma forward's 128-key tiles (one P̂ row scale per two V blocks): O at least as
+    accurate as SB26's."""
+    table, text = sigma_sweep
+    rel = table["o128", sigma]
+    assert rel <= PAPER_REL_L2[sigma][0], f"O (128-key tiles) σ={sigma}: Rel-L2 {rel:.4f}\n{text}"
 
 
 def test_sigma_sweep_paper_granularity_worse_for_dq(sigma_sweep):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import SHAPES, cos_sim, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from gpu_helpers import SHAPES, cos_sim, forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
 from sagebwd_cp import emulator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
@@ -35,7 +35,8 @@ def test_forward_matches_emulator(shape, causal, dtype, layout):
     out, lse = _run(q, k, v, layout, causal)
     torch.cuda.synchronize()
     o_emu, lse_emu, _ = emulator.emulate_forward(to_hnd_numpy(q, layout), to_hnd_numpy(k, layout),
-                                                  to_hnd_numpy(v, layout), causal=causal, dtype=dtype)
+                                                  to_hnd_numpy(v, layout), causal=causal, dtype=dtype,
+                                                  key_tile=forward_key_tile(d))
     o = to_hnd_numpy(out, layout)
     lse = lse.cpu().numpy()
     assert np.isfinite(o).all()
@@ -67,7 +68,7 @@ def test_output_into_caller_buffer_and_smooth_q():
     res = sagebwd_cp.attention(q, k, v, out=out, smooth_q=True)
     assert res is out
     o_emu, _, _ = emulator.emulate_forward(to_hnd_numpy(q, "HND"), to_hnd_numpy(k, "HND"), to_hnd_numpy(v, "HND"),
-                                           smooth_q=True, dtype="bfloat16")
+                                           smooth_q=True, dtype="bfloat16", key_tile=forward_key_tile(128))
     torch.cuda.synchronize()
     assert rel_l2(out.float().cpu().numpy(), o_emu) < EMU_TOL["bfloat16"]
 
@@ -83,7 +84,7 @@ def test_smooth_q_ragged_causal_gqa(causal, hq, hk, lq, lk):
     out, lse = _run(q, k, v, "HND", causal, smooth_q=True)
     torch.cuda.synchronize()
     o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=causal,
-                                                  smooth_q=True)
+                                                  smooth_q=True, key_tile=forward_key_tile(64))
     assert rel_l2(out.float().cpu().numpy(), o_emu) < EMU_TOL["float16"]
     lse = lse.cpu().numpy()
     finite = np.isfinite(lse_emu)
@@ -105,7 +106,8 @@ def test_row_max_climbing_and_falling_over_key_tiles(causal):
     q[0, :, :, 0] = 8.0
     out, lse = _run(q, k, v, "HND", causal)
     torch.cuda.synchronize()
-    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=causal)
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=causal,
+                                                  key_tile=forward_key_tile(64))
     o = out.float().cpu().numpy()
     assert np.isfinite(o).all()
     assert rel_l2(o, o_emu) < EMU_TOL["float16"]
@@ -204,22 +206,28 @@ def test_no_local_memory_on_this_device():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16"), (96, "float16")])
-def test_mma_sync_path_equals_the_default(monkeypatch, causal, d, dtype):
+def test_mma_sync_path_equals_the_64_key_wgmma_kernel(monkeypatch, causal, d, dtype):
     """The mma.sync kernel (sm_80-89; SAGEBWD_WGMMA=0 on Hopper) does the same arithmetic in the
-    same order as the wgmma kernel Hopper runs by default: the outputs are bitwise equal, and it
-    matches the emulator on its own."""
+    same order as the 64-key wgmma kernel (SAGEBWD_FORWARD_KEY_TILE=64): the outputs are bitwise
+    equal. Each, and the default (128-key tiles on Hopper), matches the emulator of its tiling."""
     import torch
 
     from sagebwd_cp import plan
 
     q, k, v = make_qkv(2, 4, 2, 333, 517, d, dtype, "NHD", seed=d + causal)
-    plan.clear_plans()
-    out, lse = _run(q, k, v, "NHD", causal)
-    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
-    plan.clear_plans()
-    out_sync, lse_sync = _run(q, k, v, "NHD", causal)
+    emu = {kt: emulator.emulate_forward(*(to_hnd_numpy(x, "NHD") for x in (q, k, v)), causal=causal, dtype=dtype,
+                                        key_tile=kt)[0] for kt in {64, forward_key_tile(d)}}
+    outs = {}
+    for name, env in (("default", {}), ("wgmma64", {"SAGEBWD_FORWARD_KEY_TILE": "64"}),
+                      ("mma.sync", {"SAGEBWD_WGMMA": "0"})):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        plan.clear_plans()
+        outs[name] = _run(q, k, v, "NHD", causal)
+        for key in env:
+            monkeypatch.delenv(key)
     plan.clear_plans()
     torch.cuda.synchronize()
-    assert torch.equal(out, out_sync) and torch.equal(lse, lse_sync)
-    o_emu, _, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "NHD") for x in (q, k, v)), causal=causal, dtype=dtype)
-    assert rel_l2(to_hnd_numpy(out_sync, "NHD"), o_emu) < EMU_TOL[dtype]
+    assert torch.equal(outs["wgmma64"][0], outs["mma.sync"][0]) and torch.equal(outs["wgmma64"][1], outs["mma.sync"][1])
+    for name, key_tile in (("default", forward_key_tile(d)), ("mma.sync", 64)):
+        assert rel_l2(to_hnd_numpy(outs[name][0], "NHD"), emu[key_tile]) < EMU_TOL[dtype], name
