@@ -210,8 +210,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #endif
 
         // P̂'s coefficient per V block of the tile (numerics: forward P quantization): 255 for the
-        // block with the largest V scale s_max among those holding a key < Lk, 255·s_V/s_max for
-        // the other; O then adds (P̂V̂)·β·s_max/255.
+        // block with the largest V scale s_max among those holding a key < Lk, 255·s_V·(1/s_max)
+        // for the other; O then adds (P̂V̂)·β·s_max/255.
         float pcoef[VBLOCKS], pv_scale;
         {
             const float* vs = v_scale + bhk * (Nk_pad / BKV) + j * VBLOCKS;
@@ -222,7 +222,9 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 if (vb > 0 && (j * VBLOCKS + vb) * BKV < Lk) smax = fmaxf(smax, sv[vb]);
             }
 #pragma unroll
-            for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = VBLOCKS == 1 || sv[vb] == smax ? PL : __fdiv_rn(__fmul_rn(PL, sv[vb]), smax);
+            const float inv = rcp_approx(smax);  // the SFU's 1/s_max (numerics: within one ulp of IEEE)
+#pragma unroll
+            for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = VBLOCKS == 1 || sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);
             pv_scale = smax * (1.f / PL);
         }
         const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);

@@ -221,10 +221,12 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
 def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
     """P̂'s coefficient per V block of a key tile and the tile's V scale (numerics.py, forward P
     quantization): s_max = the largest s_V among the tile's blocks that hold a key < Lk (the first
-    always does); 255 for a block with s_V = s_max, float32(float32(255·s_V) / s_max) otherwise.
+    always does); 255 for a block with s_V = s_max, float32(float32(255·s_V) · float32(1/s_max))
+    otherwise.
     s_v_tile (..., nb) float32; blocks_valid (nb,) bool.  Returns (coef (..., nb), s_max (...))."""
     s_max = np.max(np.where(blocks_valid, s_v_tile, s_v_tile[..., :1]), axis=-1).astype(np.float32)
-    ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) / s_max[..., None]).astype(np.float32)
+    inv = (_F32(1) / s_max).astype(np.float32)  # the kernel's SFU reciprocal is within one ulp of this
+    ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) * inv[..., None]).astype(np.float32)
     coef = np.where(s_v_tile == s_max[..., None], _F32(P_LEVELS), ratio).astype(np.float32)
     return coef, s_max
 

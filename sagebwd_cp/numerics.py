@@ -29,7 +29,8 @@ Conventions
   β = exp2(rmax - m_new), α = exp2(m - m_new).  A key tile of 128 keys (the wgmma forward) spans
   two V blocks: it quantizes P̃·s_V[block]/s_max per row instead (legal: the scale is applied
   before the rounding), P̂ = rint(coef·e) with coef = 255 for a block whose s_V equals s_max and
-  float32(float32(255·s_V)/s_max) for the other, s_max the largest s_V among the tile's blocks that
+  float32(float32(255·s_V)·(1/s_max)) for the other (1/s_max: IEEE here, the SFU's reciprocal in the
+  kernel, within one ulp), s_max the largest s_V among the tile's blocks that
   hold a key < Lk, and acc adds (P̂V̂)·(β/255)·s_max: one row max, scale and O update per 128 keys.
 * Backward P for dV: "fine" quantizes per key, unsigned with 255 levels; "paper" uses 127 levels
   over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their

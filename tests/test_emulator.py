@@ -213,7 +213,7 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q, key_tile=BLOCK_KV):
             e = np.exp2(s - r0[:, None])
             s_v = qi["v_scale"][bi, hk, cols // BLOCK_KV]  # per key
             s_max = max(s_v[c] for c in range(0, len(cols), BLOCK_KV) if c == 0 or cols[c] < lk)
-            coef = np.array([f32(255) if sv == s_max else f32(f32(255) * sv) / s_max for sv in s_v], f32)
+            coef = np.array([f32(255) if sv == s_max else f32(f32(255) * sv) * (f32(1) / s_max) for sv in s_v], f32)
             p = np.clip(np.rint((coef[None, :] * e).astype(f32)), 0, 255)  # numerics: unsigned P̂, 255 levels
             beta, alpha = np.exp2(rmax - m0), np.exp2(m - m0)
             l = alpha * l + beta * e.sum(axis=1, dtype=f32)
