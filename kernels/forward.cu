@@ -153,7 +153,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
     }
 
-    // Loop-invariant ldmatrix offsets: K̂ tile [BKV][DP] (k-steps over d), V̂ᵀ tile [DP][BKV] (over keys).
+    // Loop-invariant ldmatrix offsets: K̂ tile [TILE][DP] (k-steps over d), V̂ᵀ tile [DP][TILE] (over keys).
     const LaneOffsets<DP, KSTEPS_D> k_lanes = b_pair_lanes<DP, KSTEPS_D>(lane);
     const LaneOffsets<TILE, KSTEPS_P> v_lanes = b_pair_lanes<TILE, KSTEPS_P>(lane);
 
@@ -255,7 +255,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                     rmax[half] = fmaxf(rmax[half], u[n][c]);
                 }
             }
-            float r_use[2];
+            float r_use[2], beta[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float rm = rmax[half];
@@ -269,7 +269,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 alpha[mt][half] = exp2_approx(m_old - m_use);  // 1 unless m_ref moved; 0 from M_NONE
                 rebase |= m_use != m_old;
                 m_ref[mt][half] = m_use;
-                rmax[half] = exp2_approx(rm - m_use);  // β (0 for a fully masked row)
+                beta[half] = exp2_approx(rm - m_use);  // 0 for a fully masked row
                 // A row with every key of the tile masked has rm = -inf: exponents must be
                 // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
                 r_use[half] = rm == -__int_as_float(0x7f800000) ? 0.f : rm;
@@ -286,8 +286,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 }
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                l_run[mt][half] = fmaf(rmax[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
-                pv_factor[mt][half] = rmax[half] * pv_scale;
+                l_run[mt][half] = fmaf(beta[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
+                pv_factor[mt][half] = beta[half] * pv_scale;
             }
             // P̂ = rint(coef·e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
 #pragma unroll
