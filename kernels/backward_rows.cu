@@ -10,25 +10,36 @@
 #define SB_BF16 0
 #endif
 
-// The main kernel's per-query row statistics, one warp per row; grid (Nq_pad / 8, Hq, B), 256
-// threads. stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, δ = rowsum(dO ∘ O), s_Q, 0) with s_Q the query's
-// per-token Q̂ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
-// lets the main kernel fetch a query block's statistics with cp.async.
+// The main kernel's per-query row statistics, 16 lanes per row (8 columns each, one 16-byte load of
+// dO and of O where rows are 16-byte aligned), 16 rows per CTA of 256 threads; grid (Nq_pad / 16, Hq, B).
+// stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, δ = rowsum(dO ∘ O), s_Q, 0) with s_Q the query's per-token
+// Q̂ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row lets the main
+// kernel fetch a query block's statistics with one copy.
 extern "C" __global__ void __launch_bounds__(256)
 row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
           i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, int Hq, int Lq, int D, int Nq_pad,
           float4* __restrict__ stats) {
     SB_REQUIRE_SM80();
-    const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
+    const int c0 = 8 * (threadIdx.x & 15), row = blockIdx.x * 16 + (threadIdx.x >> 4), h = blockIdx.y, b = blockIdx.z;
     const i64 bh = static_cast<i64>(b) * Hq + h;
     float s = 0.f;
-    if (row < Lq) {
-        const u16* dr = dout + b * db + h * dh + row * dn;
-        const u16* orow = out + b * ob + h * oh + row * on;
-        for (int c = lane; c < D; c += 32) s = fmaf(to_f32<SB_BF16>(dr[c]), to_f32<SB_BF16>(orow[c]), s);
+    if (row < Lq && c0 < D) {
+        const u16* dr = dout + b * db + h * dh + row * dn + c0;
+        const u16* orow = out + b * ob + h * oh + row * on + c0;
+        if (D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
+            const uint4 x = *reinterpret_cast<const uint4*>(dr), y = *reinterpret_cast<const uint4*>(orow);
+            const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                s = fmaf(to_f32<SB_BF16>(static_cast<u16>(xw[e >> 1] >> (16 * (e & 1)))),
+                         to_f32<SB_BF16>(static_cast<u16>(yw[e >> 1] >> (16 * (e & 1)))), s);
+        } else {
+            for (int e = 0; e < 8 && c0 + e < D; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
+        }
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0)
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 15) == 0)
         stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000), s,
                                                q_scale[bh * Nq_pad + row], 0.f);
 }

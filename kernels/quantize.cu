@@ -3,39 +3,25 @@
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
 // Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
-// sums behind μ_K).
+// sums behind μ_K). A thread's raw chunks come by cp.async into its own slots of shared memory and
+// both layouts are written from its registers (quantize_blocks): no tile shared between threads, no
+// barrier except for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
 // Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO).
 #include "common.cuh"
 #include "convert.cuh"
+#include "cp_async.cuh"
 
 #ifndef SB_BF16
 #define SB_BF16 0
 #endif
 #define QBLOCK 64
-#define QTHREADS 256
-#define MAX_DPAD 128
+#define QTHREADS_MAX 128  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
+#define SUM_THREADS 256   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
-
-// Stored position p (within 16) holds token KEY_PERMUTATION_16[p].
-SB_DEVICE int permuted_token(int p) {
-    const int q = p & 15, t = q >> 2, e = q & 3;
-    return (p & ~15) + 2 * t + (e & 1) + 8 * (e >> 1);
-}
-
-SB_DEVICE float block_max(float v, float* red) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    float m = red[0];
-    for (int w = 1; w < QTHREADS / 32; ++w) m = fmaxf(m, red[w]);
-    __syncthreads();
-    return m;
-}
 
 // ψ of a block with max|x| = amax (numerics.quantize_block): stores the scale amax/127 at `scale`
 // (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero (1 and 0).
@@ -50,187 +36,236 @@ SB_DEVICE u32 int8_code(float x, float inv) {
     return static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(x, inv))))) & 0xffu;
 }
 
-// Per-token scales and only the row-major layout (the forward's Q̂ and K̂): each row stays in the
-// registers of DPAD/8 lanes (8 values each, one 16-byte load), its max by shuffles, no shared tile
-// and no barrier, every load of the block in flight at once. The same arithmetic as quantize_block.
-template <int DPAD>
-SB_DEVICE void quantize_rows_streaming(const u16* __restrict__ xs, i64 sn, int nvalid, int D, float prescale,
-                                       const float* mu, i8* __restrict__ rows_out, float* __restrict__ scale_out) {
-    constexpr int LANES = DPAD / 8, ROWS_PER_WARP = 32 / LANES, ROWS_PER_PASS = ROWS_PER_WARP * QTHREADS / 32;
-    constexpr int PASSES = QBLOCK / ROWS_PER_PASS;
-    const int lane = threadIdx.x & 31, c0 = (lane % LANES) * 8;
-    const int r0 = (threadIdx.x >> 5) * ROWS_PER_WARP + lane / LANES;
-    uint4 w[PASSES];
+// Max over LANES lanes (xor partners) of N values per lane, scattered: afterwards v[0 .. N/LANES)
+// hold the maxima of the values (lane % LANES)·(N/LANES) + x. Each step keeps the half of the values
+// whose index bit matches the lane's and sends the other half (N - N/LANES shuffles, not N·log2 LANES).
+// Steps are template recursions so that every index is a constant (the arrays stay in registers).
+template <int LANES, int N, int M = LANES / 2, int HALF = N / 2>
+SB_DEVICE void max_scatter(float (&v)[N], int lane) {
+    const bool hi = lane & M;
 #pragma unroll
-    for (int k = 0; k < PASSES; ++k) {
-        const int r = r0 + k * ROWS_PER_PASS;
-        w[k] = r < nvalid && c0 < D ? *reinterpret_cast<const uint4*>(xs + static_cast<i64>(r) * sn + c0)
-                                    : make_uint4(0, 0, 0, 0);
+    for (int x = 0; x < HALF; ++x) {
+        const float keep = hi ? v[HALF + x] : v[x], send = hi ? v[x] : v[HALF + x];
+        v[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, M));
     }
-#pragma unroll
-    for (int k = 0; k < PASSES; ++k) {
-        const int r = r0 + k * ROWS_PER_PASS;
-        const u32 words[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
-        float v[8], amax = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            v[e] = 0.f;
-            if (r < nvalid && c0 < D) {
-                v[e] = mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale);
-                if (mu) v[e] = sub_rn(v[e], mu[c0 + e]);
-            }
-            amax = fmaxf(amax, fabsf(v[e]));
-        }
-#pragma unroll
-        for (int o = 1; o < LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float inv = psi_inverse(amax, lane % LANES == 0 ? scale_out + r : nullptr);
-        u32 packed[2] = {0, 0};
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            packed[e >> 2] |= int8_code(v[e], inv) << (8 * (e & 3));
-        *reinterpret_cast<uint2*>(rows_out + static_cast<i64>(r) * DPAD + c0) = make_uint2(packed[0], packed[1]);
-    }
+    if constexpr (M > 1) max_scatter<LANES, N, M / 2, HALF / 2>(v, lane);
 }
 
-// One CTA quantizes one block of 64 rows (blk) of one (batch b, head h).
+// The converse: v[0 .. N/LANES) of each of LANES lanes -> v[0 .. N) of all of them, in index order.
+template <int LANES, int N, int M = 1, int HELD = N / LANES>
+SB_DEVICE void gather(float (&v)[N], int lane) {
+    const bool hi = lane & M;
+#pragma unroll
+    for (int x = 0; x < HELD; ++x) {
+        const float mine = v[x], theirs = __shfl_xor_sync(0xffffffffu, mine, M);
+        v[x] = hi ? theirs : mine;
+        v[HELD + x] = hi ? mine : theirs;
+    }
+    if constexpr (2 * M < LANES) gather<LANES, N, 2 * M, 2 * HELD>(v, lane);
+}
+
+// Byte transpose: words a, b, c, d hold bytes 0-3 of four tokens; out[n] holds byte n of each, in that order.
+SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
+    const u32 ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+    const u32 cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+// Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
+// even number, N_pad being a multiple of 128), DPAD threads. A thread owns GROUP = 16 tokens x 8
+// columns: the DPAD/8 lanes of a token group are adjacent and 4 groups make a block. Its 16 chunks
+// of 16 bytes come by cp.async into its own column of a shared tile (no registers held while they
+// fly, all in flight at once) and are read twice, for the maxima and for the codes; both layouts
+// are then written from registers: a row as 8 bytes, a transposed column as the group's 16 bytes.
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
-// mean_sum (optional, [B][H][D_pad] float64 token sums): μ = float32(sum / N) is subtracted after
-//   the prescale (K-smoothing); the CTA of block 0 stores μ in mean_out.
-// block_mean_out (optional, [B][H][N_pad/64][D_pad]): subtract and store the block's own mean
-//   over its valid rows (Q-smoothing).
+// mean_sum (optional, [B][H][DPAD] float64 token sums): μ = float32(sum / N) is subtracted after
+//   the prescale (K-smoothing); block 0's threads store μ in mean_out.
+// block_mean_out (optional, [B][H][N_pad/64][DPAD]): subtract and store the block's own mean
+//   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
 //   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
-SB_DEVICE void quantize_block(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
-                              int N_pad, float prescale, const double* __restrict__ mean_sum,
-                              float* __restrict__ mean_out, float* __restrict__ block_mean_out,
-                              i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
-                              float* __restrict__ scale_out, int blk, int h, int b) {
-    __shared__ float tile[QBLOCK][MAX_DPAD + 1];
-    __shared__ double colsum[QTHREADS];
-    __shared__ float red[QTHREADS / 32];
-    __shared__ float mu[MAX_DPAD];
-    __shared__ float row_inv[QBLOCK];
-    const int row0 = blk * QBLOCK;
-    const int nvalid = max(0, min(QBLOCK, N - row0));
-    const u16* xs = x + b * sb + h * sh;
-    const i64 bh = static_cast<i64>(b) * H + h;
-    if (mean_sum && threadIdx.x < D_pad) {
-        const float m = threadIdx.x < D ? static_cast<float>(mean_sum[bh * D_pad + threadIdx.x] / static_cast<double>(N)) : 0.f;
-        mu[threadIdx.x] = m;
-        if (blk == 0) mean_out[bh * D_pad + threadIdx.x] = m;
-    }
-    __syncthreads();
-
-    const bool aligned = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
-    if ((flags & QUANT_PER_TOKEN) && aligned && !t_out && !block_mean_out && (D_pad == 64 || D_pad == 128)) {
-        i8* rows = rows_out + (bh * N_pad + row0) * D_pad;
-        float* scales = scale_out + bh * N_pad + row0;
-        const float* m = mean_sum ? mu : nullptr;
-        if (D_pad == 64) quantize_rows_streaming<64>(xs + static_cast<i64>(row0) * sn, sn, nvalid, D, prescale, m, rows, scales);
-        else quantize_rows_streaming<128>(xs + static_cast<i64>(row0) * sn, sn, nvalid, D, prescale, m, rows, scales);
-        return;
-    }
-
-    // Load (prescaled, mean-subtracted) values; padding rows and columns are 0. Rows that start
-    // 16-byte aligned are read 8 values per load (D is then a multiple of 8: a chunk is all in or out).
-    auto put = [&](int r, int c, u16 raw) {
-        float v = 0.f;
-        if (r < nvalid && c < D) {
-            v = mul_rn(to_f32<SB_BF16>(raw), prescale);
-            if (mean_sum) v = sub_rn(v, mu[c]);
-        }
-        tile[r][c] = v;
-    };
-    if (aligned) {
-        const int chunks = D_pad / 8;
-        for (int i = threadIdx.x; i < QBLOCK * chunks; i += QTHREADS) {
-            const int r = i / chunks, c0 = (i % chunks) * 8;
-            uint4 w = make_uint4(0, 0, 0, 0);
-            if (r < nvalid && c0 < D) w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(row0 + r) * sn + c0);
-            const u32 words[4] = {w.x, w.y, w.z, w.w};
+// Rows past N and columns past D are zero in every layout, with scale 1 where they fill a scale's block.
+// A row's 8 entries from its raw chunk r, prescaled and smoothed; 0 outside the tensor.
+SB_DEVICE void row_values(uint4 r, bool row_in, int cols_in, float prescale, const float (&shift)[8], float (&v)[8]) {
+    const u32 words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-            for (int e = 0; e < 8; ++e) put(r, c0 + e, static_cast<u16>(words[e >> 1] >> (16 * (e & 1))));
-        }
-    } else {
-        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
-            const int r = i / D_pad, c = i % D_pad;
-            put(r, c, r < nvalid && c < D ? xs[static_cast<i64>(row0 + r) * sn + c] : u16(0));
-        }
-    }
-    __syncthreads();
-
-    if (block_mean_out) {
-        // Column means over the valid rows in float64 (exact for realistic ranges, so the
-        // emulator's order of summation gives the same float32 mean).
-        const int per_col = QTHREADS / D_pad;
-        const int c = threadIdx.x % D_pad, part = threadIdx.x / D_pad;
-        double s = 0.0;
-        for (int r = part; r < nvalid; r += per_col) s += static_cast<double>(tile[r][c]);
-        colsum[threadIdx.x] = s;
-        __syncthreads();
-        if (threadIdx.x < D_pad) {
-            double t = 0.0;
-            for (int p = 0; p < per_col; ++p) t += colsum[p * D_pad + threadIdx.x];
-            const float m = (c < D && nvalid > 0) ? static_cast<float>(t / static_cast<double>(nvalid)) : 0.f;
-            block_mean_out[(bh * (N_pad / QBLOCK) + blk) * D_pad + threadIdx.x] = m;
-            colsum[threadIdx.x] = m;  // reused as the float32 mean
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) {
-            const int r = i / D_pad, c = i % D_pad;
-            if (r < nvalid && c < D) tile[r][c] = sub_rn(tile[r][c], static_cast<float>(colsum[c]));
-        }
-        __syncthreads();
-    }
-
-    if (flags & QUANT_PER_TOKEN) {
-        // One scale per row: four threads per row, each over every fourth column.
-        static_assert(QTHREADS == 4 * QBLOCK, "four threads per row");
-        const int r = threadIdx.x >> 2;
-        float amax = 0.f;
-        for (int c = threadIdx.x & 3; c < D_pad; c += 4) amax = fmaxf(amax, fabsf(tile[r][c]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        if ((threadIdx.x & 3) == 0) row_inv[r] = psi_inverse(amax, scale_out + bh * N_pad + row0 + r);
-    } else {
-        float amax = 0.f;
-        for (int i = threadIdx.x; i < QBLOCK * D_pad; i += QTHREADS) amax = fmaxf(amax, fabsf(tile[i / D_pad][i % D_pad]));
-        amax = block_max(amax, red);
-        float* scale = scale_out + bh * (N_pad / QBLOCK) + blk;
-        if (threadIdx.x < QBLOCK) row_inv[threadIdx.x] = psi_inverse(amax, threadIdx.x == 0 ? scale : nullptr);
-    }
-    __syncthreads();
-
-    // Round and write, sixteen bytes per store (rows of D_pad and blocks of 64 tokens are multiples of 16).
-    auto code = [&](int r, int c) {
-        return int8_code(tile[r][c], row_inv[r]);
-    };
-    if (rows_out) {
-        i8* out = rows_out + (bh * N_pad + row0) * D_pad;
-        for (int i = threadIdx.x; i < QBLOCK * D_pad / 16; i += QTHREADS) {
-            const int r = (16 * i) / D_pad, c = (16 * i) % D_pad;
-            u32 w[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int e = 0; e < 16; ++e) w[e >> 2] |= code(r, c + e) << (8 * (e & 3));
-            reinterpret_cast<uint4*>(out)[i] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-    if (t_out) {
-        i8* out = t_out + bh * D_pad * N_pad + row0;
-        for (int i = threadIdx.x; i < D_pad * QBLOCK / 16; i += QTHREADS) {
-            const int c = (16 * i) / QBLOCK, p = (16 * i) % QBLOCK;
-            u32 w[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int e = 0; e < 16; ++e) w[e >> 2] |= code((flags & QUANT_PERMUTE_T) ? permuted_token(p + e) : p + e, c) << (8 * (e & 3));
-            *reinterpret_cast<uint4*>(out + static_cast<i64>(c) * N_pad + p) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+    for (int e = 0; e < 8; ++e) {
+        const float y = sub_rn(mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale), shift[e]);
+        v[e] = row_in && e < cols_in ? y : 0.f;
     }
 }
 
-// One tensor of a quantize_tensors launch: quantize_block's arguments, and its CTA count
-// (N_pad / 64 blocks times H heads; 0 for an absent tensor).  Pointers first, then 8-byte, then
+constexpr int GROUP = 16;
+struct QuantizeShared {
+    uint4 raw[GROUP][QTHREADS_MAX];            // chunk i of thread t at [i][t]: a warp's reads are conflict-free
+    float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
+    double colsum[QTHREADS_MAX / 32][128];     // a warp's column sums (Q-smoothing at DPAD = 128)
+};
+template <int DPAD>
+SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
+                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
+                               float* __restrict__ mean_out, float* __restrict__ block_mean_out,
+                               i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
+                               float* __restrict__ scale_out, int cta, int b) {
+    constexpr int L = DPAD / 8, TPB = 4 * L, WARPS_PER_BLOCK = TPB / 32 > 0 ? TPB / 32 : 1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int grp = tid % TPB / L, c0 = 8 * (tid % L);
+    const int blocks = N_pad / QBLOCK, fb = 2 * cta + tid / TPB;
+    const int h = fb / blocks, blk = fb % blocks;
+    const i64 bh = static_cast<i64>(b) * H + h;
+    const int tok0 = blk * QBLOCK + grp * GROUP;  // the thread's first token
+    const u16* xs = x + b * sb + h * sh;
+
+    // Raw 16-bit values, zero outside the tensor. Rows that start 16-byte aligned are copied 8 values
+    // at a time (D is then a multiple of 8: a chunk is all in or out); others value by value.
+    const bool aligned = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
+    if (aligned) {
+#pragma unroll
+        for (int i = 0; i < GROUP; ++i) {
+            const bool ok = tok0 + i < N && c0 < D;
+            cp_async_16(smem_u32(&sm.raw[i][tid]), ok ? xs + static_cast<i64>(tok0 + i) * sn + c0 : xs, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    } else {
+        for (int i = 0; i < GROUP; ++i) {
+            u16* dst = reinterpret_cast<u16*>(&sm.raw[i][tid]);
+            for (int e = 0; e < 8; ++e) dst[e] = tok0 + i < N && c0 + e < D ? xs[static_cast<i64>(tok0 + i) * sn + c0 + e] : u16(0);
+        }
+    }
+
+    // What each column subtracts after the prescale: μ (K-smoothing) or the block's mean (Q-smoothing,
+    // below); a job has at most one of them, and x - 0 is x, so one branch-free formula serves all.
+    float shift[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        shift[e] = 0.f;
+        if (mean_sum) {
+            const int c = c0 + e;
+            shift[e] = c < D ? static_cast<float>(mean_sum[bh * DPAD + c] / static_cast<double>(N)) : 0.f;
+            if (blk == 0 && grp == 0) mean_out[bh * DPAD + c] = shift[e];
+        }
+    }
+    cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
+
+    const int rows_in = N - tok0, cols_in = D - c0;  // the thread's rows and columns inside the tensor
+
+    if (block_mean_out) {
+        // Column means over the block's valid rows in float64 (exact for realistic ranges, so any
+        // order of summation gives the emulator's float32 mean): the thread's 16 rows, then its
+        // block's four groups (lanes L and 2L apart; two warps at DPAD = 128).
+        double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+        for (int i = 0; i < GROUP; ++i) {
+            float v[8];
+            row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(v[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+            for (int m = L; m < 32; m <<= 1) s[e] += __shfl_xor_sync(0xffffffffu, s[e], m);
+        if (WARPS_PER_BLOCK > 1) {
+            if (lane < L)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sm.colsum[warp][c0 + e] = s[e];
+            __syncthreads();
+            const int w0 = warp / WARPS_PER_BLOCK * WARPS_PER_BLOCK;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                s[e] = sm.colsum[w0][c0 + e];
+#pragma unroll
+                for (int k = 1; k < WARPS_PER_BLOCK; ++k) s[e] += sm.colsum[w0 + k][c0 + e];
+            }
+        }
+        const int nvalid = max(0, min(QBLOCK, N - blk * QBLOCK));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            shift[e] = c0 + e < D && nvalid > 0 ? static_cast<float>(s[e] / static_cast<double>(nvalid)) : 0.f;
+            if (grp == 0) block_mean_out[(bh * blocks + blk) * DPAD + c0 + e] = shift[e];
+        }
+    }
+
+    // Inverse scales of the thread's 16 rows.
+    float inv[GROUP];
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+        float v[8];
+        row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+        inv[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) inv[i] = fmaxf(inv[i], fabsf(v[e]));
+    }
+    if (flags & QUANT_PER_TOKEN) {
+        // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
+        constexpr int OWN = GROUP / L;
+        max_scatter<L>(inv, lane);
+#pragma unroll
+        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
+        gather<L>(inv, lane);
+    } else {
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, inv[i]);
+#pragma unroll
+        for (int m = 1; m < (TPB < 32 ? TPB : 32); m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        if (WARPS_PER_BLOCK > 1) {
+            if (lane == 0) sm.red[warp] = amax;
+            __syncthreads();
+            const int w0 = warp / WARPS_PER_BLOCK * WARPS_PER_BLOCK;
+            amax = sm.red[w0];
+#pragma unroll
+            for (int k = 1; k < WARPS_PER_BLOCK; ++k) amax = fmaxf(amax, sm.red[w0 + k]);
+        }
+        const float v = psi_inverse(amax, tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
+#pragma unroll
+        for (int i = 0; i < GROUP; ++i) inv[i] = v;
+    }
+
+    // Codes: word half of row i holds columns c0 + 4·half .. + 3.
+    u32 code[GROUP][2];
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+        float v[8];
+        row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            code[i][half] = pack4_low_bytes(int8_code(v[4 * half], inv[i]), int8_code(v[4 * half + 1], inv[i]),
+                                            int8_code(v[4 * half + 2], inv[i]), int8_code(v[4 * half + 3], inv[i]));
+    }
+    if (rows_out)
+#pragma unroll
+        for (int i = 0; i < GROUP; ++i)
+            *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = make_uint2(code[i][0], code[i][1]);
+    if (t_out) {
+        // Stored position 4k + n of the group holds row 4k + n, or 2k + (n & 1) + 8(n >> 1) in the fragment
+        // order (numerics.KEY_PERMUTATION_16).
+        u32 col[8][4];
+        const bool permute = flags & QUANT_PERMUTE_T;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u32 t4[4];
+                if (permute)
+                    transpose_bytes(code[2 * k][half], code[2 * k + 1][half], code[2 * k + 8][half], code[2 * k + 9][half], t4);
+                else
+                    transpose_bytes(code[4 * k][half], code[4 * k + 1][half], code[4 * k + 2][half], code[4 * k + 3][half], t4);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) col[4 * half + n][k] = t4[n];
+            }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            *reinterpret_cast<uint4*>(t_out + (bh * DPAD + c0 + e) * N_pad + tok0) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
+    }
+}
+
+// One tensor of a quantize_tensors launch: quantize_blocks' arguments, and its CTA count
+// (N_pad / 64 blocks times H heads over the blocks per CTA, forward.py _quantize_ctas; 0 for an absent tensor).  Pointers first, then 8-byte, then
 // 4-byte fields: no padding, so the host packs it field by field (sagebwd_cp/forward.py).
 struct QuantizeJob {
     const u16* x;
@@ -248,9 +283,9 @@ struct QuantizeJob {
 static_assert(sizeof(QuantizeJob) == 7 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
 
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
-// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch.  Each CTA computes exactly what
-// a launch of one tensor computed for its (block, head).
-extern "C" __global__ void __launch_bounds__(QTHREADS)
+// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA. Several CTAs
+// per SM (33 KB of shared memory each): one CTA's loads are in flight while the others round and store.
+extern "C" __global__ void __launch_bounds__(QTHREADS_MAX)
 quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) {
     SB_REQUIRE_SM80();
     int cta = blockIdx.x;
@@ -258,10 +293,16 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
     cta -= which == 0 ? 0 : (which == 1 ? a.ctas : a.ctas + b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
 #define SB_JOB(field) (which == 0 ? a.field : (which == 1 ? b.field : c.field))
-    const int blocks = SB_JOB(N_pad) / QBLOCK;
-    quantize_block(SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, D_pad, SB_JOB(N_pad),
-                   SB_JOB(prescale), SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out),
-                   SB_JOB(t_out), SB_JOB(flags), SB_JOB(scale_out), cta % blocks, cta / blocks, blockIdx.z);
+    __shared__ QuantizeShared sm;
+#define SB_JOB_ARGS                                                                                              \
+    sm, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
+        SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(scale_out), cta, static_cast<int>(blockIdx.z)
+    if (D_pad == 64)
+        quantize_blocks<64>(SB_JOB_ARGS);
+    else
+        quantize_blocks<128>(SB_JOB_ARGS);
+#undef SB_JOB_ARGS
 #undef SB_JOB
 }
 
@@ -270,17 +311,17 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
 // float64 for realistic ranges, so the atomics' order does not matter.  With one CTA per
 // (batch, head) (N <= 256) the CTA stores its sum (0 + t == t), so sum_out needs no zeroing.
 #define MEAN_TOKENS 256
-extern "C" __global__ void __launch_bounds__(QTHREADS)
+extern "C" __global__ void __launch_bounds__(SUM_THREADS)
 token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
           double* __restrict__ sum_out) {
     SB_REQUIRE_SM80();
-    __shared__ double part[QTHREADS * 8];
+    __shared__ double part[SUM_THREADS * 8];
     const int n0 = blockIdx.x * MEAN_TOKENS, h = blockIdx.y, b = blockIdx.z;
     const u16* xs = x + b * sb + h * sh;
     const int n1 = min(N, n0 + MEAN_TOKENS);
     // Aligned rows: each thread sums 8 columns from 16-byte loads; else one column per thread.
     const bool vec = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
-    const int width = vec ? 8 : 1, groups = D_pad / width, slices = QTHREADS / groups;
+    const int width = vec ? 8 : 1, groups = D_pad / width, slices = SUM_THREADS / groups;
     const int c0 = (threadIdx.x % groups) * width, slice = threadIdx.x / groups;
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (c0 < D) {

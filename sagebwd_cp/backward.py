@@ -74,7 +74,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, δ, s_Q, 0) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    plan.launch(rows, "row_stats", (nq // 8, Hq, B), (256, 1, 1),
+    plan.launch(rows, "row_stats", (nq // 16, Hq, B), (256, 1, 1),
                 [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
                  i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 

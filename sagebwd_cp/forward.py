@@ -14,7 +14,7 @@ from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
-QUANT_THREADS = 256
+SUM_THREADS = 256  # SUM_THREADS (token_sum)
 PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
@@ -45,13 +45,20 @@ class Quantized:
     do_scale: ArrayDesc | None = None  # [B][Hq][Nq_pad/64]
 
 
+def _quantize_ctas(blocks: int) -> int:
+    """CTAs of quantize_tensors for ``blocks`` 64-token blocks: two a CTA (kernels/quantize.cu quantize_blocks;
+    N_pad is a multiple of 128, so a tensor has an even number)."""
+    assert blocks % 2 == 0, blocks
+    return blocks // 2
+
+
 def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t,
                   flags, scale):
     """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field)."""
     sb, sh, sn = prob.bhnd_strides(src)
     return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale),
                       i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(flags), f32(prescale),
-                      i32(npad // numerics.BLOCK_Q * heads))
+                      i32(_quantize_ctas(npad // numerics.BLOCK_Q * heads)))
 
 
 _NO_JOB = struct_arg(*(ptr(None),) * 7, *(i64(0),) * 3, *(i32(0),) * 4, f32(0.0), i32(0))
@@ -61,7 +68,8 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
     """Up to three tensors in one launch (CTAs of job 0, then 1, then 2)."""
     ctas = sum(job.value[-1].value for job in jobs)
     jobs = list(jobs) + [_NO_JOB] * (3 - len(jobs))
-    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (QUANT_THREADS, 1, 1),
+    # D_pad threads a CTA: four token groups of D_pad/8 lanes for each of its two blocks.
+    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (prob.padded_head_dim, 1, 1),
                 jobs + [i32(prob.head_dim), i32(prob.padded_head_dim)])
 
 
@@ -83,7 +91,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         # Several chunks add into the sums atomically; a single one stores them (quantize.cu token_sum).
         k_sum = plan.workspace("k_sum", (B, Hk, dp), "float64", zeroed=chunks > 1)
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        plan.launch(spec, "token_sum", (chunks, Hk, B), (QUANT_THREADS, 1, 1),
+        plan.launch(spec, "token_sum", (chunks, Hk, B), (SUM_THREADS, 1, 1),
                     [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
     q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")

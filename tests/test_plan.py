@@ -303,7 +303,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert job(1)[:7] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset)
         assert job(2)[:7] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset)
-        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (2 * 2, 6 * 1, 6 * 1)  # CTAs: blocks of 64 x heads
+        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (2 * 2 // 2, 6 * 1 // 2, 6 * 1 // 2)  # CTAs: blocks of 64 x heads / 2
         assert job(0)[14] == np.float32(numerics.qk_prescale(1 / 8))
         fw = args["attention_forward"]
         assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11)] == [
@@ -343,7 +343,7 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
-    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), (2 * 2 + 2 * 1 + 2 * 1, 1, 1), (1, 2, 1)]
+    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 2 + 2 * 1 + 2 * 1) // 2, 1, 1), (1, 2, 1)]  # two blocks a CTA
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
     sagebwd_cp.attention_backward(saved, do, deterministic=True)
