@@ -102,12 +102,13 @@ SB_DEVICE void row_values(uint4 r, bool row_in, int cols_in, float prescale, con
 
 constexpr int GROUP = 16;
 struct QuantizeShared {
-    uint4 raw[GROUP][QTHREADS_MAX];            // chunk i of thread t at [i][t]: a warp's reads are conflict-free
     float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
     double colsum[QTHREADS_MAX / 32][128];     // a warp's column sums (Q-smoothing at DPAD = 128)
 };
+// raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
+// thread t at [i][t], so a warp's reads are conflict-free.
 template <int DPAD>
-SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
+SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
@@ -128,12 +129,12 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i6
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) {
             const bool ok = tok0 + i < N && c0 < D;
-            cp_async_16(smem_u32(&sm.raw[i][tid]), ok ? xs + static_cast<i64>(tok0 + i) * sn + c0 : xs, ok ? 16 : 0);
+            cp_async_16(smem_u32(&raw[i * DPAD + tid]), ok ? xs + static_cast<i64>(tok0 + i) * sn + c0 : xs, ok ? 16 : 0);
         }
         cp_async_commit();
     } else {
         for (int i = 0; i < GROUP; ++i) {
-            u16* dst = reinterpret_cast<u16*>(&sm.raw[i][tid]);
+            u16* dst = reinterpret_cast<u16*>(&raw[i * DPAD + tid]);
             for (int e = 0; e < 8; ++e) dst[e] = tok0 + i < N && c0 + e < D ? xs[static_cast<i64>(tok0 + i) * sn + c0 + e] : u16(0);
         }
     }
@@ -161,7 +162,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i6
         double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
         for (int i = 0; i < GROUP; ++i) {
             float v[8];
-            row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+            row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
 #pragma unroll
             for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(v[e]);
         }
@@ -195,7 +196,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i6
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
         float v[8];
-        row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+        row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
         inv[i] = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) inv[i] = fmaxf(inv[i], fabsf(v[e]));
@@ -231,7 +232,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, const u16* __restrict__ x, i6
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
         float v[8];
-        row_values(sm.raw[i][tid], i < rows_in, cols_in, prescale, shift, v);
+        row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             code[i][half] = pack4_low_bytes(int8_code(v[4 * half], inv[i]), int8_code(v[4 * half + 1], inv[i]),
@@ -284,7 +285,7 @@ static_assert(sizeof(QuantizeJob) == 7 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the ho
 
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
 // runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA. Several CTAs
-// per SM (33 KB of shared memory each): one CTA's loads are in flight while the others round and store.
+// per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
 extern "C" __global__ void __launch_bounds__(QTHREADS_MAX)
 quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) {
     SB_REQUIRE_SM80();
@@ -294,8 +295,9 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
 #define SB_JOB(field) (which == 0 ? a.field : (which == 1 ? b.field : c.field))
     __shared__ QuantizeShared sm;
+    extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
-    sm, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
+    sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), cta, static_cast<int>(blockIdx.z)
     if (D_pad == 64)

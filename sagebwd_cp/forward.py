@@ -68,9 +68,11 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
     """Up to three tensors in one launch (CTAs of job 0, then 1, then 2)."""
     ctas = sum(job.value[-1].value for job in jobs)
     jobs = list(jobs) + [_NO_JOB] * (3 - len(jobs))
-    # D_pad threads a CTA: four token groups of D_pad/8 lanes for each of its two blocks.
-    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (prob.padded_head_dim, 1, 1),
-                jobs + [i32(prob.head_dim), i32(prob.padded_head_dim)])
+    # D_pad threads a CTA (four token groups of D_pad/8 lanes for each of its two blocks), each with 16
+    # chunks of 16 bytes in shared memory.
+    dp = prob.padded_head_dim
+    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
+                jobs + [i32(prob.head_dim), i32(dp)], shared=dp * 16 * 16)
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
