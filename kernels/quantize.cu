@@ -31,9 +31,13 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
     return zero ? 0.f : div_rn(127.f, amax);
 }
 
-// The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped), as a byte.
+// The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped) in the low
+// byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds and adding
+// 1.5·2^23 leaves rint (to nearest even) in the low bits, on the FMA pipe instead of the quarter-rate
+// cvt.rni; a NaN product (an inf or NaN input) codes 0, as cvt.rni gives.
 SB_DEVICE u32 int8_code(float x, float inv) {
-    return static_cast<u32>(max(-127, min(127, rint_s32(mul_rn(x, inv))))) & 0xffu;
+    const float y = mul_rn(x, inv);
+    return y == y ? __float_as_uint(add_rn(y, 12582912.0f)) : 0u;
 }
 
 // Max over LANES lanes (xor partners) of N values per lane, scattered: afterwards v[0 .. N/LANES)

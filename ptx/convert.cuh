@@ -34,10 +34,9 @@ SB_DEVICE u32 pack2_f32(float lo, float hi) {
 // quantizer matches the NumPy emulator bit for bit.
 SB_DEVICE float mul_rn(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 SB_DEVICE float sub_rn(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+SB_DEVICE float add_rn(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 SB_DEVICE float div_rn(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 
-// cvt.rni.s32.f32: round to nearest even.
-SB_DEVICE int rint_s32(float f) { int r; asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(f)); return r; }
 
 // x * inv rounded to an integer on the FMA pipe: adding 1.5*2^23 leaves round-to-nearest-even
 // of |x*inv| < 2^22 in the low mantissa bits (the SFU's cvt is a scarcer unit). Returns the
