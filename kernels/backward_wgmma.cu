@@ -428,6 +428,8 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         {
             // Query row n·8 + 2t + c has swizzle key 2t + c whatever n (swizzled_offset<128, true>), so
             // two offsets and immediates address all 32 bytes (16 offsets would not stay in registers).
+            // The warp's 16 keys in Ŷ's 128-key blocks (two warpgroups: one block, no division to form; the
+            // general form costs the register-bound d=128 kernels spills).
             const int ychunk = GROUPS > 2 ? 4 * (wg % 2) + wv : 4 * wg + wv, yblock = GROUPS > 2 ? (wg / 2) * BQ * 128 : 0;
             const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + yblock + g,
                                   swizzled_offset<128, true>(2 * t + 1, ychunk) + yblock + g};

@@ -221,7 +221,6 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 sv[vb] = vs[vb];
                 if (vb > 0 && (j * VBLOCKS + vb) * BKV < Lk) smax = fmaxf(smax, sv[vb]);
             }
-#pragma unroll
             const float inv = rcp_approx(smax);  // the SFU's 1/s_max (numerics: within one ulp of IEEE)
 #pragma unroll
             for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = VBLOCKS == 1 || sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);

@@ -32,12 +32,12 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
 }
 
 // The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped) in the low
-// byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds and adding
-// 1.5·2^23 leaves rint (to nearest even) in the low bits, on the FMA pipe instead of the quarter-rate
-// cvt.rni; a NaN product (an inf or NaN input) codes 0, as cvt.rni gives.
+// byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds; the product
+// is rounded before ROUND_MAGIC is added (not fused: the emulator rounds it too); a NaN product (an
+// inf or NaN input) codes 0, as cvt.rni gives.
 SB_DEVICE u32 int8_code(float x, float inv) {
     const float y = mul_rn(x, inv);
-    return y == y ? __float_as_uint(add_rn(y, 12582912.0f)) : 0u;
+    return y == y ? __float_as_uint(add_rn(y, ROUND_MAGIC)) : 0u;
 }
 
 // Max over LANES lanes (xor partners) of N values per lane, scattered: afterwards v[0 .. N/LANES)
@@ -78,6 +78,22 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
     out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
+// A row's 8 entries from its raw chunk r, prescaled and smoothed; 0 outside the tensor.
+SB_DEVICE void row_values(uint4 r, bool row_in, int cols_in, float prescale, const float (&shift)[8], float (&v)[8]) {
+    const u32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float y = sub_rn(mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale), shift[e]);
+        v[e] = row_in && e < cols_in ? y : 0.f;
+    }
+}
+
+constexpr int GROUP = 16;  // tokens a thread owns (one group of the fragment token order)
+struct QuantizeShared {
+    float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
+    double colsum[QTHREADS_MAX / 32][128];     // a warp's column sums (Q-smoothing at DPAD = 128)
+};
+
 // Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
 // even number, N_pad being a multiple of 128), DPAD threads. A thread owns GROUP = 16 tokens x 8
 // columns: the DPAD/8 lanes of a token group are adjacent and 4 groups make a block. Its 16 chunks
@@ -94,30 +110,16 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
 //   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
 // Rows past N and columns past D are zero in every layout, with scale 1 where they fill a scale's block.
-// A row's 8 entries from its raw chunk r, prescaled and smoothed; 0 outside the tensor.
-SB_DEVICE void row_values(uint4 r, bool row_in, int cols_in, float prescale, const float (&shift)[8], float (&v)[8]) {
-    const u32 words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const float y = sub_rn(mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale), shift[e]);
-        v[e] = row_in && e < cols_in ? y : 0.f;
-    }
-}
-
-constexpr int GROUP = 16;
-struct QuantizeShared {
-    float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
-    double colsum[QTHREADS_MAX / 32][128];     // a warp's column sums (Q-smoothing at DPAD = 128)
-};
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
-// thread t at [i][t], so a warp's reads are conflict-free.
+//   thread t at [i][t], so a warp's reads are conflict-free.
 template <int DPAD>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                                float* __restrict__ scale_out, int cta, int b) {
-    constexpr int L = DPAD / 8, TPB = 4 * L, WARPS_PER_BLOCK = TPB / 32 > 0 ? TPB / 32 : 1;
+    constexpr int L = DPAD / 8, TPB = 4 * L, WARPS_PER_BLOCK = TPB / 32;
+    static_assert(TPB % 32 == 0, "a block is whole warps");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = tid % TPB / L, c0 = 8 * (tid % L);
     const int blocks = N_pad / QBLOCK, fb = 2 * cta + tid / TPB;
@@ -217,7 +219,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, inv[i]);
 #pragma unroll
-        for (int m = 1; m < (TPB < 32 ? TPB : 32); m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        for (int m = 1; m < 32; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
         if (WARPS_PER_BLOCK > 1) {
             if (lane == 0) sm.red[warp] = amax;
             __syncthreads();
@@ -269,9 +271,9 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     }
 }
 
-// One tensor of a quantize_tensors launch: quantize_blocks' arguments, and its CTA count
-// (N_pad / 64 blocks times H heads over the blocks per CTA, forward.py _quantize_ctas; 0 for an absent tensor).  Pointers first, then 8-byte, then
-// 4-byte fields: no padding, so the host packs it field by field (sagebwd_cp/forward.py).
+// One tensor of a quantize_tensors launch: quantize_blocks' arguments, and its CTA count (N_pad / 64
+// blocks times H heads, two blocks a CTA: forward.py _quantize_ctas; 0 for an absent tensor).
+// Pointers first, then 8-byte, then 4-byte fields: no padding, so the host packs it field by field.
 struct QuantizeJob {
     const u16* x;
     const double* mean_sum;

@@ -37,11 +37,13 @@ SB_DEVICE float sub_rn(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;"
 SB_DEVICE float add_rn(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 SB_DEVICE float div_rn(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 
+// 1.5*2^23: added to |y| < 2^22, it leaves round-to-nearest-even of y in the low mantissa bits, so
+// rounding runs on the FMA pipe (the SFU's cvt is a scarcer unit); the low byte of the sum's bits
+// is the two's-complement INT8 value.
+constexpr float ROUND_MAGIC = 12582912.0f;
 
-// x * inv rounded to an integer on the FMA pipe: adding 1.5*2^23 leaves round-to-nearest-even
-// of |x*inv| < 2^22 in the low mantissa bits (the SFU's cvt is a scarcer unit). Returns the
-// float whose low byte is the two's-complement INT8 value.
-SB_DEVICE float round_magic(float x, float inv) { return fmaf(x, inv, 12582912.0f); }
+// x * inv rounded to an integer (one FMA). Returns the float whose low byte is the INT8 value.
+SB_DEVICE float round_magic(float x, float inv) { return fmaf(x, inv, ROUND_MAGIC); }
 
 // prmt.b32: bytes 0 of four words -> one word (a in byte 0 ... d in byte 3).
 SB_DEVICE u32 pack4_low_bytes(u32 a, u32 b, u32 c, u32 d) {

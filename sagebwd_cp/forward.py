@@ -14,7 +14,7 @@ from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
-SUM_THREADS = 256  # SUM_THREADS (token_sum)
+SUM_THREADS = 256  # kernels/quantize.cu SUM_THREADS (token_sum)
 PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 

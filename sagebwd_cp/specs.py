@@ -73,13 +73,21 @@ def use_wgmma(arch: str | None) -> bool:
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
+def _env_choice(name: str, choices: tuple) -> int | None:
+    """The integer an override variable names (one of ``choices``), or None where it is unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if value not in {str(c) for c in choices}:
+        raise ValueError(f"{name}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+    return int(value)
+
+
 def forward_key_tile() -> int:
     """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
     benchmarks/NOTES.md, forward v4); SAGEBWD_FORWARD_KEY_TILE=64 selects the 64-key kernel."""
-    forced = os.environ.get("SAGEBWD_FORWARD_KEY_TILE", "128")
-    if forced not in ("64", "128"):
-        raise ValueError(f"SAGEBWD_FORWARD_KEY_TILE: expected 64 or 128, got {forced!r}")
-    return int(forced)
+    forced = _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
+    return 128 if forced is None else forced
 
 
 def forward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> ForwardTiles:
@@ -162,11 +170,9 @@ def wgmma_groups(dp: int, fine: bool = True, deterministic: bool = False) -> int
     benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64."""
     if dp != 64:
         return 2
-    forced = os.environ.get("SAGEBWD_BACKWARD_GROUPS")
+    forced = _env_choice("SAGEBWD_BACKWARD_GROUPS", (2, 3))
     if forced is not None:
-        if forced not in ("2", "3"):
-            raise ValueError(f"SAGEBWD_BACKWARD_GROUPS: expected 2 or 3, got {forced!r}")
-        return int(forced)
+        return forced
     return 3 if deterministic or not fine else 2
 
 
@@ -176,12 +182,10 @@ def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = 
     the wgmma kernel on sm_90."""
     wg = use_wgmma(arch)
     tiles = BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, fine, deterministic) if wg else 2)
+    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit and not tiles.wgmma:
+        tiles = BackwardTiles(stages=1)  # the wgmma kernel needs its two stages
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
-        if tiles.wgmma:
-            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
-        tiles = BackwardTiles(stages=1)
-        if tiles.shared_bytes(dp) > shared_limit:
-            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
+        raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
     return tiles
 
 

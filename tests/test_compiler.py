@@ -192,23 +192,20 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
     assert specs.forward_tiles(128, hopper, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
-    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "64")
-    assert specs.forward_tiles(64, hopper, "sm_90").key_tile == 64
-    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "96")
-    with pytest.raises(ValueError, match="SAGEBWD_FORWARD_KEY_TILE"):
-        specs.forward_tiles(64, hopper, "sm_90")
-    monkeypatch.delenv("SAGEBWD_FORWARD_KEY_TILE")
     assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     assert specs.backward_tiles(64, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     for fine, det in ((False, False), (True, True), (False, True)):  # 3 warpgroups where they measured faster
         assert specs.backward_tiles(64, hopper, "sm_90", fine, det).groups == 3
         assert specs.backward_tiles(128, hopper, "sm_90", fine, det).groups == 2
-    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "3")
-    assert specs.backward_tiles(64, hopper, "sm_90").groups == 3
-    monkeypatch.setenv("SAGEBWD_BACKWARD_GROUPS", "4")
-    with pytest.raises(ValueError, match="SAGEBWD_BACKWARD_GROUPS"):
-        specs.backward_tiles(64, hopper, "sm_90")
-    monkeypatch.delenv("SAGEBWD_BACKWARD_GROUPS")
+    # The overrides: a listed value is taken, another is refused by name.
+    for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, hopper, "sm_90").key_tile),
+                                ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, hopper, "sm_90").groups)):
+        monkeypatch.setenv(name, str(value))
+        assert chosen() == value
+        monkeypatch.setenv(name, "96")
+        with pytest.raises(ValueError, match=name):
+            chosen()
+        monkeypatch.delenv(name)
     for arch in ("sm_80", "sm_86", "sm_89", None):
         assert specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).key_tile == 64
         assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
