@@ -33,11 +33,27 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
 
 // The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped) in the low
 // byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds; the product
-// is rounded before ROUND_MAGIC is added (not fused: the emulator rounds it too); a NaN product (an
-// inf or NaN input) codes 0, as cvt.rni gives.
-SB_DEVICE u32 int8_code(float x, float inv) {
-    const float y = mul_rn(x, inv);
-    return y == y ? __float_as_uint(add_rn(y, ROUND_MAGIC)) : 0u;
+// is rounded before ROUND_MAGIC is added (not fused: the emulator rounds it too). A NaN product (an
+// inf or NaN input) codes 0, as cvt.rni gives: fmaxf drops the NaN for CODE_ZERO, the float below the
+// valid sums whose low byte is 0.
+constexpr float CODE_ZERO = ROUND_MAGIC - 256.f;
+SB_DEVICE u32 int8_code(float x, float inv) { return __float_as_uint(fmaxf(add_rn(mul_rn(x, inv), ROUND_MAGIC), CODE_ZERO)); }
+
+// Half by half max of two packed 16-bit pairs that are not negative; a NaN half loses to the other
+// (max.f16x2 / max.bf16x2, as fmaxf).
+template <bool BF16>
+SB_DEVICE u32 max2(u32 a, u32 b) {
+    u32 r;
+    if (BF16) asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// max|x| over a chunk's 8 raw 16-bit values, as f32 (exact: max and |.| commute with the widening).
+SB_DEVICE float chunk_abs_max(uint4 r) {
+    constexpr u32 ABS = 0x7fff7fffu;
+    const u32 m = max2<SB_BF16>(max2<SB_BF16>(r.x & ABS, r.y & ABS), max2<SB_BF16>(r.z & ABS, r.w & ABS));
+    return fmaxf(to_f32<SB_BF16>(static_cast<u16>(m)), to_f32<SB_BF16>(static_cast<u16>(m >> 16)));
 }
 
 // Max over LANES lanes (xor partners) of N values per lane, scattered: afterwards v[0 .. N/LANES)
@@ -78,13 +94,18 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
     out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-// A row's 8 entries from its raw chunk r, prescaled and smoothed; 0 outside the tensor.
-SB_DEVICE void row_values(uint4 r, bool row_in, int cols_in, float prescale, const float (&shift)[8], float (&v)[8]) {
+// A row's 8 entries from its raw chunk r: x·prescale - shift, each step only where the job has it
+// (x·1 and x - 0 are x, so skipping them changes no bit). Raw chunks outside the tensor are zero and
+// the shift is zero past D, so columns need no mask; rows past N do where there is a shift.
+template <bool PRESCALE, bool SHIFT>
+SB_DEVICE void row_values(uint4 r, float prescale, const float (&shift)[8], float (&v)[8]) {
     const u32 words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-        const float y = sub_rn(mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale), shift[e]);
-        v[e] = row_in && e < cols_in ? y : 0.f;
+        float y = to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1))));
+        if (PRESCALE) y = mul_rn(y, prescale);
+        if (SHIFT) y = sub_rn(y, shift[e]);
+        v[e] = y;
     }
 }
 
@@ -112,7 +133,8 @@ struct QuantizeShared {
 // Rows past N and columns past D are zero in every layout, with scale 1 where they fill a scale's block.
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
-template <int DPAD>
+// PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means (quantize_tensors picks them).
+template <int DPAD, bool PRESCALE, bool SHIFT>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
@@ -151,7 +173,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         shift[e] = 0.f;
-        if (mean_sum) {
+        if (SHIFT && mean_sum) {
             const int c = c0 + e;
             shift[e] = c < D ? static_cast<float>(mean_sum[bh * DPAD + c] / static_cast<double>(N)) : 0.f;
             if (blk == 0 && grp == 0) mean_out[bh * DPAD + c] = shift[e];
@@ -159,16 +181,16 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     }
     cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
 
-    const int rows_in = N - tok0, cols_in = D - c0;  // the thread's rows and columns inside the tensor
+    const int rows_in = N - tok0;  // the thread's rows inside the tensor
 
-    if (block_mean_out) {
+    if (SHIFT && block_mean_out) {
         // Column means over the block's valid rows in float64 (exact for realistic ranges, so any
         // order of summation gives the emulator's float32 mean): the thread's 16 rows, then its
         // block's four groups (lanes L and 2L apart; two warps at DPAD = 128).
         double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
         for (int i = 0; i < GROUP; ++i) {
             float v[8];
-            row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
+            row_values<PRESCALE, false>(raw[i * DPAD + tid], prescale, shift, v);  // zero past N and D
 #pragma unroll
             for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(v[e]);
         }
@@ -197,15 +219,22 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         }
     }
 
-    // Inverse scales of the thread's 16 rows.
+    // max|value| of the thread's 16 rows, 0 past N. Without a shift, on the raw 16-bit values: rounding
+    // is monotonic and prescale > 0, so max|RN(x·p)| = RN(max|x|·p), and rows past N are zero.
     float inv[GROUP];
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
-        float v[8];
-        row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
-        inv[i] = 0.f;
+        if (SHIFT) {
+            float v[8];
+            row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
+            float m = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) inv[i] = fmaxf(inv[i], fabsf(v[e]));
+            for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
+            inv[i] = i < rows_in ? m : 0.f;
+        } else {
+            const float m = chunk_abs_max(raw[i * DPAD + tid]);
+            inv[i] = PRESCALE ? mul_rn(m, prescale) : m;
+        }
     }
     if (flags & QUANT_PER_TOKEN) {
         // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
@@ -230,7 +259,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         }
         const float v = psi_inverse(amax, tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
 #pragma unroll
-        for (int i = 0; i < GROUP; ++i) inv[i] = v;
+        for (int i = 0; i < GROUP; ++i) inv[i] = i < rows_in ? v : 0.f;  // rows past N code 0 (per token: amax 0)
     }
 
     // Codes: word half of row i holds columns c0 + 4·half .. + 3.
@@ -238,7 +267,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
         float v[8];
-        row_values(raw[i * DPAD + tid], i < rows_in, cols_in, prescale, shift, v);
+        row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             code[i][half] = pack4_low_bytes(int8_code(v[4 * half], inv[i]), int8_code(v[4 * half + 1], inv[i]),
@@ -306,10 +335,15 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), cta, static_cast<int>(blockIdx.z)
-    if (D_pad == 64)
-        quantize_blocks<64>(SB_JOB_ARGS);
-    else
-        quantize_blocks<128>(SB_JOB_ARGS);
+    // One instantiation per head dim and per step the job needs (uniform across the CTA).
+    const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
+    if (D_pad == 64) {
+        if (shift) prescale ? quantize_blocks<64, true, true>(SB_JOB_ARGS) : quantize_blocks<64, false, true>(SB_JOB_ARGS);
+        else prescale ? quantize_blocks<64, true, false>(SB_JOB_ARGS) : quantize_blocks<64, false, false>(SB_JOB_ARGS);
+    } else {
+        if (shift) prescale ? quantize_blocks<128, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true>(SB_JOB_ARGS);
+        else prescale ? quantize_blocks<128, true, false>(SB_JOB_ARGS) : quantize_blocks<128, false, false>(SB_JOB_ARGS);
+    }
 #undef SB_JOB_ARGS
 #undef SB_JOB
 }
@@ -334,6 +368,7 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (c0 < D) {
         if (vec) {
+#pragma unroll 8  // 8 loads in flight a thread: the loop is bound by their latency
             for (int n = n0 + slice; n < n1; n += slices) {
                 const uint4 w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n) * sn + c0);
                 const u32 words[4] = {w.x, w.y, w.z, w.w};
