@@ -368,7 +368,6 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (c0 < D) {
         if (vec) {
-#pragma unroll 8  // 8 loads in flight a thread: the loop is bound by their latency
             for (int n = n0 + slice; n < n1; n += slices) {
                 const uint4 w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n) * sn + c0);
                 const u32 words[4] = {w.x, w.y, w.z, w.w};
