@@ -8,8 +8,10 @@ machine with the run):
     git archive <commit> kernels ptx | tar -x -C benchmarks/ab_base
     python benchmarks/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
 
-Every argument but ``--base`` goes to ``bench_attention.py``; only the Python side of the checkout
-is shared, so the two versions must take the same kernel arguments.
+Every argument but ``--base`` goes to ``bench_attention.py``. The Python side of the checkout is
+shared, so the two versions must take the same kernel arguments, unless the base folder also holds
+the other version's ``sagebwd_cp/`` (``git archive <commit> kernels ptx sagebwd_cp``): then its
+Python modules are swapped in too.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE_DIRS = ("kernels", "ptx")
+SOURCE_DIRS = {"kernels": (".cu", ".cuh"), "ptx": (".cu", ".cuh")}
+PYTHON_DIR = {"sagebwd_cp": (".py",)}  # swapped when the base holds it
 
 
-def _copy_sources(src_root: str, dst_root: str) -> None:
-    for d in SOURCE_DIRS:
+def _copy_sources(src_root: str, dst_root: str, dirs: dict) -> None:
+    for d, suffixes in dirs.items():
         for name in os.listdir(os.path.join(src_root, d)):
-            if name.endswith((".cu", ".cuh")):
+            if name.endswith(suffixes):
                 shutil.copy2(os.path.join(src_root, d, name), os.path.join(dst_root, d, name))
 
 
@@ -57,16 +60,19 @@ def main(argv=None) -> int:
     for d in SOURCE_DIRS:
         if not os.path.isdir(os.path.join(args.base, d)):
             raise SystemExit(f"--base: expected {os.path.join(args.base, d)} (git archive <commit> kernels ptx)")
+    dirs = dict(SOURCE_DIRS)
+    if all(os.path.isdir(os.path.join(args.base, d)) for d in PYTHON_DIR):
+        dirs.update(PYTHON_DIR)
     saved = tempfile.mkdtemp()
-    for d in SOURCE_DIRS:
+    for d in dirs:
         os.makedirs(os.path.join(saved, d))
-    _copy_sources(ROOT, saved)
+    _copy_sources(ROOT, saved, dirs)
     try:
         first = _bench(bench_args)
-        _copy_sources(args.base, ROOT)
+        _copy_sources(args.base, ROOT, dirs)
         base = _bench(bench_args)
     finally:
-        _copy_sources(saved, ROOT)  # the checkout's own sources back, whatever happened
+        _copy_sources(saved, ROOT, dirs)  # the checkout's own sources back, whatever happened
         shutil.rmtree(saved, ignore_errors=True)
     again = _bench(bench_args)
     print(f"{'d':>3} c {'N':>6} {'pass':<6} {'impl':<26} {'this':>7} {'base':>7} {'again':>7} {'this/base':>9}")

@@ -11,9 +11,11 @@ Conventions
   (two float32 products in this order; the kernels may fuse the second into the exponent's FMA).
 * The backward's dQ = dS·K and dK = dSᵀ·Q reduce over keys and queries, along which the per-token
   scales vary, so the scale is folded into dS before dS is quantized (legal: a scale is applied
-  before the quantization, not after the integer product): dQ reads Y = dS·s_K[key] (ψ per query
-  row in "fine", per tile in "paper"), dK reads Z = dS·s_Q[query] (ψ per key column, or per tile),
-  each a float32 product.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
+  before the quantization, not after the integer product): dK reads Z = dS·s_Q[query] (ψ per key
+  column in "fine", per tile in "paper"); dQ reads Y = Z·s_K[key] in "fine", ψ per query row (so
+  Y's codes are dS·s_K's up to rounding, and the kernel keeps only Z), dQ's final factor then
+  c / s_Q[query] instead of c (an IEEE float32 division per row), and Y = dS·s_K[key] per tile in
+  "paper"; each product a float32 one.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
   nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
