@@ -54,7 +54,7 @@ constexpr int SQ = 0;                           // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, fragment token order
 constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
-constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, s_Q, s_Q, δ) [64] f32x4 (row_stats)
+constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, s_Q, δ, 0) [64] f32x4 (row_stats)
 constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, f32
 constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
@@ -214,11 +214,9 @@ attention_backward(SB_BACKWARD_PARAMS) {
     auto load_stage = [&](int h, int i, int slot) {
         const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        // Addresses from a fresh thread index: hoisted out of the loop, the d=64 two-CTA kernels spill them.
-        const u32 ft = fresh_tid();
-        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP, ft);
-        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
-        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad, ft);
+        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
+        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
+        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
         load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
                     min(BQ, a.Lq - i * BQ), a.D);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + tid);
@@ -372,26 +370,13 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
             }
         }
-        // Fine: Z = dS·s_Q in place of dS (Y = Z·s_K below). Q-smoothing's exact dK term needs colsum(dS)
-        // from the FP32 dS (this warp's half of it).
-        float rs[2] = {0.f, 0.f};
-        if (SB_BIAS) {
-            ds_from_dp<false>(ds, p, stats_s, qcol0, t);
-            row_sum(rs, ds);
-            if (SB_FINE) z_values(ds, ds, stats_s, qcol0, t);
-        } else {
-            ds_from_dp<SB_FINE>(ds, p, stats_s, qcol0, t);
-        }
+        ds_from_dp(ds, p, stats_s, qcol0, t);
 
-        // dK reads Z = dS·s_Q[query], dQ reads Y (the per-token scales folded in; fine: Y = Z·s_K[key],
-        // whose s_Q dq_convert divides out, paper: Y = dS·s_K[key]). Their maxima: Z per key (over
-        // both query halves), Y per query (over the four key groups); or each one's tile max (paper).
-#if SB_FINE
-        float (&z)[NT_Q][4] = ds;
-#else
+        // dK reads Z = dS·s_Q[query], dQ reads Y = dS·s_K[key] (the per-token scales folded in). Their
+        // maxima: Z per key (over both query halves), Y per query (over the four key groups); or
+        // each one's tile max (paper).
         float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost 16 registers
         z_values(z, ds, stats_s, qcol0, t);
-#endif
         float z_row[2];
         row_max<true>(z_row, z);
         float colmax[2 * NT_Q];  // |Y| of column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
@@ -471,12 +456,16 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 }
         }
 
+        // Q-smoothing's exact dK term needs colsum(dS) from the FP32 dS (this warp's half of it).
+        float rs[2] = {0.f, 0.f};
+        if (SB_BIAS) row_sum(rs, ds);
+
         // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
         u32 dsf[4];
         const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            if (!SB_FINE) z_values(z, ds, stats_s, qcol0, t);
+            z_values(z, ds, stats_s, qcol0, t);
             pack_a(dsf, z, inv_d);
             frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
             if (SB_BIAS && t == 0) {

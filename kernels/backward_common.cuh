@@ -53,7 +53,7 @@ struct Args {
     const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, s_Q, s_Q, δ), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
+    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, s_Q, δ, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
     float* dq_acc;         // [B][Hq][Nq_pad][dq_row], zeroed (specs.BackwardTiles.dq_row)
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
@@ -132,12 +132,9 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
 }
 
 // A warp's tiles in the accumulator layout: n-tile n, register 2·half + c is key row g + 8·half and
-// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, s_Q, δ) per query column of the stage:
-// s_Q twice, so that P's (LSE2, s_Q) and dS's (s_Q, δ) are one 8-byte load each.
+// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, δ, 0) per query column of the stage:
+// P's (LSE2, s_Q) is one 8-byte load.
 SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret_cast<const float2*>(stats_s)[2 * col]; }
-SB_DEVICE float2 sq_and_delta(const float4* stats_s, int col) {
-    return reinterpret_cast<const float2*>(stats_s)[2 * col + 1];
-}
 
 // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
 template <bool MASK, int N>
@@ -172,32 +169,27 @@ SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float
         probabilities_of<false>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, a, shift);
 }
 
-// dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers; TO_Z: Z = dS·s_Q[query] instead (numerics: fine mode
-// folds dQ's scale into Z, so Z is the only form of dS it keeps).
-template <bool TO_Z, int N>
+// dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
+template <int N>
 SB_DEVICE void ds_from_dp(float (&ds)[N][4], const float (&p)[N][4], const float4* stats_s, int qcol0, int t) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const float2 sd = sq_and_delta(stats_s, qcol0 + n * 8 + 2 * t + c);
-            ds[n][c] = p[n][c] * (ds[n][c] - sd.y);
-            ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - sd.y);
-            if (TO_Z) {
-                ds[n][c] *= sd.x;
-                ds[n][2 + c] *= sd.x;
-            }
+            const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].z;
+            ds[n][c] = p[n][c] * (ds[n][c] - dl);
+            ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
         }
 }
 
-// Z = dS·s_Q[query] for dK (z may be ds: in place).
+// Z = dS·s_Q[query] for dK.
 template <int N>
 SB_DEVICE void z_values(float (&z)[N][4], const float (&ds)[N][4], const float4* stats_s, int qcol0, int t) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const float sq = lse_and_sq(stats_s, qcol0 + n * 8 + 2 * t + c).y;
+            const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].y;
             z[n][c] = ds[n][c] * sq;
             z[n][2 + c] = ds[n][2 + c] * sq;
         }

@@ -12,10 +12,9 @@
 
 // The main kernel's per-query row statistics, 16 lanes per row (8 columns each, one 16-byte load of
 // dO and of O where rows are 16-byte aligned), 16 rows per CTA of 256 threads; grid (Nq_pad / 16, Hq, B).
-// stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, s_Q, δ = rowsum(dO ∘ O)) with s_Q the query's per-token
+// stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), 0) with s_Q the query's per-token
 // Q̂ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row lets the main
-// kernel fetch a query block's statistics with one copy, and s_Q twice makes the pairs it reads
-// together, (LSE2, s_Q) and (s_Q, δ), 8-byte aligned.
+// kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 extern "C" __global__ void __launch_bounds__(256)
 row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
           i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, int Hq, int Lq, int D, int Nq_pad,
@@ -40,27 +39,23 @@ row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __res
     }
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 15) == 0) {
-        const float sq = q_scale[bh * Nq_pad + row];
-        stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000), sq, sq, s);
-    }
+    if ((threadIdx.x & 15) == 0)
+        stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000),
+                                               q_scale[bh * Nq_pad + row], s, 0.f);
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per pair
-// of columns; grid (ceil(Lq · D/2 / 256), Hq, B). With q_scale (fine mode: the kernel's Y = dS·s_K·s_Q)
-// the factor is scale / s_Q[row] instead.
+// of columns; grid (ceil(Lq · D/2 / 256), Hq, B).
 extern "C" __global__ void __launch_bounds__(256)
-dq_convert(const float* __restrict__ dq_acc, const float* __restrict__ q_scale, int Hq, int Lq, int D, int D_pad,
-           int Nq_pad, float scale, u16* __restrict__ dq, i64 qb, i64 qh, i64 qn) {
+dq_convert(const float* __restrict__ dq_acc, int Hq, int Lq, int D, int D_pad, int Nq_pad, float scale,
+           u16* __restrict__ dq, i64 qb, i64 qh, i64 qn) {
     SB_REQUIRE_SM80();
     const int h = blockIdx.y, b = blockIdx.z;
     const int idx = blockIdx.x * 256 + threadIdx.x, pairs = D / 2;
     if (idx >= Lq * pairs) return;
     const int row = idx / pairs, col = 2 * (idx % pairs);
-    const i64 bh_row = (static_cast<i64>(b) * Hq + h) * Nq_pad + row;
-    const float* src = dq_acc + bh_row * D_pad + col;
-    const float f = q_scale ? div_rn(scale, q_scale[bh_row]) : scale;
-    *reinterpret_cast<u32*>(dq + b * qb + h * qh + row * qn + col) = pack2_f32<SB_BF16>(src[0] * f, src[1] * f);
+    const float* src = dq_acc + ((static_cast<i64>(b) * Hq + h) * Nq_pad + row) * D_pad + col;
+    *reinterpret_cast<u32*>(dq + b * qb + h * qh + row * qn + col) = pack2_f32<SB_BF16>(src[0] * scale, src[1] * scale);
 }
 
 // Packed [B][H][L][D] copy of a strided 16-bit array; grid (ceil(L · D / 256), H, B).

@@ -61,7 +61,7 @@ constexpr int SQ = 0;                            // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fragment token order
 constexpr int SDOT = SQT + DP * BQ;              // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;              // dO  [64 q][DP] 16-bit, 128-byte column blocks
-constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, s_Q, s_Q, δ) [64] f32x4
+constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, s_Q, δ, 0) [64] f32x4
 constexpr int SBAR = SSTATS + 16 * BQ;           // the stage's mbarrier (its TMA loads' bytes)
 constexpr int STAGE_BYTES = (SBAR + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
@@ -354,18 +354,10 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             pack_a(pf[1], p, inv_p, 4);
         }
 
-        // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers; fine: Z = dS·s_Q there instead, Y = Z·s_K below.
+        // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
         wgmma_wait<0>();
         wgmma_hold_all(ds);
-        // Q-smoothing's exact dK term needs colsum(dS) per key from the FP32 dS.
-        float rs[2] = {0.f, 0.f};
-        if (SB_BIAS) {
-            ds_from_dp<false>(ds, p, stats_s, 0, t);
-            row_sum(rs, ds);
-            if (SB_FINE) z_values(ds, ds, stats_s, 0, t);
-        } else {
-            ds_from_dp<SB_FINE>(ds, p, stats_s, 0, t);
-        }
+        ds_from_dp(ds, p, stats_s, 0, t);
 
         // dV += P̂ᵀ dÔ, one 64-column chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
@@ -379,13 +371,10 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             if (c < CHUNKS) rows_issue<SB_FINE>(pr, pf, sdot_lo, c);
         };
 
-        // Maxima of Z = dS·s_Q[query] (dK) per key, inside the warp, and of Y per query over the
-        // warpgroup's 64 keys (fine: Y = Z·s_K[key], whose s_Q dq_convert divides out; paper: Y = dS·s_K[key]
-        // and each one's block max). Paper's Z is recomputed where it is packed: live across the
-        // barrier it would cost registers.
-        float z_paper[NT_Q][4];
-        float (&z)[NT_Q][4] = SB_FINE ? ds : z_paper;
-        if (!SB_FINE) z_values(z, ds, stats_s, 0, t);
+        // Maxima of Z = dS·s_Q[query] (dK) per key, inside the warp, and of Y = dS·s_K[key] (dQ) per
+        // query over the warpgroup's 64 keys; or each one's block max (paper).
+        float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost registers
+        z_values(z, ds, stats_s, 0, t);
         float z_row[2];
         row_max<true>(z_row, z);
         {
@@ -469,12 +458,16 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             }
         }
 
+        // Q-smoothing's exact dK term needs colsum(dS) per key from the FP32 dS.
+        float rs[2] = {0.f, 0.f};
+        if (SB_BIAS) row_sum(rs, ds);
+
         // Ẑᵀ for dK, packed in registers.
         u32 zf[2][4];
         const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            if (!SB_FINE) z_values(z, ds, stats_s, 0, t);
+            z_values(z, ds, stats_s, 0, t);
             pack_a(zf[0], z, inv_d, 0);
             pack_a(zf[1], z, inv_d, 4);
         }

@@ -149,8 +149,10 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             const int m = lane >> 3;
             ldmatrix_x4(qf[mt][ks], sQ + swizzled_offset<DP>(r0 + ((m & 1) << 3) + (lane & 7), 2 * ks + (m >> 1)));
         }
-        qs[mt][0] = q_scale[bhq * Nq_pad + q0 + r0 + g];
-        qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
+        // A zero row's scale 0 as the smallest subnormal instead: its scores are 0 either way, and a
+        // fully masked tile's row max -inf times it must stay -inf (times 0 it is NaN).
+        qs[mt][0] = fmaxf(q_scale[bhq * Nq_pad + q0 + r0 + g], __int_as_float(1));
+        qs[mt][1] = fmaxf(q_scale[bhq * Nq_pad + q0 + r0 + g + 8], __int_as_float(1));
     }
 
     // Loop-invariant ldmatrix offsets: K̂ tile [TILE][DP] (k-steps over d), V̂ᵀ tile [DP][TILE] (over keys).

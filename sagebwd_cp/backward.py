@@ -71,7 +71,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad)
     nq, nk = qz.nq_pad, qz.nk_pad
 
-    stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, s_Q, δ) per query row
+    stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, 0) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
     plan.launch(rows, "row_stats", (nq // 16, Hq, B), (256, 1, 1),
@@ -103,12 +103,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                 shared=tiles.shared_bytes(dp))
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).
-    # Fine mode's dQ factor divides by s_Q per row (numerics.py), so q_scale stays too.
-    q_scale = qz.q_scale if granularity == "fine" else None
-    plan.release_workspace(keep=(dq_acc, lock, q_scale))
+    plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
     plan.launch(rows, "dq_convert", ((Lq * (D // 2) + 255) // 256, Hq, B), (256, 1, 1),
-                [ptr(dq_acc), ptr(q_scale), i32(Hq), i32(Lq), i32(D), i32(dq_row), i32(nq), f32(prob.softmax_scale),
-                 ptr(dq), i64(qb), i64(qh), i64(qn)])
+                [ptr(dq_acc), i32(Hq), i32(Lq), i32(D), i32(dq_row), i32(nq), f32(prob.softmax_scale), ptr(dq), i64(qb),
+                 i64(qh), i64(qn)])
     return plan.build(problem=prob)

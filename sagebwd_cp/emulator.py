@@ -92,11 +92,11 @@ def _quantize_rows(x: np.ndarray, block: int, quantize: bool):
 
 
 def _quantize_tokens(x: np.ndarray, quantize: bool):
-    """ψ per token (row) of a zero-padded float32 (B, H, N_pad, D) array: padded rows get scale 1.
-    Returns (values, scale (B, H, N_pad))."""
+    """ψ per token (row) of a zero-padded float32 (B, H, N_pad, D) array: zero rows (padded ones
+    too) get scale 0.  Returns (values, scale (B, H, N_pad))."""
     if not quantize:
         return x.copy(), np.ones(x.shape[:3], dtype=np.float32)
-    vals, scale = quantize_block(x, axis=-1)
+    vals, scale = quantize_block(x, axis=-1, zero_scale=0.0)
     return vals, scale[..., 0]
 
 
@@ -416,16 +416,11 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             ds = np.where(mask, p * (dp - delta[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
             # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i.  The per-token scales vary along these
-            # products' reductions, so each is folded into dS before dS is quantized: dK reads
-            # Z = dS·s_Q[query] (ψ per key, or per tile); dQ reads Y = Z·s_K[key] with ψ per query, s_Q
-            # divided out at the end (fine), or Y = dS·s_K[key] with ψ per tile (paper).
+            # products' reductions, so each is folded into dS before dS is quantized: dQ reads
+            # dS·s_K[key] (ψ per query, or per tile), dK reads dS·s_Q[query] (ψ per key, or per tile).
+            y = (ds * s_k_j[..., None, :]).astype(np.float32)
             z = (ds * s_q_i[..., :, None]).astype(np.float32)
-            if fine:
-                y = (z * s_k_j[..., None, :]).astype(np.float32)
-                y_hat, s_y = _psi(y, -1, quantize)
-            else:
-                y = (ds * s_k_j[..., None, :]).astype(np.float32)
-                y_hat, s_y = _psi(y, (-2, -1), quantize)
+            y_hat, s_y = _psi(y, -1 if fine else (-2, -1), quantize)
             z_hat, s_z = _psi(z, -2 if fine else (-2, -1), quantize)
             dq_tile = (_int_matmul(y_hat, k_j) * s_y).astype(np.float32)
             dq_acc[:, :, r0:r1] = (dq_acc[:, :, r0:r1] + dq_tile).astype(np.float32)
@@ -439,10 +434,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
         dk_acc[:, :, c0:c1] = dk_j
         dv_acc[:, :, c0:c1] = dv_j
 
-    dq_factor = _F32(saved["softmax_scale"])
-    if fine:  # Y carried s_Q (dq_convert's factor: scale / s_Q per row)
-        dq_factor = (dq_factor / s_q[:, :, :lq, None]).astype(np.float32)
-    dq = (dq_acc[:, :, :lq] * dq_factor).astype(np.float32)
+    dq = (dq_acc[:, :, :lq] * _F32(saved["softmax_scale"])).astype(np.float32)
     # Q̂ holds c·log2(e)·Q, so dSᵀQ̂ carries a factor log2(e) too much.
     dk = (dk_acc[:, :, :lk] * _F32(LN2)).astype(np.float32)
     dv = dv_acc[:, :, :lk]

@@ -11,15 +11,17 @@ Conventions
   (two float32 products in this order; the kernels may fuse the second into the exponent's FMA).
 * The backward's dQ = dS·K and dK = dSᵀ·Q reduce over keys and queries, along which the per-token
   scales vary, so the scale is folded into dS before dS is quantized (legal: a scale is applied
-  before the quantization, not after the integer product): dK reads Z = dS·s_Q[query] (ψ per key
-  column in "fine", per tile in "paper"); dQ reads Y = Z·s_K[key] in "fine", ψ per query row (so
-  Y's codes are dS·s_K's up to rounding, and the kernel keeps only Z), dQ's final factor then
-  c / s_Q[query] instead of c (an IEEE float32 division per row), and Y = dS·s_K[key] per tile in
-  "paper"; each product a float32 one.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
+  before the quantization, not after the integer product): dQ reads Y = dS·s_K[key] (ψ per query
+  row in "fine", per tile in "paper"), dK reads Z = dS·s_Q[query] (ψ per key column, or per tile),
+  each a float32 product.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
   nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
-  zero, or so small that 127/amax would overflow float32) counts as zero: scale 1 and x̂ = 0.
+  zero, or so small that 127/amax would overflow float32) counts as zero: scale 1 and x̂ = 0; a
+  per-token row of Q or K gets scale 0 instead.  The backward folds s_Q and s_K into dS before it
+  quantizes dK's operand per key and dQ's per query, so a zero row at scale 1 would put dS·1 among
+  values of size dS·s (s ~ 1e-2) and coarsen every other code of its key or query; at scale 0 it
+  adds 0, as its Q̂ or K̂ row does.
 * Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
   integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.
 * K-smoothing subtracts μ_K, the token mean of K per (batch, KV head), computed as the float64
@@ -72,9 +74,9 @@ def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool):
+def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale=1.0):
     """(float32 integer codes in [-levels, levels], float32 scale) with one scale per reduction of
-    max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale 1, codes 0)."""
+    max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale ``zero_scale``, codes 0)."""
     x = np.asarray(x, dtype=np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
     zero = amax < TINY_AMAX
@@ -84,19 +86,20 @@ def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool):
         scale, inv = safe * (np.float32(1) / n), n * (np.float32(1) / safe)
     else:
         scale, inv = safe / n, n / safe
-    scale = np.where(zero, np.float32(1), scale).astype(np.float32)
+    scale = np.where(zero, np.float32(zero_scale), scale).astype(np.float32)
     inv = np.where(zero, np.float32(0), inv).astype(np.float32)
     return np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels), scale
 
 
-def quantize_block(x: np.ndarray, axis=None):
+def quantize_block(x: np.ndarray, axis=None, zero_scale=1.0):
     """ψ: symmetric INT8 quantization of float32 ``x`` with one scale per reduction over ``axis``.
 
     ``axis=None`` gives one scale for the whole array; otherwise the max is taken over ``axis``
     (kept as a size-1 dimension in the returned scale).  scale = amax/127 and inv = 127/amax (IEEE
-    divisions).  Returns (int8 values, float32 scale).
+    divisions).  A block under TINY_AMAX gets scale ``zero_scale`` (0 for Q's and K's per-token rows).
+    Returns (int8 values, float32 scale).
     """
-    q, scale = _psi(x, axis, INT8_MAX, fast_reciprocal=False)
+    q, scale = _psi(x, axis, INT8_MAX, fast_reciprocal=False, zero_scale=zero_scale)
     return q.astype(np.int8), scale
 
 

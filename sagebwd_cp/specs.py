@@ -148,7 +148,7 @@ class BackwardTiles:
     def shared_bytes(self, dp: int) -> int:
         if self.wgmma:
             # backward_wgmma.cu: K̂, K̂ᵀ, V of the CTA's keys (K̂ᵀ in blocks of 128 keys); per stage Q̂,
-            # Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, s_Q, δ) rows and the stage's mbarrier (its TMA loads), rounded up to
+            # Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, δ, 0) rows and the stage's mbarrier (its TMA loads), rounded up to
             # 1024 bytes; Ŷ [128-key blocks][64][128]; the warpgroups' maxima; Ŷ's scales; the dQ
             # partial's tile; dK's accumulators when 3 warpgroups hold them there; 896 bytes of slack.
             g, key_blocks = self.groups, (self.groups + 1) // 2
@@ -156,7 +156,7 @@ class BackwardTiles:
             dk = (dp // 32) * 4 * self.threads * 16 if g > 2 else 0
             return (64 * g * dp + 128 * key_blocks * dp + 128 * g * dp + self.stages * stage + 64 * 128 * key_blocks
                     + 4 * (g * 4 * 64 + 12 * g) + 4 * g * 64 + 64 * (dp + 8) * 4 + dk + 896)
-        # backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, s_Q, δ) rows and the dÔ scale per
+        # backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, δ, 0) rows and the dÔ scale per
         # stage; Ŷ (rows padded); the exchanged maxima and sums, dQ's per-query scales and the packed
         # A fragments.
         stage = 320 * dp + 16 * 64 + 128

@@ -41,6 +41,9 @@ def test_quantize_matches_emulator_bitwise(case):
     q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout, sigma=2.0, seed=lq + lk, strided=strided)
     if not strided:
         k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias for smoothing
+    if lq > 2 and not smooth_q:  # a zero Q row and one under TINY_AMAX (bf16): codes 0, per-token scale 0
+        tok = (slice(None), slice(None), slice(1, 3)) if layout == "HND" else (slice(None), slice(1, 3))
+        q[tok] *= torch.tensor([0.0, 1e-37], device="cuda").view((2, 1) if layout == "HND" else (2, 1, 1)).to(q.dtype)
     prob = make_problem(q, k, v, layout=layout, smooth_q=smooth_q, softmax_scale=0.3)
     with poisoned_workspaces():
         qz = quantize_inputs_gpu(prob, True, current_stream(prob.q))  # the backward's layouts
@@ -59,7 +62,7 @@ def test_quantize_matches_emulator_bitwise(case):
     np.testing.assert_array_equal(q_scale[..., :lq], emu["q_scale"][..., :lq])
     np.testing.assert_array_equal(k8[:, :, :lk, :d], emu["k_int8"][:, :, :lk])
     np.testing.assert_array_equal(k_scale[..., :lk], emu["k_scale"][..., :lk])
-    assert (q_scale[..., lq:] == 1).all() and (k_scale[..., lk:] == 1).all()  # padded tokens count as zero
+    assert (q_scale[..., lq:] == 0).all() and (k_scale[..., lk:] == 0).all()  # padded tokens count as zero
     np.testing.assert_array_equal(host(qz.k_mean)[..., :d], emu["k_mean"])
     np.testing.assert_array_equal(host(qf.v_scale)[..., :nkb], emu["v_scale"])
     assert qz.vt8 is None and qf.q8t is None and qf.k8t is None

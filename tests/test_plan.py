@@ -372,8 +372,7 @@ def test_backward_pads_keys_to_whole_cta_tiles(gpu):
 def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monkeypatch):
     """The peak of a backward: Q̂, Q̂ᵀ, K̂, K̂ᵀ, dÔᵀ and the row statistics go back to the allocator
     after the main kernel is queued, and dq (which only dq_convert writes) is allocated after that;
-    the FP32 dQ accumulator and the per-token Q scales (fine mode's dQ factor divides by them) live
-    on until dq_convert has read them."""
+    the FP32 dQ accumulator lives on until dq_convert has read it."""
     import weakref
 
     live = []  # (name, weak reference) of every allocation, in order
@@ -394,7 +393,7 @@ def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monk
     calls = gpu.calls[bwd_start:]
     bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
     kept = sorted(b.name for b in _buffers(bwd) if not b.released)
-    assert kept == ["dq_acc", "q_scale"]
+    assert kept == ["dq_acc"]
     assert bwd.release is not None and bwd.release.late == (0,)  # dq, output number 0
     allocs = [c for c in calls if c[0] == "allocate"]
     sizes = [c[1] for c in allocs]
@@ -412,7 +411,6 @@ def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monk
     assert convert.entry == "dq_convert" and bwd.release.step == len(bwd.steps) - 1
     kept_slot = len(bwd.inputs) + len(bwd.outputs)
     assert {(src, off) for _, src, off in convert.slots} == {(kept_slot, names["dq_acc"].offset),
-                                                              (kept_slot, names["q_scale"].offset),
                                                               (len(bwd.inputs), 0)}
 
 
