@@ -24,11 +24,10 @@
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 
 // ψ of a block with max|x| = amax (numerics.quantize_block): stores the scale amax/127 at `scale`
-// (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero: inverse 0,
-// scale zero_scale (1 for blocks, 0 for per-token rows: numerics.py).
-SB_DEVICE float psi_inverse(float amax, float* scale, float zero_scale) {
+// (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero (scale 0, inverse 0).
+SB_DEVICE float psi_inverse(float amax, float* scale) {
     const bool zero = amax < SB_TINY_AMAX;
-    if (scale) *scale = zero ? zero_scale : div_rn(amax, 127.f);
+    if (scale) *scale = zero ? 0.f : div_rn(amax, 127.f);
     return zero ? 0.f : div_rn(127.f, amax);
 }
 
@@ -131,7 +130,7 @@ struct QuantizeShared {
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
 //   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
-// Rows past N and columns past D are zero in every layout, with scale 0 (per token) or 1 (a block of them).
+// Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means (quantize_tensors picks them).
@@ -242,7 +241,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         constexpr int OWN = GROUP / L;
         max_scatter<L>(inv, lane);
 #pragma unroll
-        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x, 0.f);
+        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
         gather<L>(inv, lane);
     } else {
         float amax = 0.f;
@@ -258,7 +257,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
             for (int k = 1; k < WARPS_PER_BLOCK; ++k) amax = fmaxf(amax, sm.red[w0 + k]);
         }
-        const float v = psi_inverse(amax, tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr, 1.f);
+        const float v = psi_inverse(amax, tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) inv[i] = i < rows_in ? v : 0.f;  // rows past N code 0 (per token: amax 0)
     }

@@ -96,7 +96,7 @@ def _quantize_tokens(x: np.ndarray, quantize: bool):
     too) get scale 0.  Returns (values, scale (B, H, N_pad))."""
     if not quantize:
         return x.copy(), np.ones(x.shape[:3], dtype=np.float32)
-    vals, scale = quantize_block(x, axis=-1, zero_scale=0.0)
+    vals, scale = quantize_block(x, axis=-1)
     return vals, scale[..., 0]
 
 
@@ -225,8 +225,9 @@ def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
     otherwise.
     s_v_tile (..., nb) float32; blocks_valid (nb,) bool.  Returns (coef (..., nb), s_max (...))."""
     s_max = np.max(np.where(blocks_valid, s_v_tile, s_v_tile[..., :1]), axis=-1).astype(np.float32)
-    inv = (_F32(1) / s_max).astype(np.float32)  # the kernel's SFU reciprocal is within one ulp of this
-    ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) * inv[..., None]).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):  # s_max = 0: every block zero, coef 255 below
+        inv = (_F32(1) / s_max).astype(np.float32)  # the kernel's SFU reciprocal is within one ulp of this
+        ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) * inv[..., None]).astype(np.float32)
     coef = np.where(s_v_tile == s_max[..., None], _F32(P_LEVELS), ratio).astype(np.float32)
     return coef, s_max
 

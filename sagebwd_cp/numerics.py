@@ -17,11 +17,13 @@ Conventions
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
   nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
-  zero, or so small that 127/amax would overflow float32) counts as zero: scale 1 and x̂ = 0; a
-  per-token row of Q or K gets scale 0 instead.  The backward folds s_Q and s_K into dS before it
-  quantizes dK's operand per key and dQ's per query, so a zero row at scale 1 would put dS·1 among
-  values of size dS·s (s ~ 1e-2) and coarsen every other code of its key or query; at scale 0 it
-  adds 0, as its Q̂ or K̂ row does.
+  zero, or so small that 127/amax would overflow float32) counts as zero: scale 0 and x̂ = 0.
+  Scales feed other quantizations, where a zero block at scale 1 would coarsen the rest: the
+  backward folds s_Q and s_K into dS before it quantizes dK's operand per key and dQ's per query
+  (a zero row's dS·1 among values of size dS·s, s ~ 1e-2), and the forward's 128-key tile scales
+  P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a block contributes 0, as its
+  codes do.  (The backward's tile quantizers, ``quantize_tile``, keep scale 1 for a zero tile: no
+  later quantization reads it.)
 * Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
   integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.
 * K-smoothing subtracts μ_K, the token mean of K per (batch, KV head), computed as the float64
@@ -91,15 +93,14 @@ def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale=1.0
     return np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels), scale
 
 
-def quantize_block(x: np.ndarray, axis=None, zero_scale=1.0):
+def quantize_block(x: np.ndarray, axis=None):
     """ψ: symmetric INT8 quantization of float32 ``x`` with one scale per reduction over ``axis``.
 
     ``axis=None`` gives one scale for the whole array; otherwise the max is taken over ``axis``
     (kept as a size-1 dimension in the returned scale).  scale = amax/127 and inv = 127/amax (IEEE
-    divisions).  A block under TINY_AMAX gets scale ``zero_scale`` (0 for Q's and K's per-token rows).
-    Returns (int8 values, float32 scale).
+    divisions); a block under TINY_AMAX gets scale 0.  Returns (int8 values, float32 scale).
     """
-    q, scale = _psi(x, axis, INT8_MAX, fast_reciprocal=False, zero_scale=zero_scale)
+    q, scale = _psi(x, axis, INT8_MAX, fast_reciprocal=False, zero_scale=0.0)
     return q.astype(np.int8), scale
 
 

@@ -117,6 +117,27 @@ def test_row_max_climbing_and_falling_over_key_tiles(causal):
     np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_zero_value_blocks(d):
+    """All-zero V blocks (scale 0): one next to a nonzero block in a 128-key tile, and a tile of two
+    (s_max = 0); against the emulator and against exact attention (O as accurate as without them)."""
+    import torch
+
+    q, k, v = make_qkv(1, 2, 2, 200, 300, d, "float16", "HND", seed=22)
+    v[:, :, 64:128] = 0
+    v[:, 1, 128:256] = 0
+    out, lse = _run(q, k, v, "HND", False)
+    torch.cuda.synchronize()
+    qn, kn, vn = (to_hnd_numpy(x, "HND") for x in (q, k, v))
+    o_emu, _, _ = emulator.emulate_forward(qn, kn, vn, key_tile=forward_key_tile(d))
+    o = to_hnd_numpy(out, "HND")
+    assert np.isfinite(o).all()
+    assert rel_l2(o, o_emu) < EMU_TOL["float16"]
+    p = np.exp(qn.astype(np.float64) @ np.swapaxes(kn, -1, -2) / d**0.5)
+    ref = (p / p.sum(-1, keepdims=True)) @ vn
+    assert rel_l2(o, ref) < 0.02
+
+
 def test_cached_plans_follow_each_calls_arrays():
     """Calls that replay one launch plan (same shapes, other tensors) give what a new plan gives."""
     import torch
