@@ -76,7 +76,7 @@ def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale=1.0):
+def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale: float):
     """(float32 integer codes in [-levels, levels], float32 scale) with one scale per reduction of
     max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale ``zero_scale``, codes 0)."""
     x = np.asarray(x, dtype=np.float32)
@@ -110,8 +110,8 @@ def quantize_tile(x: np.ndarray, axis, levels: int = INT8_MAX):
     x̂ = rint(x·inv).  The kernel's 1/amax is the SFU's reciprocal (rcp.approx, within one ulp of
     the IEEE value used here), a dozen instructions cheaper than a division.  levels = INT8_MAX for
     signed values; P_LEVELS for P ≥ 0 (unsigned codes 0..255).  Blocks under TINY_AMAX count as
-    zero.  Returns (float32 integer values, float32 scale)."""
-    q, scale = _psi(x, axis, levels, fast_reciprocal=True)
+    zero (scale 1: no later quantization reads it).  Returns (float32 integer values, float32 scale)."""
+    q, scale = _psi(x, axis, levels, fast_reciprocal=True, zero_scale=1.0)
     return q.astype(np.float32), scale
 
 
