@@ -34,6 +34,7 @@ SB_DEVICE u32 fresh_tid() {
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
 }
+
 // (batch, head) = (blockIdx.z, blockIdx.y) read the same way: b * heads + h after a long loop.
 SB_DEVICE long long fresh_batch_head(int heads) {
     u32 y, z;
