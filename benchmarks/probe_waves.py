@@ -1,0 +1,65 @@
+"""Time per head of the forward kernel (attend-only) and of the whole backward as the head count
+varies at a fixed N: a sawtooth in ms/head shows the cost of the grid's last partial wave.
+
+    python benchmarks/probe_waves.py [--seqlen 4096] [--heads 56 72] [--head-dims 64 128]
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench_attention import timed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--heads", type=int, nargs=2, default=(56, 72))
+    ap.add_argument("--head-dims", type=int, nargs="+", default=(64, 128))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--fixed-ctas", action="store_true",
+                    help="instead: forward attend-only at N = 1K..16K with N·H fixed (H = 2^18 / N), ms per key tile")
+    args = ap.parse_args()
+    import torch
+
+    import sagebwd_cp
+    from sagebwd_cp.arrays import current_stream, empty
+    from sagebwd_cp.forward import attend_gpu, quantize_inputs_gpu
+    from sagebwd_cp.problem import make_problem
+
+    n = args.seqlen
+    if args.fixed_ctas:
+        for d in args.head_dims:
+            print(f"d={d}, N x H = 2^18: N, H, forward attend-only ms, us per CTA-key-tile (CTAs = N/64 x H)")
+            for n in (1024, 2048, 4096, 8192, 16384):
+                h = 2**18 // n
+                q, k, v = (torch.randn((1, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
+                prob = make_problem(q, k, v)
+                stream = current_stream(prob.q)
+                qz = quantize_inputs_gpu(prob, False, stream)
+                out = empty(prob.shape(h, n), "float16", prob.q)
+                ms = timed(lambda: attend_gpu(prob, qz, out, None, stream), args.reps)
+                print(f"  {n:6d} {h:4d} {ms:8.3f} {ms * 1e3 / (h * n / 64 * n / 128):8.4f}", flush=True)
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, N={n}, B=1")
+    for d in args.head_dims:
+        print(f"d={d}: heads, forward attend-only ms/head" + (", backward ms/head" if args.backward else ""))
+        for h in range(args.heads[0], args.heads[1] + 1):
+            q, k, v = (torch.randn((1, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
+            prob = make_problem(q, k, v)
+            stream = current_stream(prob.q)
+            qz = quantize_inputs_gpu(prob, False, stream)
+            out = empty(prob.shape(h, n), "float16", prob.q)
+            ms = timed(lambda: attend_gpu(prob, qz, out, None, stream), args.reps)
+            line = f"  {h:4d} {ms / h * 1e3:8.2f} us"
+            if args.backward:
+                o, saved = sagebwd_cp.attention_forward(q, k, v)
+                do = torch.randn_like(o)
+                msb = timed(lambda: sagebwd_cp.attention_backward(saved, do), args.reps)
+                line += f" {msb / h * 1e3:8.2f} us"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
