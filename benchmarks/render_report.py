@@ -42,8 +42,14 @@ def mode_of(impl: str) -> str:
     return impl[impl.index("[") + 1:-1] if impl.endswith("]") and "[" in impl else impl
 
 
+# Our forward kernel without its quantization pre-pass (report_speed.KERNEL_ONLY): not an impl of its
+# own (no bars, ratios or headline), but two columns of the forward tables.
+KERNEL_ONLY = "sagebwd[kernel]"
+
+
 def _order(impls) -> list:
-    return sorted(set(impls), key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
+    impls = set(impls) - {KERNEL_ONLY}
+    return sorted(impls, key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
 
 
 def _dtypes(names) -> list:
@@ -116,7 +122,13 @@ def speed_markdown(data: dict, charts=()) -> str:
             head = ["d", "causal", "N"] + [SHORT.get(i, i) for i in impls] + [f"×{SHORT[p]}" for p in peers]
             head += ["% INT8"] if i8 and ours else []
             head += ["FA2 % 16-bit"] if f16 and "sdpa-flash" in impls else []
+            kernel_only = "sagebwd" in impls and any(r["impl"] == KERNEL_ONLY for r in group)
+            head += ["ours, kernel only", "pre-pass %"] if kernel_only else []
             out += ["", f"## {PASS_TITLE[pass_]}, {dtype} (TOPS)", ""]
+            if kernel_only:
+                out.append("\"Kernel only\" times the attention kernel on inputs quantized beforehand; "
+                           "\"pre-pass %\" is the quantization's share of our forward's time.")
+                out.append("")
             if len(ours) > 1:
                 out.append(f"Ratio and % columns list {' / '.join(SHORT[o] for o in ours)}.")
                 out.append("")
@@ -130,6 +142,9 @@ def speed_markdown(data: dict, charts=()) -> str:
                     row.append(" / ".join("–" if t[o] is None else f"{100 * t[o] / i8:.1f}" for o in ours))
                 if f16 and "sdpa-flash" in impls:
                     row.append(_fmt(None if t["sdpa-flash"] is None else 100 * t["sdpa-flash"] / f16, ".1f"))
+                if kernel_only:
+                    k = idx.get((pass_, dtype, d, causal, n, KERNEL_ONLY))
+                    row += [_fmt(k), _fmt(None if k is None or t["sagebwd"] is None else 100 * (1 - t["sagebwd"] / k), ".1f")]
                 out.append("| " + " | ".join(row) + " |")
             chart = chart_name(pass_, dtype)
             if chart in charts:

@@ -33,6 +33,7 @@ GRANULARITIES = ("fine", "paper")
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 IMPLS = ("sagebwd", "sageattn") + tuple(SDPA_BACKENDS)
+KERNEL_ONLY = "sagebwd[kernel]"  # our forward without its quantization pre-pass (timed with "sagebwd")
 
 
 def ours_name(pass_: str, granularity: str | None) -> str:
@@ -97,6 +98,21 @@ def _ours(pass_, cfg, causal, granularity):
     return alternate(fwdbwd)
 
 
+def _ours_kernel_only(cfg, causal):
+    """Our forward kernel alone, on inputs quantized beforehand (the quantization pre-pass excluded)."""
+    from sagebwd_cp.arrays import current_stream, empty
+    from sagebwd_cp.forward import attend_launcher, quantize_inputs_gpu
+    from sagebwd_cp.problem import make_problem
+
+    runs = []
+    for q, k, v, _ in cfg.sets:
+        prob = make_problem(q, k, v, causal=causal)
+        stream = current_stream(prob.q)
+        out = empty(prob.shape(prob.heads_q, prob.len_q), cfg.dtype, prob.q)
+        runs.append(attend_launcher(prob, quantize_inputs_gpu(prob, False, stream), out, None, stream))
+    return alternate(lambda i: runs[i]())
+
+
 def _sdpa(pass_, cfg, causal):
     import torch
     import torch.nn.functional as F
@@ -159,6 +175,8 @@ def run_config(cfg, causal, passes, impls, granularities, warmup, reps, records,
         if "sagebwd" in impls:
             for gran in ((None,) if pass_ == "fwd" else granularities):
                 jobs.append((ours_name(pass_, gran), lambda p=pass_, g=gran: _ours(p, cfg, causal, g), None))
+            if pass_ == "fwd":
+                jobs.append((KERNEL_ONLY, lambda: _ours_kernel_only(cfg, causal), None))
         if "sageattn" in impls and pass_ == "fwd":
             jobs.append(("sageattn", lambda: _sageattn(cfg, causal), sa_missing))
         for name in SDPA_BACKENDS:

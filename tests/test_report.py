@@ -122,6 +122,21 @@ def test_speed_tables_hold_the_right_ratios():
     assert "sdpa-efficient bwd: RuntimeError: no kernel" in md
 
 
+def test_forward_tables_show_the_kernel_without_its_pre_pass(tmp_path):
+    """The kernel-only record adds two columns to the forward tables (its TOPS and the pre-pass share
+    of our forward's time) and is no impl of its own: no ratios, bars or headline."""
+    data = speed_data()
+    data["records"].append(_record("fwd", report_speed.KERNEL_ONLY, 200.0))
+    md = render_report.speed_markdown(data)
+    fwd = md.split("## forward, float16")[1].split("##")[0]
+    assert "| ours, kernel only | pre-pass % |" in fwd
+    # ours 150 TOPS with the pre-pass, 200 without: the pre-pass is 1 - 150/200 = 25% of the time
+    assert _row(fwd, "| 128 | no | 16K |") == "| 128 | no | 16K | 150 | 400 | 300 | 600 | 0.50 | 0.25 | 0.38 | 12.5 | 50.0 | 200 | 25.0 |"
+    assert _row(fwd, "| 128 | yes | 4K |").endswith("| – | – |")
+    assert "kernel only" not in md.split("## backward")[1]
+    assert "kernel" not in render_report.headline(data, None, None, "speed.md")
+
+
 def test_accuracy_and_memory_tables():
     acc = render_report.accuracy_markdown(accuracy_data())
     fine = acc.split('granularity "fine"')[1].split("###")[0]
