@@ -1,13 +1,34 @@
 """Time per head of the forward kernel (attend-only) and of the whole backward as the head count
-varies at a fixed N: a sawtooth in ms/head shows the cost of the grid's last partial wave.
+varies at a fixed N: a sawtooth in ms/head shows the cost of the grid's last partial wave. With
+--fixed-ctas, the forward kernel at N = 1K..16K with N·H fixed (the same 4096 work tiles), so that
+time = A + B·(key tiles per work tile) separates a fixed cost per work tile (benchmarks/NOTES.md).
 
-    python benchmarks/probe_waves.py [--seqlen 4096] [--heads 56 72] [--head-dims 64 128]
+    python benchmarks/probe_waves.py [--seqlen 4096] [--heads 56 72] [--head-dims 64 128] [--backward]
+    python benchmarks/probe_waves.py --fixed-ctas
 """
 from __future__ import annotations
 
 import argparse
 
 from bench_attention import timed
+
+
+def inputs(h, n, d):
+    import torch
+
+    return tuple(torch.randn((1, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
+
+
+def attend_ms(q, k, v, reps) -> float:
+    """The forward kernel alone, on inputs quantized beforehand."""
+    from sagebwd_cp.arrays import current_stream, empty
+    from sagebwd_cp.forward import attend_launcher, quantize_inputs_gpu
+    from sagebwd_cp.problem import make_problem
+
+    prob = make_problem(q, k, v)
+    stream = current_stream(prob.q)
+    out = empty(prob.shape(prob.heads_q, prob.len_q), "float16", prob.q)
+    return timed(attend_launcher(prob, quantize_inputs_gpu(prob, False, stream), out, None, stream), reps)
 
 
 def main():
@@ -23,41 +44,27 @@ def main():
     import torch
 
     import sagebwd_cp
-    from sagebwd_cp.arrays import current_stream, empty
-    from sagebwd_cp.forward import attend_launcher, quantize_inputs_gpu
-    from sagebwd_cp.problem import make_problem
 
-    n = args.seqlen
     if args.fixed_ctas:
         for d in args.head_dims:
             print(f"d={d}, N x H = 2^18: N, H, forward attend-only ms, us per CTA-key-tile (CTAs = N/64 x H)")
             for n in (1024, 2048, 4096, 8192, 16384):
                 h = 2**18 // n
-                q, k, v = (torch.randn((1, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
-                prob = make_problem(q, k, v)
-                stream = current_stream(prob.q)
-                qz = quantize_inputs_gpu(prob, False, stream)
-                out = empty(prob.shape(h, n), "float16", prob.q)
-                ms = timed(attend_launcher(prob, qz, out, None, stream), args.reps)
+                ms = attend_ms(*inputs(h, n, d), args.reps)
                 print(f"  {n:6d} {h:4d} {ms:8.3f} {ms * 1e3 / (h * n / 64 * n / 128):8.4f}", flush=True)
         return
+    n = args.seqlen
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, N={n}, B=1")
     for d in args.head_dims:
         print(f"d={d}: heads, forward attend-only ms/head" + (", backward ms/head" if args.backward else ""))
         for h in range(args.heads[0], args.heads[1] + 1):
-            q, k, v = (torch.randn((1, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
-            prob = make_problem(q, k, v)
-            stream = current_stream(prob.q)
-            qz = quantize_inputs_gpu(prob, False, stream)
-            out = empty(prob.shape(h, n), "float16", prob.q)
-            ms = timed(attend_launcher(prob, qz, out, None, stream), args.reps)
-            line = f"  {h:4d} {ms / h * 1e3:8.2f} us"
+            q, k, v = inputs(h, n, d)
+            line = f"  {h:4d} {attend_ms(q, k, v, args.reps) / h * 1e3:8.2f} us"
             if args.backward:
                 o, saved = sagebwd_cp.attention_forward(q, k, v)
                 do = torch.randn_like(o)
-                msb = timed(lambda: sagebwd_cp.attention_backward(saved, do), args.reps)
-                line += f" {msb / h * 1e3:8.2f} us"
+                line += f" {timed(lambda: sagebwd_cp.attention_backward(saved, do), args.reps) / h * 1e3:8.2f} us"
             print(line, flush=True)
 
 
