@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import numerics, specs
-from .arrays import ArrayDesc, byte_view
+from .arrays import ArrayDesc, byte_view, current_stream, empty
 from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct_arg
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
@@ -218,11 +218,20 @@ def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int)
     return run_now(plan, stream, (dot8, scale))
 
 
-def attend_launcher(prob: AttentionProblem, qz: Quantized, out: ArrayDesc, lse2: ArrayDesc | None, stream: int):
-    """A zero-argument callable that launches the attention kernel alone on ``stream``, on inputs
-    quantized beforehand by ``quantize_inputs_gpu`` (benchmarks: the plan is built once, so a call
-    costs one launch)."""
+def attend_launcher(prob: AttentionProblem):
+    """A zero-argument callable that launches the attention kernel alone on the inputs' stream, on
+    inputs quantized now, into an output of its own (benchmarks: the plan is built once, so a call
+    costs one launch). The launcher holds the quantized inputs and the output its plan points at."""
+    stream = current_stream(prob.q)
+    qz = quantize_inputs_gpu(prob, False, stream)
+    out = empty(prob.shape(prob.heads_q, prob.len_q), prob.dtype, prob.q)
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, [])
-    attend(plan, prob, qz, out, lse2)
+    attend(plan, prob, qz, out, None)
     built = plan.build(cacheable=False)
-    return lambda: built.run([], stream)
+    buffers = (qz, out)
+
+    def launch():
+        built.run([], stream)
+        return buffers
+
+    return launch
