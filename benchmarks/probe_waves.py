@@ -20,7 +20,7 @@ def inputs(h, n, d):
 
 
 def attend_ms(q, k, v, reps) -> float:
-    """The forward kernel alone, on inputs quantized beforehand."""
+    """The forward kernel alone, on K and V quantized beforehand (it quantizes Q itself)."""
     from sagebwd_cp.forward import attend_launcher
     from sagebwd_cp.problem import make_problem
 

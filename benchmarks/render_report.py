@@ -126,8 +126,9 @@ def speed_markdown(data: dict, charts=()) -> str:
             head += ["ours, kernel only", "pre-pass %"] if kernel_only else []
             out += ["", f"## {PASS_TITLE[pass_]}, {dtype} (TOPS)", ""]
             if kernel_only:
-                out.append("\"Kernel only\" times the attention kernel on inputs quantized beforehand; "
-                           "\"pre-pass %\" is the quantization's share of our forward's time.")
+                out.append("\"Kernel only\" times the attention kernel on K and V quantized beforehand (the "
+                           "kernel quantizes Q itself); \"pre-pass %\" is the share of our forward's time "
+                           "spent before it (K's token sums, K and V's quantization, host work).")
                 out.append("")
             if len(ours) > 1:
                 out.append(f"Ratio and % columns list {' / '.join(SHORT[o] for o in ours)}.")

@@ -99,7 +99,8 @@ def _ours(pass_, cfg, causal, granularity):
 
 
 def _ours_kernel_only(cfg, causal):
-    """Our forward kernel alone, on inputs quantized beforehand (the quantization pre-pass excluded)."""
+    """Our forward kernel alone, on K and V quantized beforehand (the pre-pass excluded; the kernel
+    quantizes Q itself)."""
     from sagebwd_cp.forward import attend_launcher
     from sagebwd_cp.problem import make_problem
 

@@ -11,6 +11,9 @@
 //   SB_TILE_KEYS keys per tile: 64 (the V scale block), or 128 with SB_WGMMA. A 128-key tile takes
 //               its row maxima, P̂'s scale and the O update once for two V blocks; P̂ then folds the
 //               ratio of the blocks' V scales in (numerics.py, forward P quantization).
+// Q̂ and its per-token scales: without Q-smoothing the CTA quantizes its own rows from the 16-bit Q
+// (q, q_sb, q_sh, q_sn, q_prescale), as the pre-pass would (quantizer.cuh, bit for bit); with it, the
+// pre-pass's q8 and q_scale (the block means need every row of the block first).
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "mma.cuh"
@@ -19,6 +22,7 @@
 #include "swizzle.cuh"
 #include "convert.cuh"
 #include "exp2.cuh"
+#include "quantizer.cuh"
 
 #ifndef SB_DP
 #define SB_DP 128
@@ -89,6 +93,59 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
     return LaneOffsets<ROW_BYTES, KSTEPS>(((m >> 1) << 3) + (lane & 7), m & 1);
 }
 
+// Q̂ of the CTA's CTA_Q rows from 16-bit Q (head base qh_base, row stride qn elements, unit stride
+// along d) into the swizzled tile at sQ, as the pre-pass's Q job computes it (quantize.cu, per token,
+// prescale c·log2(e)): thread t quantizes half of row t / 2 (DP/16 chunks of 8 values); the two
+// halves share the row max by a shuffle. Rows past Lq and columns past D are zero (codes 0, scale 0).
+// Returns the row's scale (both threads of the row hold it).
+SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn, int q0, int Lq, int D, float prescale) {
+    static_assert(THREADS == 2 * CTA_Q, "two threads a row");
+    constexpr int CH = DP / 16;  // raw chunks a thread: half a row
+    const int tid = threadIdx.x, r = tid >> 1, c0 = (tid & 1) * CH;
+    const int row = q0 + r;
+    const u16* src = qh_base + static_cast<i64>(row) * qn;
+    // Rows that start 16-byte aligned (D a multiple of 8) load 8 values at a time; others value by value.
+    const bool aligned = D % 8 == 0 && qn % 8 == 0 && (reinterpret_cast<size_t>(qh_base) & 15) == 0;
+    uint4 raw[CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+        const int col = 8 * (c0 + c);
+        if (aligned) {
+            raw[c] = row < Lq && col < D ? *reinterpret_cast<const uint4*>(src + col) : make_uint4(0, 0, 0, 0);
+        } else {
+            u32 w[4] = {0, 0, 0, 0};
+            for (int e = 0; e < 8; ++e)
+                if (row < Lq && col + e < D) w[e >> 1] |= static_cast<u32>(src[col + e]) << (16 * (e & 1));
+            raw[c] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+    // max|RN(x·p)| = RN(max|x|·p): rounding is monotonic and p > 0.
+    float amax = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) amax = fmaxf(amax, chunk_abs_max(raw[c]));
+    amax = mul_rn(amax, prescale);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    float scale;
+    const float inv = psi_inverse(amax, &scale);
+    // Two raw chunks (16 values) make one 16-byte chunk of the INT8 row.
+#pragma unroll
+    for (int c = 0; c < CH; c += 2) {
+        u32 code[4];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const u32 words[4] = {raw[c + x].x, raw[c + x].y, raw[c + x].z, raw[c + x].w};
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale);
+            code[2 * x] = pack4_low_bytes(int8_code(v[0], inv), int8_code(v[1], inv), int8_code(v[2], inv), int8_code(v[3], inv));
+            code[2 * x + 1] = pack4_low_bytes(int8_code(v[4], inv), int8_code(v[5], inv), int8_code(v[6], inv), int8_code(v[7], inv));
+        }
+        const u32 dst = sQ + swizzled_offset<DP, WG>(r, (c0 + c) / 2);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(code[0]), "r"(code[1]), "r"(code[2]), "r"(code[3]) : "memory");
+    }
+    return scale;
+}
+
 // mma.sync: one CTA per SM is the floor that lets ptxas keep every accumulator in registers (it
 // otherwise trades a few spills for occupancy on sm_90). wgmma: Q̂ stays in shared memory and P̂V̂
 // goes 64 columns at a time; 64-key tiles fit 4 CTAs (128 registers) without spills (5 at d=64
@@ -102,7 +159,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                   const i8* __restrict__ vt8, const float* __restrict__ v_scale,
                   const float* __restrict__ bias, u16* __restrict__ out, i64 ob, i64 oh, i64 on,
                   float* __restrict__ lse2, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad,
-                  int Nk_pad) {
+                  int Nk_pad, const u16* __restrict__ q, i64 q_sb, i64 q_sh, i64 q_sn, float q_prescale) {
     SB_REQUIRE_SM80();
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -131,11 +188,13 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / TILE + 1));
     if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
 
-    load_tile<DP, CTA_Q, THREADS, WG>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
+    if (SB_BIAS) load_tile<DP, CTA_Q, THREADS, WG>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
     if (n_tiles > 0) load_stage(sKV, 0);
     cp_async_commit();
+    float q_row_scale = 0.f;  // without Q-smoothing: the scale of the row this thread quantized
+    if (!SB_BIAS) q_row_scale = quantize_q_rows(sQ, q + b * q_sb + h * q_sh, q_sn, q0, Lq, D, q_prescale);
     cp_async_wait<0>();
-    if (WG) fence_proxy_async();  // cp.async wrote what wgmma reads
+    if (WG) fence_proxy_async();  // cp.async and the Q̂ stores wrote what wgmma reads
     __syncthreads();
 
     // Q̂ fragments stay in registers for the whole key loop (mma.sync; wgmma reads the tile).
@@ -151,8 +210,15 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         }
         // A zero row's scale 0 as the smallest subnormal instead: its scores are 0 either way, and a
         // fully masked tile's row max -inf times it must stay -inf (times 0 it is NaN).
-        qs[mt][0] = fmaxf(q_scale[bhq * Nq_pad + q0 + r0 + g], __int_as_float(1));
-        qs[mt][1] = fmaxf(q_scale[bhq * Nq_pad + q0 + r0 + g + 8], __int_as_float(1));
+        if (SB_BIAS) {
+            qs[mt][0] = q_scale[bhq * Nq_pad + q0 + r0 + g];
+            qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
+        } else {  // row r of the CTA was quantized by lanes 2r, 2r + 1 of its warp (quantize_q_rows)
+            qs[mt][0] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g);
+            qs[mt][1] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16);
+        }
+        qs[mt][0] = fmaxf(qs[mt][0], __int_as_float(1));
+        qs[mt][1] = fmaxf(qs[mt][1], __int_as_float(1));
     }
 
     // Loop-invariant ldmatrix offsets: K̂ tile [TILE][DP] (k-steps over d), V̂ᵀ tile [DP][TILE] (over keys).

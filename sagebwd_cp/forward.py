@@ -76,11 +76,13 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
-                    key_pad: int = specs.TOKEN_PAD) -> Quantized:
+                    key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
     quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
     backward), dO is quantized in the same launch (see ``quantize_grad_output``).  Key-side buffers
-    hold a multiple of ``key_pad`` tokens (the backward's: ``BackwardTiles.key_pad``)."""
+    hold a multiple of ``key_pad`` tokens (the backward's: ``BackwardTiles.key_pad``).  Without
+    ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing)."""
+    assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
     nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, key_pad)
@@ -96,12 +98,15 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         plan.launch(spec, "token_sum", (chunks, Hk, B), (SUM_THREADS, 1, 1),
                     [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
-    q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
-    q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8") if backward else None
-    q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
-    q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
-    jobs = [_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None, q_mean, q8,
-                          q8t, PERMUTE_T | PER_TOKEN, q_scale)]
+    q8 = q8t = q_scale = q_mean = None
+    jobs = []
+    if quantize_q:
+        q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
+        q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8") if backward else None
+        q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
+        q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
+        jobs.append(_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None,
+                                  q_mean, q8, q8t, PERMUTE_T | PER_TOKEN, q_scale))
 
     k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
     k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8") if backward else None
@@ -145,11 +150,14 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     tiles = specs.forward_tiles(dp, shared_memory_limit(dev), device_arch(dev))
     spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles)
     ob, oh, on = prob.bhnd_strides(out)
+    qb, qh, qn = prob.bhnd_strides(prob.q)
     grid = ((prob.len_q + tiles.cta_q - 1) // tiles.cta_q, prob.heads_q, prob.batch)
+    # Without Q-smoothing the kernel quantizes Q itself (kernels/forward.cu quantize_q_rows).
     plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
                 [ptr(qz.q8), ptr(qz.q_scale), ptr(qz.k8), ptr(qz.k_scale), ptr(qz.vt8), ptr(qz.v_scale), ptr(qz.bias),
                  ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), i32(prob.heads_q), i32(prob.heads_kv),
-                 i32(prob.len_q), i32(prob.len_k), i32(prob.head_dim), i32(qz.nq_pad), i32(qz.nk_pad)],
+                 i32(prob.len_q), i32(prob.len_k), i32(prob.head_dim), i32(qz.nq_pad), i32(qz.nk_pad),
+                 ptr(prob.q), i64(qb), i64(qh), i64(qn), f32(numerics.qk_prescale(prob.softmax_scale))],
                 shared=tiles.shared_bytes(dp))
 
 
@@ -171,7 +179,7 @@ def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, 
     this order, those of "out", "lse2" (training) and "lse" (return_lse) that are allocated."""
     inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs)
-    qz = quantize_inputs(plan, prob, False)
+    qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q)
     if out is None:
         out = plan.output("out", prob.shape(prob.heads_q, prob.len_q), prob.dtype)
     lse_shape = (prob.batch, prob.heads_q, prob.len_q)
@@ -205,9 +213,9 @@ def run_now(plan: PlanBuilder, stream: int, recorded):
     return tuple(view(x) for x in recorded)
 
 
-def quantize_inputs_gpu(prob: AttentionProblem, backward: bool, stream: int) -> Quantized:
+def quantize_inputs_gpu(prob: AttentionProblem, backward: bool, stream: int, quantize_q: bool = True) -> Quantized:
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, [("q", prob.q), ("k", prob.k), ("v", prob.v)])
-    return run_now(plan, stream, quantize_inputs(plan, prob, backward))
+    return run_now(plan, stream, quantize_inputs(plan, prob, backward, quantize_q=quantize_q))
 
 
 def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int):
@@ -220,10 +228,11 @@ def quantize_grad_output_gpu(prob: AttentionProblem, do: ArrayDesc, stream: int)
 
 def attend_launcher(prob: AttentionProblem):
     """A zero-argument callable that launches the attention kernel alone on the inputs' stream, on
-    inputs quantized now, into an output of its own (benchmarks: the plan is built once, so a call
-    costs one launch). The launcher holds the quantized inputs and the output its plan points at."""
+    K, V (and with Q-smoothing Q) quantized now, into an output of its own (benchmarks: the plan is
+    built once, so a call costs one launch; without Q-smoothing the kernel quantizes Q itself, as in
+    a forward call). The launcher holds the quantized inputs and the output its plan points at."""
     stream = current_stream(prob.q)
-    qz = quantize_inputs_gpu(prob, False, stream)
+    qz = quantize_inputs_gpu(prob, False, stream, quantize_q=prob.smooth_q)
     out = empty(prob.shape(prob.heads_q, prob.len_q), prob.dtype, prob.q)
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, [])
     attend(plan, prob, qz, out, None)

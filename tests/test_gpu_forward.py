@@ -60,6 +60,36 @@ def test_strided_views_from_fused_qkv():
     assert torch.equal(out, ref)
 
 
+def test_q_quantized_by_the_kernel_from_unaligned_rows():
+    """Without Q-smoothing the forward kernel quantizes Q itself: rows that are not 16-byte aligned
+    (an odd row stride) are read value by value and give bitwise the output of aligned ones; so at a
+    padded head dim (40), against the emulator: O and the LSE, whose 1e-4 bound a Q̂ code off by one
+    in a row's largest score would break."""
+    import torch
+
+    q, k, v = make_qkv(1, 2, 2, 300, 300, 64, "float16", "HND", seed=31)
+    wide = torch.zeros((1, 2, 300, 65), device="cuda", dtype=q.dtype)
+    wide[..., :64] = q
+    q_odd = wide[..., :64]
+    assert q_odd.stride(2) % 8 != 0
+    aligned, unaligned = _run(q, k, v, "HND", False)[0], _run(q_odd, k, v, "HND", False)[0]
+    torch.cuda.synchronize()
+    assert torch.equal(aligned, unaligned)
+
+    q, k, v = make_qkv(1, 2, 1, 200, 200, 40, "bfloat16", "HND", seed=32)
+    wide = torch.zeros((1, 2, 200, 41), device="cuda", dtype=q.dtype)
+    wide[..., :40] = q
+    out, lse = _run(wide[..., :40], k, v, "HND", True)
+    torch.cuda.synchronize()
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=True,
+                                                  dtype="bfloat16", key_tile=forward_key_tile(40))
+    assert rel_l2(out.float().cpu().numpy(), o_emu) < EMU_TOL["bfloat16"]
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_output_into_caller_buffer_and_smooth_q():
     import torch
 

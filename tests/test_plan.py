@@ -297,18 +297,20 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         u64 = lambda b: struct.unpack("<Q", b)[0]
         ts = args["token_sum"]
         assert u64(ts[0]) == k.ptr + shift and u64(ts[8]) == ws_ptr + names["k_sum"].offset
+        # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
+        assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
         job = lambda i: struct.unpack("<7Q3q4ifi", qt[i])
-        assert job(0)[:7] == (q.ptr + shift, 0, 0, 0, ws_ptr + names["q8"].offset, 0, ws_ptr + names["q_scale"].offset)
-        assert job(1)[:7] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
+        assert job(0)[:7] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset)
-        assert job(2)[:7] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset)
-        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (2 * 2 // 2, 6 * 1 // 2, 6 * 1 // 2)  # CTAs: blocks of 64 x heads / 2
-        assert job(0)[14] == np.float32(numerics.qk_prescale(1 / 8))
+        assert job(1)[:7] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset)
+        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (6 * 1 // 2, 6 * 1 // 2, 0)  # CTAs: blocks of 64 x heads / 2
         fw = args["attention_forward"]
-        assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11)] == [
-            ws_ptr + names[n].offset for n in ("q8", "q_scale", "k8", "k_scale", "vt8", "v_scale")] + [0, out_ptr,
-                                                                                                     gpu.allocations[start + 1][0]]
+        assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11, 19)] == [0, 0] + [
+            ws_ptr + names[n].offset for n in ("k8", "k_scale", "vt8", "v_scale")] + [0, out_ptr,
+                                                                                       gpu.allocations[start + 1][0],
+                                                                                       q.ptr + shift]
+        assert struct.unpack("<f", fw[23])[0] == np.float32(numerics.qk_prescale(1 / 8))
         snapshots.append({e: [b for b in a] for e, a in args.items()})
     # Between the two calls only pointer words changed: scalars are packed once.
     for entry in snapshots[0]:
@@ -343,7 +345,8 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
-    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 2 + 2 * 1 + 2 * 1) // 2, 1, 1), (1, 2, 1)]  # two blocks a CTA
+    # token_sum; K and V (two blocks a CTA; the forward kernel quantizes Q); the attention
+    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 1 + 2 * 1) // 2, 1, 1), (1, 2, 1)]
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
     sagebwd_cp.attention_backward(saved, do, deterministic=True)
