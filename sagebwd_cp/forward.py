@@ -1,4 +1,5 @@
-"""The forward on the GPU: quantize Q, K, V into the layouts the products read, then attend.
+"""The forward on the GPU: quantize K, V (and Q for Q-smoothing; otherwise the attention kernel
+quantizes its own Q rows) into the layouts the products read, then attend.
 
 The functions without ``_gpu`` record launches into a ``PlanBuilder`` (``plan.py``), with workspace
 sub-buffers and outputs as symbolic pointers; ``forward_plan`` assembles them into the plan a call
@@ -28,9 +29,9 @@ class Quantized:
     """Q̂, K̂, V̂ (and dÔ for the backward) in every layout the kernels read, with their scales (see
     numerics.py).  Buffers while a plan is recorded; ArrayDescs from ``quantize_inputs_gpu``."""
 
-    q8: ArrayDesc  # [B][Hq][Nq_pad][Dp]
+    q8: ArrayDesc | None  # [B][Hq][Nq_pad][Dp]; None where the forward kernel quantizes Q (and q_scale)
     q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
-    q_scale: ArrayDesc  # [B][Hq][Nq_pad], per token
+    q_scale: ArrayDesc | None  # [B][Hq][Nq_pad], per token
     q_mean: ArrayDesc | None  # [B][Hq][Nq_pad/64][Dp] (Q-smoothing)
     k8: ArrayDesc  # [B][Hkv][Nk_pad][Dp]
     k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
