@@ -105,7 +105,7 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
     const int row = q0 + r;
     const u16* src = qh_base + static_cast<i64>(row) * qn;
     // Rows that start 16-byte aligned (D a multiple of 8) load 8 values at a time; others value by value.
-    const bool aligned = D % 8 == 0 && qn % 8 == 0 && (reinterpret_cast<size_t>(qh_base) & 15) == 0;
+    const bool aligned = rows_aligned_16(qh_base, qn, D);
     uint4 raw[CH];
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
@@ -130,18 +130,16 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
     // Two raw chunks (16 values) make one 16-byte chunk of the INT8 row.
 #pragma unroll
     for (int c = 0; c < CH; c += 2) {
-        u32 code[4];
+        uint2 code[2];
+        constexpr float NO_SHIFT[8] = {};
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-            const u32 words[4] = {raw[c + x].x, raw[c + x].y, raw[c + x].z, raw[c + x].w};
             float v[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = mul_rn(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))), prescale);
-            code[2 * x] = pack4_low_bytes(int8_code(v[0], inv), int8_code(v[1], inv), int8_code(v[2], inv), int8_code(v[3], inv));
-            code[2 * x + 1] = pack4_low_bytes(int8_code(v[4], inv), int8_code(v[5], inv), int8_code(v[6], inv), int8_code(v[7], inv));
+            row_values<true, false>(raw[c + x], prescale, NO_SHIFT, v);
+            code[x] = chunk_codes(v, inv);
         }
         const u32 dst = sQ + swizzled_offset<DP, WG>(r, (c0 + c) / 2);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(code[0]), "r"(code[1]), "r"(code[2]), "r"(code[3]) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(code[0].x), "r"(code[0].y), "r"(code[1].x), "r"(code[1].y) : "memory");
     }
     return scale;
 }

@@ -62,21 +62,6 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
     out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-// A row's 8 entries from its raw chunk r: x·prescale - shift, each step only where the job has it
-// (x·1 and x - 0 are x, so skipping them changes no bit). Raw chunks outside the tensor are zero and
-// the shift is zero past D, so columns need no mask; rows past N do where there is a shift.
-template <bool PRESCALE, bool SHIFT>
-SB_DEVICE void row_values(uint4 r, float prescale, const float (&shift)[8], float (&v)[8]) {
-    const u32 words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        float y = to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1))));
-        if (PRESCALE) y = mul_rn(y, prescale);
-        if (SHIFT) y = sub_rn(y, shift[e]);
-        v[e] = y;
-    }
-}
-
 constexpr int GROUP = 16;  // tokens a thread owns (one group of the fragment token order)
 struct QuantizeShared {
     float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
@@ -120,8 +105,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     // Raw 16-bit values, zero outside the tensor. Rows that start 16-byte aligned are copied 8 values
     // at a time (D is then a multiple of 8: a chunk is all in or out); others value by value.
-    const bool aligned = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
-    if (aligned) {
+    if (rows_aligned_16(xs, sn, D)) {
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) {
             const bool ok = tok0 + i < N && c0 < D;
@@ -236,10 +220,9 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     for (int i = 0; i < GROUP; ++i) {
         float v[8];
         row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-            code[i][half] = pack4_low_bytes(int8_code(v[4 * half], inv[i]), int8_code(v[4 * half + 1], inv[i]),
-                                            int8_code(v[4 * half + 2], inv[i]), int8_code(v[4 * half + 3], inv[i]));
+        const uint2 c = chunk_codes(v, inv[i]);
+        code[i][0] = c.x;
+        code[i][1] = c.y;
     }
     if (rows_out)
 #pragma unroll

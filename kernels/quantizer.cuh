@@ -1,6 +1,6 @@
-// The pre-pass quantizer ψ (numerics.py quantize_block) on 16-bit inputs, shared by quantize.cu and
-// the forward kernel's own Q quantization (forward.cu), so both give the same codes and scales bit
-// for bit. Needs SB_BF16 (the input dtype) and SB_TINY_AMAX.
+// The pre-pass quantizer ψ (numerics.py quantize_block) on 16-bit inputs: row values, maxima, scales
+// and codes, shared by quantize.cu and the forward kernel's own Q quantization (forward.cu), so both
+// give the same codes and scales bit for bit. Needs SB_BF16 (the input dtype) and SB_TINY_AMAX.
 #pragma once
 #include "common.cuh"
 #include "convert.cuh"
@@ -36,4 +36,31 @@ SB_DEVICE float chunk_abs_max(uint4 r) {
     constexpr u32 ABS = 0x7fff7fffu;
     const u32 m = max2<SB_BF16>(max2<SB_BF16>(r.x & ABS, r.y & ABS), max2<SB_BF16>(r.z & ABS, r.w & ABS));
     return fmaxf(to_f32<SB_BF16>(static_cast<u16>(m)), to_f32<SB_BF16>(static_cast<u16>(m >> 16)));
+}
+
+// A row's 8 entries from its raw chunk r: x·prescale - shift, each step only where the job has it
+// (x·1 and x - 0 are x, so skipping them changes no bit). Raw chunks outside the tensor are zero and
+// the shift is zero past D, so columns need no mask; rows past N do where there is a shift.
+template <bool PRESCALE, bool SHIFT>
+SB_DEVICE void row_values(uint4 r, float prescale, const float (&shift)[8], float (&v)[8]) {
+    const u32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        float y = to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1))));
+        if (PRESCALE) y = mul_rn(y, prescale);
+        if (SHIFT) y = sub_rn(y, shift[e]);
+        v[e] = y;
+    }
+}
+
+// The INT8 codes of a row's 8 values with inverse scale inv, packed: columns 0-3 in x, 4-7 in y.
+SB_DEVICE uint2 chunk_codes(const float (&v)[8], float inv) {
+    return make_uint2(pack4_low_bytes(int8_code(v[0], inv), int8_code(v[1], inv), int8_code(v[2], inv), int8_code(v[3], inv)),
+                      pack4_low_bytes(int8_code(v[4], inv), int8_code(v[5], inv), int8_code(v[6], inv), int8_code(v[7], inv)));
+}
+
+// Rows of 16-bit values starting at base with row stride sn (elements) and D values a row can be read
+// 16 bytes (8 values) at a time, a chunk all inside the row or all past D.
+SB_DEVICE bool rows_aligned_16(const u16* base, i64 sn, int D) {
+    return D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(base) & 15) == 0;
 }
