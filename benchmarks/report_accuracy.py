@@ -212,8 +212,8 @@ def emulated_intermediates(q, k, v, do, granularities) -> dict:
 
     δ and P are rebuilt as the emulated backward computes them: δ from the stored 16-bit O, P from
     the INT8 logits (Q̂K̂ᵀ·s_K[key])·s_Q[query] and the forward's base-2 LSE; then the 8-bit P̂ (read by
-    dV), and the dS that dQ and dK effectively read: Ŷ/s_K and Ẑ/s_Q, with Y = dS·s_K and Z = dS·s_Q
-    quantized with each granularity's scales (numerics.py)."""
+    dV), and the dS that dQ and dK read: dS quantized with each granularity's scales (Ŷ per query,
+    Ẑ per key, or per tile; numerics.py)."""
     from sagebwd_cp import emulator
     from sagebwd_cp.numerics import BLOCK_KV, BLOCK_Q
 
@@ -231,17 +231,16 @@ def emulated_intermediates(q, k, v, do, granularities) -> dict:
     delta = np.sum(do * o, axis=-1, dtype=np.float32)
     dp = (do @ np.swapaxes(v, -1, -2)).astype(np.float32)
     ds = (p * (dp - delta[..., None])).astype(np.float32)
-    y, z = (ds * s_cols).astype(np.float32), (ds * s_rows).astype(np.float32)
     res = {(None, "delta"): delta, (None, "P"): p, (None, "dS"): ds, (None, "O"): o}
     for gran in granularities:
-        if gran == "fine":  # P per key (unsigned, 255 levels); Y per query for dQ, Z per key for dK
+        if gran == "fine":  # P per key (unsigned, 255 levels); dS per query for dQ, per key for dK
             res[gran, "P_hat"] = _dequantized(p, 3, unsigned=True)
-            res[gran, "dS_hat_q"] = _dequantized(y, 5) / s_cols
-            res[gran, "dS_hat_k"] = _dequantized(z, 3) / s_rows
+            res[gran, "dS_hat_q"] = _dequantized(ds, 5)
+            res[gran, "dS_hat_k"] = _dequantized(ds, 3)
         else:  # one scale per 64x64 tile for each
             res[gran, "P_hat"] = _dequantized(p, (3, 5))
-            res[gran, "dS_hat_q"] = _dequantized(y, (3, 5)) / s_cols
-            res[gran, "dS_hat_k"] = _dequantized(z, (3, 5)) / s_rows
+            res[gran, "dS_hat_q"] = _dequantized(ds, (3, 5))
+            res[gran, "dS_hat_k"] = _dequantized(ds, (3, 5))
         dq, dk, dv = emulator.emulate_backward(state, do, granularity=gran)
         res[gran, "dQ"], res[gran, "dK"], res[gran, "dV"] = dq, dk, dv
     return res

@@ -6,11 +6,11 @@
 //   Sᵀ = K̂ Q̂ᵀ (INT8)  ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)   (per-token Q, K scales)
 //   dV += P̂ᵀ dÔ (INT8, P̂ᵀ register-fed)                      accumulated in FP32 registers
 //   dPᵀ = V dOᵀ (16-bit, FP32 accumulate)  ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
-//   dK += Ẑᵀ Q̂ with Z = dS·s_Q[query] (INT8, register-fed)    accumulated in FP32 registers
-//   dQ += Ŷ K̂ with Y = dS·s_K[key] (INT8, through shared memory)  FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
-// The per-token scales vary along dQ's and dK's reductions, so they are folded into dS before it is
-// quantized (numerics.py). SB_FINE = 1 quantizes P per key (dV; unsigned, 255 levels, u8 x s8 mma),
-// Z per key (dK) and Y per query (dQ); SB_FINE = 0 uses one scale per 64x64 tile for P, Z and Y
+//   dK += Ẑᵀ Q̂ᵀ (INT8, Ẑ = ψ(dS) register-fed)                accumulated in FP32 registers
+//   dQ += Ŷ K̂ᵀ (INT8, Ŷ = ψ(dS) through shared memory)        FP32 atomics into a [B][Hq][Nq_pad][Dp] buffer
+// Q̂ᵀ and K̂ᵀ are coded per 64-token block, so their one scale leaves dQ's and dK's reductions and joins
+// ψ's (numerics.py). SB_FINE = 1 quantizes P per key (dV; unsigned, 255 levels, u8 x s8 mma),
+// Ẑ per key (dK) and Ŷ per query (dQ); SB_FINE = 0 uses one scale per 64x64 tile for P, Ẑ and Ŷ
 // (the published per-tile scheme).
 // dK leaves with the factor ln 2 (Q̂ carries c·log2 e); dQ's factor c is applied by dq_convert.
 //
@@ -55,7 +55,7 @@ constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, frag
 constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
 constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, s_Q, δ, 0) [64] f32x4 (row_stats)
-constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, f32
+constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, K̂ᵀ's scale, 1 (below): f32
 constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
 // Maxima exchanged between warps (f32): per key and query half for P and for Z, per key group
@@ -209,6 +209,11 @@ attention_backward(SB_BACKWARD_PARAMS) {
     load_tile<DP, BKV, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
     load_tile<BKV, DP, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
     load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
+    // K̂ᵀ's scale, beside each stage's s_dO (read from there in the loop: no register held across it).
+    if (tid < SB_STAGES) {
+        cp_async_4(base + STAGE0 + tid * STAGE_BYTES + SSCALE + 8, a.kt_scale + bhk * (a.Nk_pad / BKV) + j);
+        *reinterpret_cast<float*>(smem + STAGE0 + tid * STAGE_BYTES + SSCALE + 12) = 1.f;  // UNIT, below
+    }
 
     // Query-side tiles of (query head h, query block i) into stage `slot`.
     auto load_stage = [&](int h, int i, int slot) {
@@ -372,18 +377,18 @@ attention_backward(SB_BACKWARD_PARAMS) {
         }
         ds_from_dp(ds, p, stats_s, qcol0, t);
 
-        // dK reads Z = dS·s_Q[query], dQ reads Y = dS·s_K[key] (the per-token scales folded in). Their
-        // maxima: Z per key (over both query halves), Y per query (over the four key groups); or
-        // each one's tile max (paper).
-        float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost 16 registers
-        z_values(z, ds, stats_s, qcol0, t);
+        // Ẑ (dK) and Ŷ (dQ) quantize dS. Their maxima of |dS|: per key for Ẑ (over both query halves),
+        // per query for Ŷ (over the four key groups); or each one's tile max (paper).
         float z_row[2];
-        row_max<true>(z_row, z);
-        float colmax[2 * NT_Q];  // |Y| of column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
+        row_max<true>(z_row, ds);
+        // dS·1 for Ŷ, the 1 read from shared memory: without these multiplies NVRTC's allocation of
+        // the d=64 two-CTA variants spills 4-20 bytes at their 128-register cap (13.5, sm_86-90).
+        const float unit = *reinterpret_cast<const float*>(smem + stage_off + SSCALE + 12);
+        float colmax[2 * NT_Q];  // |dS| of column (j/2)·8 + 2t + j%2 of the warp's 32, over this thread's 2 rows
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c] * s_k[0]), fabsf(ds[n][2 + c] * s_k[1]));
+            for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c] * unit), fabsf(ds[n][2 + c] * unit));
         if (SB_FINE) {
             if (t == 0) {
                 red[RED_DSK + qh * BKV + krow] = z_row[0];
@@ -452,7 +457,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         ds_tile[col * DS_PITCH + krow + 8 * half] =
-                            static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv_col[n][c]) & 0xffu);
+                            static_cast<i8>(quant_byte(ds[n][2 * half + c] * unit, inv_col[n][c]) & 0xffu);
                 }
         }
 
@@ -462,11 +467,11 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
         // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
         u32 dsf[4];
-        const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
+        const float s_qt = stats_s[0].w;  // Q̂ᵀ's scale of the query block
+        const float fac_k[2] = {dk_psi[0].scale * s_qt, dk_psi[1].scale * s_qt};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            z_values(z, ds, stats_s, qcol0, t);
-            pack_a(dsf, z, inv_d);
+            pack_a(dsf, ds, inv_d);
             frags[(WARPS + warp) * 32 + lane] = make_uint4(dsf[0], dsf[1], dsf[2], dsf[3]);
             if (SB_BIAS && t == 0) {
                 red[RED_RS + qh * BKV + krow] = rs[0];
@@ -498,18 +503,19 @@ attention_backward(SB_BACKWARD_PARAMS) {
             }
         }
 
-        // dQ_i += Ŷ K̂_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
+        // dQ_i += Ŷ K̂ᵀ_j: warp w computes query rows 16·(w%4).. over head-dim half w/4.
         {
             u32 da[2][4];
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk) ldmatrix_x4(da[kk], ds_lane + kk * 32);
             const int r_lo = kw * 16 + g;
             float fq[2];
+            const float s_kt = *reinterpret_cast<const float*>(smem + stage_off + SSCALE + 8);
             if (SB_FINE) {
-                fq[0] = qscale_s[r_lo];
-                fq[1] = qscale_s[r_lo + 8];
+                fq[0] = qscale_s[r_lo] * s_kt;
+                fq[1] = qscale_s[r_lo + 8] * s_kt;
             } else {
-                fq[0] = fq[1] = tile_y_psi.scale;
+                fq[0] = fq[1] = tile_y_psi.scale * s_kt;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
             float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;

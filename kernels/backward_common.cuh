@@ -31,29 +31,31 @@
 #endif
 
 // The kernel's parameters (backward.py passes them in this order) and the struct they fill.
-#define SB_BACKWARD_PARAMS                                                                                        \
-    const i8 *q8_, const i8 *q8t_, const float *q_mean_, const i8 *k8_, const i8 *k8t_, const float *k_scale_,    \
-        const float *bias_, const u16 *v_, const u16 *dout_, const i8 *dot8_, const float *do_scale_,             \
-        const float4 *stats_, float *dq_acc_, int *dq_lock_, u16 *dk_, u16 *dv_, i64 vb, i64 vh, i64 vn, i64 db, \
-        i64 dh, i64 dn, i64 kb, i64 kh, i64 kn, i64 wb, i64 wh, i64 wn, int Hq, int Hkv, int Lq, int Lk, int D,    \
-        int Nq_pad, int Nk_pad
-#define SB_BACKWARD_ARGS                                                                                         \
-    {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_, dq_acc_, dq_lock_, dk_, \
-     dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn, Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad}
+#define SB_BACKWARD_PARAMS                                                                                         \
+    const i8 *q8_, const i8 *q8t_, const float *q_mean_, const i8 *k8_, const i8 *k8t_, const float *k_scale_,     \
+        const float *kt_scale_, const float *bias_, const u16 *v_, const u16 *dout_,       \
+        const i8 *dot8_, const float *do_scale_, const float4 *stats_, float *dq_acc_, int *dq_lock_, u16 *dk_,    \
+        u16 *dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh, i64 kn, i64 wb, i64 wh, i64 wn,   \
+        int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad
+#define SB_BACKWARD_ARGS                                                                                          \
+    {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, kt_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,    \
+     dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn, Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad}
 
 struct Args {
     const i8* q8;          // [B][Hq][Nq_pad][DP]
-    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order
+    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order, coded per 64-query block
     const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
     const i8* k8;          // [B][Hkv][Nk_pad][DP]
-    const i8* k8t;         // [B][Hkv][DP][Nk_pad]
+    const i8* k8t;         // [B][Hkv][DP][Nk_pad], coded per 64-key block
     const float* k_scale;  // [B][Hkv][Nk_pad] (per token)
+    const float* kt_scale; // [B][Hkv][Nk_pad/64]: k8t's scales
     const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
     const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
     const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
     const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
     const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, s_Q, δ, 0), s_Q the per-token Q̂ scale; LSE2 = +inf, δ = 0 on padded rows
+    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ): s_Q the per-token Q̂ scale, s_Qᵀ q8t's of the
+                           // row's block; LSE2 = +inf, δ = 0 on padded rows
     float* dq_acc;         // [B][Hq][Nq_pad][dq_row], zeroed (specs.BackwardTiles.dq_row)
     int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
     u16* dk;               // 16-bit outputs with strides
@@ -179,19 +181,6 @@ SB_DEVICE void ds_from_dp(float (&ds)[N][4], const float (&p)[N][4], const float
             const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].z;
             ds[n][c] = p[n][c] * (ds[n][c] - dl);
             ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
-        }
-}
-
-// Z = dS·s_Q[query] for dK.
-template <int N>
-SB_DEVICE void z_values(float (&z)[N][4], const float (&ds)[N][4], const float4* stats_s, int qcol0, int t) {
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float sq = stats_s[qcol0 + n * 8 + 2 * t + c].y;
-            z[n][c] = ds[n][c] * sq;
-            z[n][2 + c] = ds[n][2 + c] * sq;
         }
 }
 

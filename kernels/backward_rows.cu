@@ -17,8 +17,8 @@
 // kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 extern "C" __global__ void __launch_bounds__(256)
 row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
-          i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, int Hq, int Lq, int D, int Nq_pad,
-          float4* __restrict__ stats) {
+          i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, const float* __restrict__ qt_scale,
+          int Hq, int Lq, int D, int Nq_pad, float4* __restrict__ stats) {
     SB_REQUIRE_SM80();
     const int c0 = 8 * (threadIdx.x & 15), row = blockIdx.x * 16 + (threadIdx.x >> 4), h = blockIdx.y, b = blockIdx.z;
     const i64 bh = static_cast<i64>(b) * Hq + h;
@@ -41,7 +41,7 @@ row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __res
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 15) == 0)
         stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000),
-                                               q_scale[bh * Nq_pad + row], s, 0.f);
+                                               q_scale[bh * Nq_pad + row], s, qt_scale[bh * (Nq_pad / SB_BLOCK_Q) + row / SB_BLOCK_Q]);
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per pair

@@ -7,8 +7,9 @@
 // iteration, and one dQ reduction per CTA's keys.
 //   Sᵀ = K̂ Q̂ᵀ (m64n64k32 s8)            ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)
 //   dPᵀ = V dOᵀ (m64n64k16 f16/bf16)     ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
-//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ (m64n32k32 chunks, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
-//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂_w) (from shared memory; warpgroup w computes head-dim slice w)
+//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ᵀ (m64n32k32 chunks, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
+//   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂ᵀ_w) (from shared memory; warpgroup w computes head-dim slice w)
+// Ŷ and Ẑ quantize dS itself: Q̂ᵀ and K̂ᵀ are coded per 64-token block, whose scale joins ψ's (numerics.py).
 // dQ's partial of the CTA's keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
@@ -371,20 +372,18 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             if (c < CHUNKS) rows_issue<SB_FINE>(pr, pf, sdot_lo, c);
         };
 
-        // Maxima of Z = dS·s_Q[query] (dK) per key, inside the warp, and of Y = dS·s_K[key] (dQ) per
-        // query over the warpgroup's 64 keys; or each one's block max (paper).
-        float z[NT_Q][4];  // recomputed where it is packed: live across the barrier it would cost registers
-        z_values(z, ds, stats_s, 0, t);
+        // Maxima of |dS| per key (Ẑ, for dK), inside the warp, and per query (Ŷ, for dQ) over the
+        // warpgroup's 64 keys; or each one's block max (paper).
         float z_row[2];
-        row_max<true>(z_row, z);
+        row_max<true>(z_row, ds);
         {
-            float colmax[2][8];  // |Y| of column 32x + (y/2)·8 + 2t + y%2, over this thread's 2 keys
+            float colmax[2][8];  // |dS| of column 32x + (y/2)·8 + 2t + y%2, over this thread's 2 keys
 #pragma unroll
             for (int x = 0; x < 2; ++x)
 #pragma unroll
                 for (int y = 0; y < 8; ++y) {
                     const int n = 4 * x + y / 2, c = y % 2;
-                    colmax[x][y] = fmaxf(fabsf(ds[n][c] * s_k[0]), fabsf(ds[n][2 + c] * s_k[1]));
+                    colmax[x][y] = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
                 }
             if (SB_FINE) {
 #pragma unroll
@@ -443,7 +442,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                     for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + yc]);
                     ys = psi(m);
                 }
-                if (wv == 0) yscale_s[wg * BQ + 32 * x + yc] = ys.scale;
+                if (wv == 0) yscale_s[wg * BQ + 32 * x + yc] = ys.scale * a.kt_scale[bhk * (a.Nk_pad / BKV) + j * GROUPS + wg];
 #pragma unroll
                 for (int n = 4 * x; n < 4 * x + 4; ++n)
 #pragma unroll
@@ -452,7 +451,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 #pragma unroll
                         for (int half = 0; half < 2; ++half)
                             ds_tile[y_off[c] + n * 8 * 128 + 8 * half] =
-                                static_cast<i8>(quant_byte(ds[n][2 * half + c] * s_k[half], inv) & 0xffu);
+                                static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
                     }
                 dv_step(2 + x);
             }
@@ -464,12 +463,11 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
         // Ẑᵀ for dK, packed in registers.
         u32 zf[2][4];
-        const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};
+        const float fac_k[2] = {dk_psi[0].scale, dk_psi[1].scale};  // times Q̂ᵀ's scale, in fold_dk
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};
-            z_values(z, ds, stats_s, 0, t);
-            pack_a(zf[0], z, inv_d, 0);
-            pack_a(zf[1], z, inv_d, 4);
+            pack_a(zf[0], ds, inv_d, 0);
+            pack_a(zf[1], ds, inv_d, 4);
         }
 
         dv_step(4);
@@ -523,7 +521,12 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             for (int st = 0; st < (CHUNKS > GROUPS ? CHUNKS : GROUPS); ++st) {
                 if (st < CHUNKS) {
                     if (st < GROUPS) wgmma_wait<1>(); else wgmma_wait<0>();  // dK st (dQ st may still run)
-                    fold_dk(st, pr, zf, fac_k);
+                    {
+                        // Q̂ᵀ's scale of the query block, read here (held longer, d=128 with Q-smoothing spilled)
+                        const float s_qt = reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
+                        const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
+                        fold_dk(st, pr, zf, fk);
+                    }
                     if (st + 1 < CHUNKS) rows_issue<false>(pr, zf, sqt_lo, st + 1);
                 }
                 if (st < GROUPS) {

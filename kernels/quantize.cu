@@ -21,6 +21,7 @@
 #define SUM_THREADS 256   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
+#define QUANT_T_PER_BLOCK 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 
@@ -82,7 +83,9 @@ struct QuantizeShared {
 //   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
-//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
+//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]);
+//   QUANT_T_PER_BLOCK (with QUANT_PER_TOKEN) codes t_out per block instead, its scale in t_scale_out
+//   [B][H][N_pad/64] (the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
@@ -92,7 +95,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
-                               float* __restrict__ scale_out, int cta, int b) {
+                               float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b) {
     constexpr int L = DPAD / 8, TPB = 4 * L, WARPS_PER_BLOCK = TPB / 32;
     static_assert(TPB % 32 == 0, "a block is whole warps");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -188,14 +191,8 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
             inv[i] = PRESCALE ? mul_rn(m, prescale) : m;
         }
     }
-    if (flags & QUANT_PER_TOKEN) {
-        // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
-        constexpr int OWN = GROUP / L;
-        max_scatter<L>(inv, lane);
-#pragma unroll
-        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
-        gather<L>(inv, lane);
-    } else {
+    // The block's max|value| from the rows' (a barrier at DPAD = 128: two warps a block).
+    auto block_amax = [&] {
         float amax = 0.f;
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, inv[i]);
@@ -209,7 +206,19 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
             for (int k = 1; k < WARPS_PER_BLOCK; ++k) amax = fmaxf(amax, sm.red[w0 + k]);
         }
-        const float v = psi_inverse(amax, tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
+        return amax;
+    };
+    float t_inv = 0.f;  // QUANT_T_PER_BLOCK: the transposed codes' inverse scale
+    if (flags & QUANT_PER_TOKEN) {
+        if (flags & QUANT_T_PER_BLOCK) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + bh * blocks + blk : nullptr);
+        // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
+        constexpr int OWN = GROUP / L;
+        max_scatter<L>(inv, lane);
+#pragma unroll
+        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
+        gather<L>(inv, lane);
+    } else {
+        const float v = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
 #pragma unroll
         for (int i = 0; i < GROUP; ++i) inv[i] = i < rows_in ? v : 0.f;  // rows past N code 0 (per token: amax 0)
     }
@@ -229,6 +238,15 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         for (int i = 0; i < GROUP; ++i)
             *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = make_uint2(code[i][0], code[i][1]);
     if (t_out) {
+        if (flags & QUANT_T_PER_BLOCK)  // recoded with the block's scale (the rows are stored)
+#pragma unroll
+            for (int i = 0; i < GROUP; ++i) {
+                float v[8];
+                row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
+                const uint2 c = chunk_codes(v, i < rows_in ? t_inv : 0.f);  // rows past N code 0
+                code[i][0] = c.x;
+                code[i][1] = c.y;
+            }
         // Stored position 4k + n of the group holds row 4k + n, or 2k + (n & 1) + 8(n >> 1) in the fragment
         // order (numerics.KEY_PERMUTATION_16).
         u32 col[8][4];
@@ -262,12 +280,13 @@ struct QuantizeJob {
     i8* rows_out;
     i8* t_out;
     float* scale_out;
+    float* t_scale_out;
     i64 sb, sh, sn;
     int H, N, N_pad, flags;
     float prescale;
     int ctas;
 };
-static_assert(sizeof(QuantizeJob) == 7 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
+static_assert(sizeof(QuantizeJob) == 8 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
 
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
 // runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA. Several CTAs
@@ -285,7 +304,7 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
-        SB_JOB(scale_out), cta, static_cast<int>(blockIdx.z)
+        SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z)
     // One instantiation per head dim and per step the job needs (uniform across the CTA).
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     if (D_pad == 64) {

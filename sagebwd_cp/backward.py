@@ -71,12 +71,12 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad)
     nq, nk = qz.nq_pad, qz.nk_pad
 
-    stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, 0) per query row
+    stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
     plan.launch(rows, "row_stats", (nq // 16, Hq, B), (256, 1, 1),
                 [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
-                 i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
+                 ptr(qz.qt_scale), i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
@@ -95,7 +95,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                                tiles)
     plan.launch(spec, "attention_backward", ((Lk + tiles.block_keys - 1) // tiles.block_keys, Hk, B),
                 (tiles.threads, 1, 1),
-                [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale),
+                [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale), ptr(qz.kt_scale),
                  ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(qz.dot8), ptr(qz.do_scale), ptr(stats),
                  ptr(dq_acc), ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn),
                  i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),

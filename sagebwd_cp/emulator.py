@@ -172,7 +172,8 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
     Returns a dict of per-(batch, head) arrays, rows padded to a multiple of 64 with zeros:
     q_int8 (B,Hq,Lq_pad,D), q_scale (B,Hq,Lq_pad) per token, q_mean (B,Hq,nQ,D); k_int8, k_scale
     (B,Hkv,Lk_pad) per token, k_mean (B,Hkv,D), k_smoothed (float32 K - μ_K, padded rows 0); v_int8,
-    v_scale (B,Hkv,nK) per block.  With
+    v_scale (B,Hkv,nK) per block; the backward's transposed copies of the same values coded per
+    64-token block: qt_int8, qt_scale (B,Hq,nQ) and kt_int8, kt_scale (B,Hkv,nK) (untransposed).  With
     quantize=False the "int8" arrays hold the float32 values and every scale is 1.
     """
     q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
@@ -195,6 +196,7 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
     else:
         q_mean = np.zeros((b, hq, n_qb, d), dtype=np.float32)
     q_int8, q_scale = _quantize_tokens(x, quantize)
+    qt_int8, qt_scale = _quantize_rows(x, BLOCK_Q, quantize)
 
     # K: subtract the token mean (K-smoothing), then ψ per key.
     if smooth_k:
@@ -205,11 +207,13 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
         k_sm = k32.copy()
     k_sm = _pad_rows(k_sm, BLOCK_KV)
     k_int8, k_scale = _quantize_tokens(k_sm, quantize)
+    kt_int8, kt_scale = _quantize_rows(k_sm, BLOCK_KV, quantize)
     v_int8, v_scale = _quantize_rows(_pad_rows(v32, BLOCK_KV), BLOCK_KV, quantize)
 
     return {
         "q_int8": q_int8, "q_scale": q_scale, "q_mean": q_mean,
         "k_int8": k_int8, "k_scale": k_scale, "k_mean": k_mean, "k_smoothed": k_sm,
+        "qt_int8": qt_int8, "qt_scale": qt_scale, "kt_int8": kt_int8, "kt_scale": kt_scale,
         "v_int8": v_int8, "v_scale": v_scale,
         "softmax_scale": float(softmax_scale), "smooth_k": bool(smooth_k),
         "smooth_q": bool(smooth_q), "quantize": bool(quantize), "lq": lq, "lk": lk,
@@ -255,6 +259,8 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     q_hat, s_q = qi["q_int8"], qi["q_scale"]
     k_hat = _expand_heads(qi["k_int8"], group)
     s_k = _expand_heads(qi["k_scale"], group)
+    qt_hat, s_qt = qi["qt_int8"], qi["qt_scale"]  # dK's Q operand and dQ's K operand: per block
+    kt_hat, s_kt = _expand_heads(qi["kt_int8"], group), _expand_heads(qi["kt_scale"], group)
     v_hat = _expand_heads(qi["v_int8"], group)
     s_v = _expand_heads(qi["v_scale"], group)
     k_sm = _expand_heads(qi["k_smoothed"], group) if smooth_q else None
@@ -381,6 +387,8 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     q_hat, s_q, q_mean = qi["q_int8"], qi["q_scale"], qi["q_mean"]
     k_hat = _expand_heads(qi["k_int8"], group)
     s_k = _expand_heads(qi["k_scale"], group)
+    qt_hat, s_qt = qi["qt_int8"], qi["qt_scale"]  # dK's Q operand and dQ's K operand: per block
+    kt_hat, s_kt = _expand_heads(qi["kt_int8"], group), _expand_heads(qi["kt_scale"], group)
     v16 = _expand_heads(_pad_rows(saved["v"], BLOCK_KV), group)
     k_sm = _expand_heads(qi["k_smoothed"], group) if smooth_q else None
 
@@ -416,17 +424,16 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             dp = np.matmul(do_pad[:, :, r0:r1], np.swapaxes(v_j, -1, -2)).astype(np.float32)
             ds = np.where(mask, p * (dp - delta[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
-            # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i.  The per-token scales vary along these
-            # products' reductions, so each is folded into dS before dS is quantized: dQ reads
-            # dS·s_K[key] (ψ per query, or per tile), dK reads dS·s_Q[query] (ψ per key, or per tile).
-            y = (ds * s_k_j[..., None, :]).astype(np.float32)
-            z = (ds * s_q_i[..., :, None]).astype(np.float32)
-            y_hat, s_y = _psi(y, -1 if fine else (-2, -1), quantize)
-            z_hat, s_z = _psi(z, -2 if fine else (-2, -1), quantize)
-            dq_tile = (_int_matmul(y_hat, k_j) * s_y).astype(np.float32)
+            # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i with K̂ and Q̂ coded per 64-token block
+            # (numerics.py): the block's scale leaves the reduction, so dS is quantized as it is (ψ
+            # per query for dQ and per key for dK, or per tile) and the block scale joins ψ's.
+            y_hat, s_y = _psi(ds, -1 if fine else (-2, -1), quantize)
+            z_hat, s_z = _psi(ds, -2 if fine else (-2, -1), quantize)
+            f_y = (s_y * s_kt[:, :, j, None, None]).astype(np.float32)
+            f_z = (np.swapaxes(s_z, -1, -2) * s_qt[:, :, i, None, None]).astype(np.float32)
+            dq_tile = (_int_matmul(y_hat, kt_hat[:, :, c0:c1]) * f_y).astype(np.float32)
             dq_acc[:, :, r0:r1] = (dq_acc[:, :, r0:r1] + dq_tile).astype(np.float32)
-            dk_tile = (_int_matmul(np.swapaxes(z_hat, -1, -2), q_hat[:, :, r0:r1]) * np.swapaxes(s_z, -1, -2)
-                       ).astype(np.float32)
+            dk_tile = (_int_matmul(np.swapaxes(z_hat, -1, -2), qt_hat[:, :, r0:r1]) * f_z).astype(np.float32)
             dk_j = (dk_j + dk_tile).astype(np.float32)
             if smooth_q:
                 # exact term of Q-smoothing: colsum(dS)ᵀ ⊗ μ_Q,i from the FP32 dS

@@ -16,7 +16,8 @@ from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
 SUM_THREADS = 256  # kernels/quantize.cu SUM_THREADS (token_sum)
-PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
+# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_T_PER_BLOCK)
+PERMUTE_T, PER_TOKEN, T_PER_BLOCK = 1, 2, 4
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
 
@@ -31,10 +32,12 @@ class Quantized:
 
     q8: ArrayDesc | None  # [B][Hq][Nq_pad][Dp]; None where the forward kernel quantizes Q (and q_scale)
     q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
+    qt_scale: ArrayDesc | None  # [B][Hq][Nq_pad/64]: q8t's scale per 64-query block (backward)
     q_scale: ArrayDesc | None  # [B][Hq][Nq_pad], per token
     q_mean: ArrayDesc | None  # [B][Hq][Nq_pad/64][Dp] (Q-smoothing)
     k8: ArrayDesc  # [B][Hkv][Nk_pad][Dp]
     k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
+    kt_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]: k8t's scale per 64-key block (backward)
     k_scale: ArrayDesc  # [B][Hkv][Nk_pad], per token
     k_mean: ArrayDesc | None  # [B][Hkv][Dp] (K-smoothing)
     vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
@@ -54,15 +57,15 @@ def _quantize_ctas(blocks: int) -> int:
 
 
 def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t,
-                  flags, scale):
+                  flags, scale, t_scale=None):
     """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field)."""
     sb, sh, sn = prob.bhnd_strides(src)
-    return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale),
+    return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale), ptr(t_scale),
                       i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(flags), f32(prescale),
                       i32(_quantize_ctas(npad // numerics.BLOCK_Q * heads)))
 
 
-_NO_JOB = struct_arg(*(ptr(None),) * 7, *(i64(0),) * 3, *(i32(0),) * 4, f32(0.0), i32(0))
+_NO_JOB = struct_arg(*(ptr(None),) * 8, *(i64(0),) * 3, *(i32(0),) * 4, f32(0.0), i32(0))
 
 
 def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
@@ -99,20 +102,28 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         plan.launch(spec, "token_sum", (chunks, Hk, B), (SUM_THREADS, 1, 1),
                     [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
-    q8 = q8t = q_scale = q_mean = None
+    # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
+    t_flags = T_PER_BLOCK if backward else 0
+    q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
     jobs = []
     if quantize_q:
         q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
-        q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8") if backward else None
+        if backward:
+            q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8")
+            qt_scale = plan.workspace("qt_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
         q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
         q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
         jobs.append(_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None,
-                                  q_mean, q8, q8t, PERMUTE_T | PER_TOKEN, q_scale))
+                                  q_mean, q8, q8t, PERMUTE_T | PER_TOKEN | t_flags, q_scale, qt_scale))
 
     k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
-    k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8") if backward else None
+    k8t = None
+    if backward:
+        k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8")
+        kt_scale = plan.workspace("kt_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
     k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
-    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN, k_scale))
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN | t_flags, k_scale,
+                              kt_scale))
 
     vt8 = v_scale = None
     if not backward:
@@ -133,7 +144,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
                     (128, 1, 1), [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Hk), i32(Lk), i32(D), i32(dp),
                                   i32(nq), i32(nk), ptr(q_mean), ptr(k_mean), ptr(bias),
                                   i32(prob.dtype == "bfloat16")])
-    return Quantized(q8, q8t, q_scale, q_mean, k8, k8t, k_scale, k_mean, vt8, v_scale, bias, nq, nk, dot8, do_scale)
+    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk, dot8,
+                     do_scale)
 
 
 def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):

@@ -9,20 +9,21 @@ Conventions
 * Scales: Q and K are quantized per token (one ψ per row of d values); V per ``BLOCK_KV`` rows and
   dO per ``BLOCK_Q`` rows (per batch, head).  S = Q̂K̂ᵀ dequantizes as (float32(Q̂K̂ᵀ)·s_K[key])·s_Q[query]
   (two float32 products in this order; the kernels may fuse the second into the exponent's FMA).
-* The backward's dQ = dS·K and dK = dSᵀ·Q reduce over keys and queries, along which the per-token
-  scales vary, so the scale is folded into dS before dS is quantized (legal: a scale is applied
-  before the quantization, not after the integer product): dQ reads Y = dS·s_K[key] (ψ per query
-  row in "fine", per tile in "paper"), dK reads Z = dS·s_Q[query] (ψ per key column, or per tile),
-  each a float32 product.  Q̂ and K̂ (and their transposes) are then the forward's, with no scale.
+* The backward's dQ = dS·K and dK = dSᵀ·Q reduce over keys and queries, so they read transposed
+  copies of K and Q coded per 64-token block (ψ over the block's tokens and d values, as V and dO),
+  whose one scale leaves the reduction: dQ reads dS itself (ψ per query row in "fine", per tile in
+  "paper") and adds (Ŷ·K̂ᵀ)·(s_Y·s_Kᵀ[key block]), dK reads dS (ψ per key column, or per tile) and adds
+  (Ẑᵀ·Q̂ᵀ)·(s_Z·s_Qᵀ[query block]), each factor one float32 product.  (Per-token scales there would
+  vary along the reduction and have to be folded into dS, a product per score twice.)  The
+  copies hold the same values as Q̂ and K̂: prescaled Q (less its block means with Q-smoothing) and
+  K - μ_K.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
   nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
   zero, or so small that 127/amax would overflow float32) counts as zero: scale 0 and x̂ = 0.
   Scales feed other quantizations, where a zero block at scale 1 would coarsen the rest: the
-  backward folds s_Q and s_K into dS before it quantizes dK's operand per key and dQ's per query
-  (a zero row's dS·1 among values of size dS·s, s ~ 1e-2), and the forward's 128-key tile scales
-  P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a block contributes 0, as its
-  codes do.  (The backward's tile quantizers, ``quantize_tile``, keep scale 1 for a zero tile: no
+  forward's 128-key tile scales P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a
+  block contributes 0, as its codes do.  (The backward's tile quantizers, ``quantize_tile``, keep scale 1 for a zero tile: no
   later quantization reads it.)
 * Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
   integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.

@@ -73,9 +73,15 @@ def test_quantize_matches_emulator_bitwise(case):
     # Padding (rows past N, columns past D) is zero in every layout.
     assert not q8[:, :, lq:].any() and not q8[..., d:].any()
     assert not k8[:, :, lk:].any() and not k8[..., d:].any()
-    # Transposed copies: Q̂ᵀ in fragment token order, K̂ᵀ natural, V̂ᵀ in fragment token order.
-    np.testing.assert_array_equal(_unpermute_tokens(host(qz.q8t), qz.nq_pad), q8.transpose(0, 1, 3, 2))
-    np.testing.assert_array_equal(host(qz.k8t), k8.transpose(0, 1, 3, 2))
+    # Transposed copies: Q̂ᵀ in fragment token order, K̂ᵀ natural, both coded per 64-token block for
+    # the backward (zero past N and D); V̂ᵀ in fragment token order.
+    qt = _unpermute_tokens(host(qz.q8t), qz.nq_pad)
+    np.testing.assert_array_equal(qt[:, :, :d, :lq], emu["qt_int8"][:, :, :lq].transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(host(qz.qt_scale)[..., :nqb], emu["qt_scale"])
+    kt = host(qz.k8t)
+    np.testing.assert_array_equal(kt[:, :, :d, :lk], emu["kt_int8"][:, :, :lk].transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(host(qz.kt_scale)[..., :nkb], emu["kt_scale"])
+    assert not qt[:, :, :, lq:].any() and not qt[:, :, d:].any() and not kt[:, :, :, lk:].any() and not kt[:, :, d:].any()
     vt = _unpermute_tokens(host(qf.vt8), qf.nk_pad)
     np.testing.assert_array_equal(vt[:, :, :d, :lk], emu["v_int8"][:, :, :lk].transpose(0, 1, 3, 2))
     assert not vt[:, :, :, lk:].any() and not vt[:, :, d:].any()

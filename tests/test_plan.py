@@ -99,11 +99,11 @@ def test_pointer_updates_land_at_their_offsets():
 
 
 def test_quantize_job_matches_the_kernel_struct():
-    """kernels/quantize.cu QuantizeJob: 7 pointers, 3 i64, 5 x 4 bytes and the CTA count: 104 bytes."""
+    """kernels/quantize.cu QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes and the CTA count: 112 bytes."""
     from sagebwd_cp.forward import _NO_JOB
 
     p = PackedArgs([_NO_JOB])
-    assert p.sizes == [104] and p.argument_bytes(0) == bytes(104)
+    assert p.sizes == [112] and p.argument_bytes(0) == bytes(112)
 
 
 # ------------------------------------------------------------------------------ plans with the GPU mocked
@@ -300,10 +300,11 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
-        job = lambda i: struct.unpack("<7Q3q4ifi", qt[i])
-        assert job(0)[:7] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
-                              ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset)
-        assert job(1)[:7] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset)
+        job = lambda i: struct.unpack("<8Q3q4ifi", qt[i])
+        assert job(0)[:8] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
+                              ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset, 0)
+        assert job(1)[:8] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset,
+                              0)
         assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (6 * 1 // 2, 6 * 1 // 2, 0)  # CTAs: blocks of 64 x heads / 2
         fw = args["attention_forward"]
         assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11, 19)] == [0, 0] + [
