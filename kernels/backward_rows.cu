@@ -41,7 +41,8 @@ row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __res
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 15) == 0)
         stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000),
-                                               q_scale[bh * Nq_pad + row], s, qt_scale[bh * (Nq_pad / SB_BLOCK_Q) + row / SB_BLOCK_Q]);
+                                               q_scale[bh * Nq_pad + row], s,
+                                               qt_scale[bh * (Nq_pad / SB_BLOCK_Q) + row / SB_BLOCK_Q]);
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per pair

@@ -442,7 +442,8 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                     for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + yc]);
                     ys = psi(m);
                 }
-                if (wv == 0) yscale_s[wg * BQ + 32 * x + yc] = ys.scale * a.kt_scale[bhk * (a.Nk_pad / BKV) + j * GROUPS + wg];
+                if (wv == 0)  // Ŷ's factor: its scale times K̂ᵀ's of the warpgroup's key block
+                    yscale_s[wg * BQ + 32 * x + yc] = ys.scale * a.kt_scale[bhk * (a.Nk_pad / BKV) + j * GROUPS + wg];
 #pragma unroll
                 for (int n = 4 * x; n < 4 * x + 4; ++n)
 #pragma unroll
@@ -522,8 +523,10 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                 if (st < CHUNKS) {
                     if (st < GROUPS) wgmma_wait<1>(); else wgmma_wait<0>();  // dK st (dQ st may still run)
                     {
-                        // Q̂ᵀ's scale of the query block, read here (held longer, d=128 with Q-smoothing spilled)
-                        const float s_qt = reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
+                        // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
+                        // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
+                        const float s_qt =
+                            reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
                         const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
                         fold_dk(st, pr, zf, fk);
                     }

@@ -21,7 +21,6 @@
 #define SUM_THREADS 256   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
-#define QUANT_T_PER_BLOCK 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 
@@ -83,9 +82,9 @@ struct QuantizeShared {
 //   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
-//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]);
-//   QUANT_T_PER_BLOCK (with QUANT_PER_TOKEN) codes t_out per block instead, its scale in t_scale_out
-//   [B][H][N_pad/64] (the backward's transposed Q̂ and K̂: numerics.py).
+//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
+// t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
+//   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
@@ -208,9 +207,9 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         }
         return amax;
     };
-    float t_inv = 0.f;  // QUANT_T_PER_BLOCK: the transposed codes' inverse scale
+    float t_inv = 0.f;  // with t_scale_out: the transposed codes' inverse scale
     if (flags & QUANT_PER_TOKEN) {
-        if (flags & QUANT_T_PER_BLOCK) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + bh * blocks + blk : nullptr);
+        if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + bh * blocks + blk : nullptr);
         // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
         constexpr int OWN = GROUP / L;
         max_scatter<L>(inv, lane);
@@ -223,30 +222,20 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         for (int i = 0; i < GROUP; ++i) inv[i] = i < rows_in ? v : 0.f;  // rows past N code 0 (per token: amax 0)
     }
 
-    // Codes: word half of row i holds columns c0 + 4·half .. + 3.
+    // Codes: word half of row i holds columns c0 + 4·half .. + 3. The rows are stored as they come;
+    // code[] keeps what t_out takes: the same codes, or (t_scale_out) the block's, from the same values.
     u32 code[GROUP][2];
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
         float v[8];
         row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
         const uint2 c = chunk_codes(v, inv[i]);
-        code[i][0] = c.x;
-        code[i][1] = c.y;
+        if (rows_out) *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = c;
+        const uint2 ct = t_scale_out ? chunk_codes(v, i < rows_in ? t_inv : 0.f) : c;  // rows past N code 0
+        code[i][0] = ct.x;
+        code[i][1] = ct.y;
     }
-    if (rows_out)
-#pragma unroll
-        for (int i = 0; i < GROUP; ++i)
-            *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = make_uint2(code[i][0], code[i][1]);
     if (t_out) {
-        if (flags & QUANT_T_PER_BLOCK)  // recoded with the block's scale (the rows are stored)
-#pragma unroll
-            for (int i = 0; i < GROUP; ++i) {
-                float v[8];
-                row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
-                const uint2 c = chunk_codes(v, i < rows_in ? t_inv : 0.f);  // rows past N code 0
-                code[i][0] = c.x;
-                code[i][1] = c.y;
-            }
         // Stored position 4k + n of the group holds row 4k + n, or 2k + (n & 1) + 8(n >> 1) in the fragment
         // order (numerics.KEY_PERMUTATION_16).
         u32 col[8][4];

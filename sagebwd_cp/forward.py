@@ -16,8 +16,7 @@ from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
 SUM_THREADS = 256  # kernels/quantize.cu SUM_THREADS (token_sum)
-# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_T_PER_BLOCK)
-PERMUTE_T, PER_TOKEN, T_PER_BLOCK = 1, 2, 4
+PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
 
@@ -58,10 +57,11 @@ def _quantize_ctas(blocks: int) -> int:
 
 def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_sum, mean_out, block_mean, rows, t,
                   flags, scale, t_scale=None):
-    """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field)."""
+    """One tensor of a quantize_tensors launch (kernels/quantize.cu QuantizeJob, field by field); with
+    ``t_scale`` the transposed copy ``t`` is coded per 64-token block, its scales there."""
     sb, sh, sn = prob.bhnd_strides(src)
-    return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale), ptr(t_scale),
-                      i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(flags), f32(prescale),
+    return struct_arg(ptr(src), ptr(mean_sum), ptr(mean_out), ptr(block_mean), ptr(rows), ptr(t), ptr(scale),
+                      ptr(t_scale), i64(sb), i64(sh), i64(sn), i32(heads), i32(n), i32(npad), i32(flags), f32(prescale),
                       i32(_quantize_ctas(npad // numerics.BLOCK_Q * heads)))
 
 
@@ -103,7 +103,6 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
                     [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
 
     # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
-    t_flags = T_PER_BLOCK if backward else 0
     q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
     jobs = []
     if quantize_q:
@@ -114,7 +113,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
         q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
         jobs.append(_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale), None, None,
-                                  q_mean, q8, q8t, PERMUTE_T | PER_TOKEN | t_flags, q_scale, qt_scale))
+                                  q_mean, q8, q8t, PERMUTE_T | PER_TOKEN, q_scale, qt_scale))
 
     k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
     k8t = None
@@ -122,8 +121,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8")
         kt_scale = plan.workspace("kt_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
     k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
-    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN | t_flags, k_scale,
-                              kt_scale))
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN, k_scale, kt_scale))
 
     vt8 = v_scale = None
     if not backward:
@@ -144,8 +142,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
                     (128, 1, 1), [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hq), i32(Hk), i32(Lk), i32(D), i32(dp),
                                   i32(nq), i32(nk), ptr(q_mean), ptr(k_mean), ptr(bias),
                                   i32(prob.dtype == "bfloat16")])
-    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk, dot8,
-                     do_scale)
+    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,
+                     dot8, do_scale)
 
 
 def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):

@@ -23,8 +23,8 @@ Conventions
   zero, or so small that 127/amax would overflow float32) counts as zero: scale 0 and x̂ = 0.
   Scales feed other quantizations, where a zero block at scale 1 would coarsen the rest: the
   forward's 128-key tile scales P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a
-  block contributes 0, as its codes do.  (The backward's tile quantizers, ``quantize_tile``, keep scale 1 for a zero tile: no
-  later quantization reads it.)
+  block contributes 0, as its codes do.  (The backward's tile quantizers, ``quantize_tile``, keep
+  scale 1 for a zero tile: no later quantization reads it.)
 * Q is quantized as ``q * qk_prescale`` with qk_prescale = float32(softmax_scale * log2(e)), so the
   integer product Q̂K̂ᵀ·s_Q·s_K is the base-2 logit and the kernels work with exp2.
 * K-smoothing subtracts μ_K, the token mean of K per (batch, KV head), computed as the float64
