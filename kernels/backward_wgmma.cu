@@ -35,8 +35,14 @@ constexpr int CTA_KEYS = GROUPS * BKV;
 constexpr int THREADS = GROUPS * 128;
 constexpr bool DK_SMEM = GROUPS > 2;  // dK's FP32 accumulators in shared memory (a slot per thread)
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
-constexpr int CHUNKS = DP / 32;      // 32-column chunks of dK and dV (one m64n32 product each: 16 int32
-                                     // registers in flight; 32 would not fit beside dK, dV and dS)
+// Two warpgroups at head dim 64 use about 185 of the 255 registers a thread may hold at one CTA per
+// SM; the spare ones keep work out of shared memory and save products (ROOMY):
+constexpr bool ROOMY = DP == 64 && GROUPS == 2;
+// dK and dV in chunks of CHUNK_COLS columns, one m64nCHUNK_COLS product each (a chunk's int32 registers
+// are in flight beside dK, dV and dS: 16 for 32 columns; at head dim 64 one 64-column chunk fits).
+constexpr int CHUNK_COLS = ROOMY ? 64 : 32;
+constexpr int CHUNKS = DP / CHUNK_COLS;
+constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 // dQ: warpgroup w computes DQ_COLS head-dim columns from DQ_COL0(w) over every key block of the CTA,
 // and stores those from w·DQ_COLS on (3 warpgroups at d=64: columns 0-23, 24-47, 40-63 of which
 // the last stores 48-63).
@@ -75,8 +81,8 @@ constexpr int YSCALE_OFF = RED_OFF + 4 * RED_FLOATS;  // Ŷ's scale per (key blo
 constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded: a warp's
                                   // 8-byte stores hit every bank, and tile and rows are one range each
 constexpr int DQ_OFF = YSCALE_OFF + 4 * GROUPS * BQ;
-constexpr int DK_OFF = DQ_OFF + BQ * DQ_PITCH * 4;  // DK_SMEM: [CHUNKS][4 n-tiles][THREADS] float4
-constexpr int SMEM_BYTES = DK_OFF + (DK_SMEM ? CHUNKS * 4 * THREADS * 16 : 0) + (TILE_ALIGN - 128);
+constexpr int DK_OFF = DQ_OFF + BQ * DQ_PITCH * 4;  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS] float4
+constexpr int SMEM_BYTES = DK_OFF + (DK_SMEM ? CHUNKS * NT_CH * THREADS * 16 : 0) + (TILE_ALIGN - 128);
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
@@ -107,24 +113,25 @@ SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, 
     }
 }
 
-// The int32 product Â B̂ of a warpgroup's 64 keys over head-dim chunk `chunk` (32 columns), Â the
-// two 32-query k-steps in registers, B̂ a [DP][64 q] INT8 tile (64-byte rows) with descriptor low
+// The int32 product Â B̂ of a warpgroup's 64 keys over head-dim chunk `chunk` (CHUNK_COLS columns), Â
+// the two 32-query k-steps in registers, B̂ a [DP][64 q] INT8 tile (64-byte rows) with descriptor low
 // word tile_lo; rows_finish folds it into acc after a wgmma_wait.
 template <bool UNSIGNED_A>
-SB_DEVICE void rows_issue(int (&pr)[4][4], const u32 (&a)[2][4], u32 tile_lo, int chunk) {
+SB_DEVICE void rows_issue(int (&pr)[NT_CH][4], const u32 (&a)[2][4], u32 tile_lo, int chunk) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) wgmma_rs<UNSIGNED_A>(pr, a[kk], wgmma_desc<BQ>(tile_lo, chunk * 32 * BQ + 32 * kk), kk);
+    for (int kk = 0; kk < 2; ++kk)
+        wgmma_rs<UNSIGNED_A>(pr, a[kk], wgmma_desc<BQ>(tile_lo, chunk * CHUNK_COLS * BQ + 32 * kk), kk);
     wgmma_commit();
 }
-SB_DEVICE void rows_finish(float (&acc)[4][4], int (&pr)[4][4], u32 (&a)[2][4], const float (&factor)[2]) {
+SB_DEVICE void rows_finish(float (&acc)[NT_CH][4], int (&pr)[NT_CH][4], u32 (&a)[2][4], const float (&factor)[2]) {
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
         for (int r = 0; r < 4; ++r) wgmma_hold(a[kk][r]);
     wgmma_hold_all(pr);
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < NT_CH; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
 }
@@ -215,16 +222,24 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     __syncthreads();      // and the mbarriers are initialized
 
     const int krow = wv * 16 + g;            // this thread's key rows in the warpgroup's block: krow, krow + 8
-    // This thread's first key; in the loop it is rebuilt from a fresh thread index, as are the other
-    // warpgroup-dependent values there: held across the loop they would spill.
+    // The thread index that values used in the loop are formed from: a fresh read in the register-bound
+    // kernels (values derived from it, held across the loop, would spill), so that the compiler forms
+    // them where used; ROOMY kernels keep them, and form them once.
+    auto loop_tid = [] { return ROOMY ? static_cast<u32>(threadIdx.x) : fresh_tid(); };
+    // The warpgroup index for descriptors and barrier ids: ROOMY kernels hold it in a uniform register
+    // (a broadcast), so that the K̂, V and K̂ᵀ descriptors are formed on the uniform datapath; the others
+    // form it where used (the uniform form saved them 3% of the loop's instructions, but no time).
+    const int wg_held = warpgroup_uniform();
+    auto loop_wg = [&] { return ROOMY ? wg_held : static_cast<int>(loop_tid() >> 7); };
+    // This thread's first key; in the loop it is rebuilt from loop_tid(), as are the other
+    // warpgroup-dependent values there.
     const int key_lo = j * CTA_KEYS + wg * BKV + krow;
     const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
     // Descriptor low words of K̂ᵀ and of Ŷ (the warpgroup's K̂ and V rows: per iteration, below).
     const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
-    // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order); formed where
-    // used, from a fresh thread index (held across the loop, it spilled).
-    auto ycol = [] {
-        const int ft = fresh_tid(), fg = ft >> 2 & 7;
+    // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
+    auto ycol = [&] {
+        const int ft = loop_tid(), fg = ft >> 2 & 7;
         return (fg >> 1) * 8 + 2 * (ft & 3) + (fg & 1);
     };
 
@@ -253,31 +268,31 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         }
     };
 
-    // Keys krow, krow+8 x head-dim columns 32·chunk + 8n + 2t, +1. dK: registers, or (DK_SMEM) this
-    // thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
+    // Keys krow, krow+8 x head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1. dK: registers, or (DK_SMEM)
+    // this thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
     // [ch][n][thread]: a warp's accesses are conflict-free).
-    float dk[DK_SMEM ? 1 : CHUNKS][4][4], dv[CHUNKS][4][4];
+    float dk[DK_SMEM ? 1 : CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
     auto dk_slot = [&](u32 thread) { return reinterpret_cast<float4*>(smem + DK_OFF) + thread; };
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            if (DK_SMEM) dk_slot(tid)[(ch * 4 + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int n = 0; n < NT_CH; ++n) {
+            if (DK_SMEM) dk_slot(tid)[(ch * NT_CH + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int c = 0; c < 4; ++c) dk[DK_SMEM ? 0 : ch][n][c] = dv[ch][n][c] = 0.f;
         }
-    auto fold_dk = [&](int ch, int (&pr)[4][4], u32 (&zf)[2][4], const float (&f)[2]) {
+    auto fold_dk = [&](int ch, int (&pr)[NT_CH][4], u32 (&zf)[2][4], const float (&f)[2]) {
         if constexpr (DK_SMEM) {
-            float4* slot = dk_slot(fresh_tid()) + ch * 4 * THREADS;
-            float acc[4][4];
+            float4* slot = dk_slot(loop_tid()) + ch * NT_CH * THREADS;
+            float acc[NT_CH][4];
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
+            for (int n = 0; n < NT_CH; ++n) {
                 const float4 v = slot[n * THREADS];
                 acc[n][0] = v.x, acc[n][1] = v.y, acc[n][2] = v.z, acc[n][3] = v.w;
             }
             rows_finish(acc, pr, zf, f);
 #pragma unroll
-            for (int n = 0; n < 4; ++n) slot[n * THREADS] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+            for (int n = 0; n < NT_CH; ++n) slot[n * THREADS] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
         } else {
             rows_finish(dk[ch], pr, zf, f);
         }
@@ -295,8 +310,8 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         const float s_do = a.do_scale[bhq * n_qb + i];
         mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
-        const int ftid = fresh_tid(), fwg = ftid >> 7;
-        const int key0 = j * CTA_KEYS + fwg * BKV;  // the warpgroup's first key
+        const int ftid = loop_tid();
+        const int key0 = j * CTA_KEYS + loop_wg() * BKV;  // the warpgroup's first key
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
         const bool need_mask = q0 + BQ > a.Lq || key0 + BKV > a.Lk || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
 
@@ -307,7 +322,8 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             wgmma_fence();
             const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
             // The warpgroup's K̂ and V rows.
-            const u32 k_desc = wgmma_desc_lo<DP>(sK) + fwg * BKV * DP / 16, v_desc = wgmma_desc_lo<128>(sV) + fwg * BKV * 128 / 16;
+            const int kwg = loop_wg();
+            const u32 k_desc = wgmma_desc_lo<DP>(sK) + kwg * BKV * DP / 16, v_desc = wgmma_desc_lo<128>(sV) + kwg * BKV * 128 / 16;
 #pragma unroll
             for (int ks = 0; ks < KS8; ++ks)
                 wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, 32 * ks), ks);
@@ -340,7 +356,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             if (!SB_FINE) {
                 const float m = warp_max(fmaxf(m_row[0], m_row[1]));
                 if (lane == 0) red[RED_TILE + warp] = m;
-                named_barrier<128>(1 + (fresh_tid() >> 7));  // barrier 1 + wg
+                named_barrier<128>(1 + loop_wg());  // barrier 1 + wg
                 float mt = red[RED_TILE + 4 * wg];
 #pragma unroll
                 for (int w = 1; w < 4; ++w) mt = fmaxf(mt, red[RED_TILE + 4 * wg + w]);
@@ -360,9 +376,9 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         wgmma_hold_all(ds);
         ds_from_dp(ds, p, stats_s, 0, t);
 
-        // dV += P̂ᵀ dÔ, one 64-column chunk at a time, in flight while dS's maxima are formed.
+        // dV += P̂ᵀ dÔ, one chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
-        int pr[4][4];
+        int pr[NT_CH][4];
         rows_issue<SB_FINE>(pr, pf, sdot_lo, 0);
         // Later chunks one at a time between the steps below: step c folds chunk c - 1 and issues chunk c.
         auto dv_step = [&](int c) {
@@ -402,7 +418,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                 }
             }
         }
-        named_barrier<128>(1 + (fresh_tid() >> 7));  // barrier 1 + wg: the warpgroup's Y (or tile) maxima are in
+        named_barrier<128>(1 + loop_wg());  // barrier 1 + wg: the warpgroup's Y (or tile) maxima are in
         Psi dk_psi[2], tile_y_psi = {1.f, 0.f};
         if (SB_FINE) {
             dk_psi[0] = psi(z_row[0]);
@@ -479,11 +495,13 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
         // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
         // product of two k-steps; dK's chunks interleave with them. The FP32 sum builds up in the
-        // shared dQ tile (registers are short): kb = 0 stores, later blocks add.
+        // shared dQ tile (registers are short): kb = 0 stores, later blocks add; ROOMY holds kb = 0's
+        // term in registers and kb = 1 stores the sum.
         {
             int pq[NT_DQ][4];
-            // This thread's rows and columns, rebuilt from a fresh thread index (held, they would spill).
-            const int ft = fresh_tid(), fw = ft >> 7, rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
+            float dq_held[ROOMY ? NT_DQ : 1][4];
+            // This thread's rows and columns.
+            const int ft = loop_tid(), fw = loop_wg(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const int col0 = dq_col0(fw), own0 = fw * DQ_COLS;  // first computed and first stored column
             float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + col0 + 2 * (ft & 3);
             const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
@@ -507,7 +525,15 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                         float2* sp = reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + n * 8);
                         float2 x = make_float2(static_cast<float>(pq[n][2 * half]) * f[half],
                                                static_cast<float>(pq[n][2 * half + 1]) * f[half]);
-                        if (kb) {
+                        if constexpr (ROOMY) {
+                            if (kb == 0) {
+                                dq_held[n][2 * half] = x.x;
+                                dq_held[n][2 * half + 1] = x.y;
+                                continue;
+                            }
+                            x.x += dq_held[n][2 * half];
+                            x.y += dq_held[n][2 * half + 1];
+                        } else if (kb) {
                             const float2 y = *sp;
                             x.x += y.x;
                             x.y += y.y;
@@ -547,14 +573,15 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q.
             const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
             float4* own = nullptr;  // DK_SMEM: this thread's slot
-            if constexpr (DK_SMEM) own = dk_slot(fresh_tid());
+            if constexpr (DK_SMEM) own = dk_slot(loop_tid());
 #pragma unroll
             for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    const float m0 = mu[ch * 32 + n * 8 + 2 * t], m1 = mu[ch * 32 + n * 8 + 2 * t + 1];
+                for (int n = 0; n < NT_CH; ++n) {
+                    const int col = ch * CHUNK_COLS + n * 8 + 2 * t;
+                    const float m0 = mu[col], m1 = mu[col + 1];
                     if constexpr (DK_SMEM) {
-                        float4* v = own + (ch * 4 + n) * THREADS;
+                        float4* v = own + (ch * NT_CH + n) * THREADS;
                         v->x = fmaf(rs[0], m0, v->x);
                         v->y = fmaf(rs[0], m1, v->y);
                         v->z = fmaf(rs[1], m0, v->z);
@@ -590,12 +617,12 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 #pragma unroll
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int col = ch * 32 + n * 8 + 2 * ft_t;
+            for (int n = 0; n < NT_CH; ++n) {
+                const int col = ch * CHUNK_COLS + n * 8 + 2 * ft_t;
                 if (col >= a.D) continue;
                 float k0, k1;
                 if constexpr (DK_SMEM) {
-                    const float4 v = dk_slot(ft)[(ch * 4 + n) * THREADS];
+                    const float4 v = dk_slot(ft)[(ch * NT_CH + n) * THREADS];
                     k0 = half ? v.z : v.x;
                     k1 = half ? v.w : v.y;
                 } else {

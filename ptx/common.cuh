@@ -35,6 +35,11 @@ SB_DEVICE u32 fresh_tid() {
     return t;
 }
 
+// The warpgroup index (threadIdx.x / 128) broadcast from lane 0: the compiler treats the result as
+// warp-uniform, so values derived from it (wgmma descriptors, barrier ids) live in uniform registers
+// instead of being formed per thread and moved over for every product.
+SB_DEVICE int warpgroup_uniform() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0); }
+
 // (batch, head) = (blockIdx.z, blockIdx.y) read the same way: b * heads + h after a long loop.
 SB_DEVICE long long fresh_batch_head(int heads) {
     u32 y, z;
