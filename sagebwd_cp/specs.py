@@ -120,7 +120,7 @@ def backward_rows_spec(dtype: str) -> KernelSpec:
 class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
-    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 at head dim 64, see wgmma_groups)
+    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
 
     @property
     def filename(self) -> str:
@@ -165,15 +165,16 @@ class BackwardTiles:
 
 def wgmma_groups(dp: int, fine: bool = True, deterministic: bool = False) -> int:
     """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
-    the deterministic and paper kernels (dK's accumulators in shared memory, 168 registers: 12 warps
-    per SM; measured 10-22% and 0-5% faster), 2 for the default fine kernel (3 measured 8-12% slower:
-    benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64."""
+    the deterministic kernels (dK's accumulators in shared memory, 168 registers: 12 warps per SM,
+    whose turn waits for dQ they hide; measured 10-15% faster), 2 for the others (which spend their
+    spare registers on work: 3 measured 11-17% slower, benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2
+    or 3 forces either at head dim 64."""
     if dp != 64:
         return 2
     forced = _env_choice("SAGEBWD_BACKWARD_GROUPS", (2, 3))
     if forced is not None:
         return forced
-    return 3 if deterministic or not fine else 2
+    return 3 if deterministic else 2
 
 
 def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None, fine: bool = True,
