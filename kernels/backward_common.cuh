@@ -134,7 +134,7 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
 }
 
 // A warp's tiles in the accumulator layout: n-tile n, register 2·half + c is key row g + 8·half and
-// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, δ, 0) per query column of the stage:
+// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, δ, s_Qᵀ) per query column of the stage:
 // P's (LSE2, s_Q) is one 8-byte load.
 SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret_cast<const float2*>(stats_s)[2 * col]; }
 

@@ -7,7 +7,8 @@
 // iteration, and one dQ reduction per CTA's keys.
 //   Sᵀ = K̂ Q̂ᵀ (m64n64k32 s8)            ->  Pᵀ = exp2(Sᵀ·s_K[key]·s_Q[query] - LSE2)
 //   dPᵀ = V dOᵀ (m64n64k16 f16/bf16)     ->  dSᵀ = Pᵀ ∘ (dPᵀ - δ)
-//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ᵀ (m64n32k32 chunks, P̂ᵀ and Ẑᵀ register-fed)   FP32 registers, 64 keys x DP per warpgroup
+//   dV += P̂ᵀ dÔ, dK += Ẑᵀ Q̂ᵀ (m64nCk32 chunks, C = CHUNK_COLS; P̂ᵀ, Ẑᵀ register-fed)
+//                                        FP32 registers, 64 keys x DP per warpgroup
 //   dQ += Σ_w ŷ_w[query]·(Ŷ_w K̂ᵀ_w) (from shared memory; warpgroup w computes head-dim slice w)
 // Ŷ and Ẑ quantize dS itself: Q̂ᵀ and K̂ᵀ are coded per 64-token block, whose scale joins ψ's (numerics.py).
 // dQ's partial of the CTA's keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
@@ -68,7 +69,7 @@ constexpr int SQ = 0;                            // Q̂   [64 q][DP] int8
 constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fragment token order
 constexpr int SDOT = SQT + DP * BQ;              // dÔᵀ [DP][64 q] int8, fragment token order
 constexpr int SDO = SDOT + DP * BQ;              // dO  [64 q][DP] 16-bit, 128-byte column blocks
-constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, s_Q, δ, 0) [64] f32x4
+constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, s_Q, δ, s_Qᵀ) [64] f32x4
 constexpr int SBAR = SSTATS + 16 * BQ;           // the stage's mbarrier (its TMA loads' bytes)
 constexpr int STAGE_BYTES = (SBAR + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
 constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
