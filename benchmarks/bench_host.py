@@ -66,7 +66,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(shape, generator=g).half() for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _, lse2 = run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)
+    out, _, (lse2, k_mean) = run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)
     options = ("forward", True, None, True, False, "HND", False, False)  # as sagebwd_cp.attention(causal=True)
 
     def lookup():
@@ -99,9 +99,9 @@ def main(argv=None):
         ("run_forward (training, as the adapter calls it)",
          lambda: run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)),
         ("sagebwd_cp.attention_backward_arrays",
-         lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True)),
+         lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True, k_mean=k_mean)),
         ("run_backward (as the adapter calls it)",
-         lambda: run_backward(q, k, v, out, lse2, do, True, None, True, False, "HND", "fine", False)),
+         lambda: run_backward(q, k, v, out, lse2, do, True, None, True, False, "HND", "fine", False, k_mean=k_mean)),
         ("adapter inference (sagebwd_cp.torch.attention)", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
         ("custom op attention_forward (torch.library, with autograd)",

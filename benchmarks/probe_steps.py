@@ -1,6 +1,7 @@
 """Time of each launch inside one forward and one backward call (fp16, fine backward), at the
 benchmark's shapes: where the pre- and post-kernels (memset, token_sum, quantize, row_stats,
-dq_convert) stand against the attention kernels.
+dq_convert) stand against the attention kernels.  The backward runs on the saved state (with the
+forward's μ_K) and, for comparison, from plain arrays without it (μ_K summed again).
 
 Every kernel launch and memset of a plan gets a CUDA event before and after it (the plan's own
 launch path, wrapped), so each step's time is its own, with the steps queued back to back as in a
@@ -107,9 +108,12 @@ def main():
         for n in args.seqlens:
             b, h = max(1, args.tokens // n), args.hidden // d
             q, k, v, do = (torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(4))
-            _, saved = sagebwd_cp.attention_forward(q, k, v, causal=args.causal)
+            out, saved = sagebwd_cp.attention_forward(q, k, v, causal=args.causal)
+            again = lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, saved.lse2.obj, do,
+                                                                 causal=args.causal)
             for which, call in (("forward", lambda: sagebwd_cp.attention_forward(q, k, v, causal=args.causal)),
-                                ("backward", lambda: sagebwd_cp.attention_backward(saved, do))):
+                                ("backward", lambda: sagebwd_cp.attention_backward(saved, do)),
+                                ("backward without the saved μ_K", again)):
                 steps, plain = step_times(call, args.reps)
                 total = sum(steps.values())
                 print(f"d={d} N={n} B={b} H={h} {which}: call {plain:.3f} ms, steps sum {total:.3f} ms")

@@ -5,10 +5,11 @@ Three operators, all functional (no input is mutated, no output aliases an input
 
 - ``sagebwd_cp::attention(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout) -> out``
   (inference: computes no LSE, saves nothing);
-- ``sagebwd_cp::attention_forward(..., granularity, deterministic) -> (out, lse2)`` (training
-  forward; ``lse2`` is the base-2 LSE, (B, Hq, Lq) float32, and is not differentiable; the two
+- ``sagebwd_cp::attention_forward(..., granularity, deterministic) -> (out, lse2, k_mean)``
+  (training forward; ``lse2`` is the base-2 LSE, (B, Hq, Lq) float32, and ``k_mean`` μ_K, (B, Hkv, D)
+  float32 with K-smoothing and an empty (0,) tensor without; neither is differentiable; the two
   backward options ride along so the registered autograd formula can pass them on);
-- ``sagebwd_cp::attention_backward(q, k, v, out, lse2, dout, ...) -> (dq, dk, dv)``.
+- ``sagebwd_cp::attention_backward(q, k, v, out, lse2, k_mean, dout, ...) -> (dq, dk, dv)``.
 
 CUDA tensors go to the INT8 kernels on torch's current stream (outputs come from torch's caching
 allocator).  CPU tensors go to the NumPy emulator of the same quantized algorithm; bfloat16 and
@@ -64,28 +65,39 @@ def inference_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     return _as_tensor(out, q.dtype)
 
 
+def _no_k_mean(q: Tensor) -> Tensor:
+    """The k_mean of a forward without K-smoothing: an empty float32 tensor on q's device."""
+    return q.new_empty((0,), dtype=torch.float32)
+
+
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
-                 smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
-    """(out, lse2): the output and the base-2 LSE (B, Hq, Lq) float32 that the backward needs."""
+                 smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """(out, lse2, k_mean): the output, and what the backward needs besides the inputs: the base-2
+    LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing)."""
     if q.is_cuda:
-        out, _, lse2 = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, True, False, False)
-        return _as_tensor(out), _as_tensor(lse2)
-    out, _, lse2 = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
-                            True, False, False)
-    return _as_tensor(out, q.dtype), _as_tensor(lse2)
+        out, _, (lse2, k_mean) = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, True,
+                                             False, False)
+        return _as_tensor(out), _as_tensor(lse2), _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q)
+    out, _, (lse2, k_mean) = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q,
+                                         layout, None, True, False, False)
+    return (_as_tensor(out, q.dtype), _as_tensor(lse2),
+            _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
 
 
-def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, dout: Tensor, causal: bool,
-                  softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
-                  deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), each in its input's layout and q's dtype."""
+def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
+                  causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
+                  granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), each in its input's layout and q's dtype.  An empty ``k_mean`` (a forward without
+    K-smoothing) is no μ_K."""
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
+    mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
         dq, dk, dv = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
-                                  granularity, deterministic)
+                                  granularity, deterministic, k_mean=mean)
         return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
     grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
-                      smooth_k, smooth_q, layout, granularity, deterministic)
+                         smooth_k, smooth_q, layout, granularity, deterministic,
+                         k_mean=_host(mean) if mean is not None else None)
     return tuple(_as_tensor(g, q.dtype) for g in grads)
 
 
@@ -103,6 +115,14 @@ def lse2_like(q: Tensor, layout: str) -> Tensor:
     """An empty (B, Hq, Lq) float32 tensor on q's device (q in ``layout``)."""
     b, x, y = q.shape[:3]
     return q.new_empty((b, x, y) if layout == "HND" else (b, y, x), dtype=torch.float32)
+
+
+def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
+    """An empty μ_K as forward_impl returns it: (B, Hkv, D) float32 with K-smoothing, else (0,)."""
+    if not smooth_k:
+        return _no_k_mean(q)
+    b, x, y, d = k.shape
+    return q.new_empty((b, x if layout == "HND" else y, d), dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------ registrations
@@ -123,8 +143,9 @@ def _attention_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout):
 @torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=())
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                          smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
-                         deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """Training forward: (out, lse2).  ``granularity`` and ``deterministic`` are for the backward."""
+                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
+    backward."""
     return forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
 
 
@@ -132,20 +153,20 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
 def _attention_forward_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
     _check_ranks(layout, q=q, k=k, v=v)
     check_granularity(granularity)
-    return q.new_empty(q.shape), lse2_like(q, layout)
+    return q.new_empty(q.shape), lse2_like(q, layout), k_mean_like(q, k, layout, smooth_k)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
-def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, dout: Tensor, causal: bool,
-                          softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
+def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
+                          causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from the forward's inputs, output and base-2 LSE, and dO."""
-    return backward_impl(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                         deterministic)
+    """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    return backward_impl(q, k, v, out, lse2, k_mean, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
+                         granularity, deterministic)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
+def _attention_backward_fake(q, k, v, out, lse2, k_mean, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
                              granularity, deterministic):
     _check_ranks(layout, q=q, k=k, v=v, out=out, dout=dout)
     check_granularity(granularity)
@@ -154,15 +175,15 @@ def _attention_backward_fake(q, k, v, out, lse2, dout, causal, softmax_scale, sm
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = inputs
-    out, lse2 = output
-    ctx.save_for_backward(q, k, v, out, lse2)
-    ctx.mark_non_differentiable(lse2)
+    out, lse2, k_mean = output
+    ctx.save_for_backward(q, k, v, out, lse2, k_mean)
+    ctx.mark_non_differentiable(lse2, k_mean)
     ctx.options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
 
 
-def _backward(ctx, dout, _dlse2):
-    q, k, v, out, lse2 = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(q, k, v, out, lse2, dout, *ctx.options)  # dout made contiguous there
+def _backward(ctx, dout, _dlse2, _dk_mean):
+    q, k, v, out, lse2, k_mean = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(q, k, v, out, lse2, k_mean, dout, *ctx.options)  # dout made contiguous there
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
 

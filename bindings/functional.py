@@ -36,33 +36,34 @@ def _once_differentiable(backward):
     return wrapper
 
 
-def _save(ctx, q, k, v, out, lse2, options) -> None:
-    ctx.save_for_backward(q, k, v, out, lse2)
+def _save(ctx, q, k, v, out, lse2, k_mean, options) -> None:
+    ctx.save_for_backward(q, k, v, out, lse2, k_mean)
     ctx.options = options  # (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
 
 
 def _input_grads(ctx, dout) -> tuple:
     """(dq, dk, dv), None for an input that does not require grad."""
-    q, k, v, out, lse2 = ctx.saved_tensors
+    q, k, v, out, lse2, k_mean = ctx.saved_tensors
     backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
-    dq, dk, dv = backward(q, k, v, out, lse2, dout, *ctx.options)  # dout made contiguous there if needed
+    dq, dk, dv = backward(q, k, v, out, lse2, k_mean, dout, *ctx.options)  # dout made contiguous there if needed
     need = ctx.needs_input_grad
     return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None
 
 
 class SageAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-    deterministic) -> out``.  Saves q, k, v, the output and the base-2 LSE, nothing else;
+    deterministic) -> out``.  Saves q, k, v, the output, the base-2 LSE and μ_K, nothing else;
     returns None for the inputs that do not require grad.  Not twice differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
         if _compiling():
-            out, lse2 = _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout,
-                                                  granularity, deterministic)
+            out, lse2, k_mean = _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout,
+                                                          granularity, deterministic)
         else:
-            out, lse2 = _ops.forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
-        _save(ctx, q, k, v, out, lse2, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic))
+            out, lse2, k_mean = _ops.forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+        _save(ctx, q, k, v, out, lse2, k_mean,
+              (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic))
         return out
 
     @staticmethod
@@ -78,8 +79,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options):
-        out, lse2 = _ops.forward_impl(q, k, v, *options[:5])
-        _save(ctx, q, k, v, out, lse2, options)
+        out, lse2, k_mean = _ops.forward_impl(q, k, v, *options[:5])
+        _save(ctx, q, k, v, out, lse2, k_mean, options)
         return out
 
     @staticmethod

@@ -9,7 +9,7 @@
 
 // grid (ceil(Lq / 128), Hq, B); one thread per query row. Rows that saw no key get -inf.
 extern "C" __global__ void __launch_bounds__(128)
-natural_lse(const u16* __restrict__ q, i64 sb, i64 sh, i64 sn, int Hq, int Hkv, int Lq, int D, int D_pad,
+natural_lse(const u16* __restrict__ q, i64 sb, i64 sh, i64 sn, int Hq, int Hkv, int Lq, int D,
             float softmax_scale, const float* __restrict__ k_mean, const float* __restrict__ lse2,
             float* __restrict__ lse) {
     SB_REQUIRE_SM80();
@@ -20,7 +20,7 @@ natural_lse(const u16* __restrict__ q, i64 sb, i64 sh, i64 sn, int Hq, int Hkv, 
     float shift = 0.f;
     if (k_mean) {
         const u16* qr = q + b * sb + h * sh + row * sn;
-        const float* mk = k_mean + (static_cast<i64>(b) * Hkv + h / (Hq / Hkv)) * D_pad;
+        const float* mk = k_mean + (static_cast<i64>(b) * Hkv + h / (Hq / Hkv)) * D;
         for (int c = 0; c < D; ++c) shift = fmaf(to_f32<SB_BF16>(qr[c]), mk[c], shift);
     }
     lse[at] = l2 == __int_as_float(0x7f800000) ? -__int_as_float(0x7f800000)

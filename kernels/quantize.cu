@@ -21,6 +21,7 @@
 #define SUM_THREADS 256   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
+#define QUANT_MEAN_GIVEN 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 
@@ -77,19 +78,22 @@ struct QuantizeShared {
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
 // mean_sum (optional, [B][H][DPAD] float64 token sums): μ = float32(sum / N) is subtracted after
-//   the prescale (K-smoothing); block 0's threads store μ in mean_out.
+//   the prescale (K-smoothing); block 0's threads store μ in mean_out ([B][H][D]). With
+//   QUANT_MEAN_GIVEN instead, mean_out already holds μ (a saved forward's) and is only read.
 // block_mean_out (optional, [B][H][N_pad/64][DPAD]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
-//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]).
+//   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]);
+//   QUANT_MEAN_GIVEN: see mean_sum.
 // t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
 //   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
 // raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
-// PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means (quantize_tensors picks them).
-template <int DPAD, bool PRESCALE, bool SHIFT>
+// PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
+// PRESCALE): μ is read from mean_out (quantize_tensors picks them).
+template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
@@ -127,10 +131,12 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         shift[e] = 0.f;
-        if (SHIFT && mean_sum) {
-            const int c = c0 + e;
+        const int c = c0 + e;
+        if (MEAN_GIVEN) {
+            shift[e] = c < D ? mean_out[bh * D + c] : 0.f;
+        } else if (SHIFT && mean_sum) {
             shift[e] = c < D ? static_cast<float>(mean_sum[bh * DPAD + c] / static_cast<double>(N)) : 0.f;
-            if (blk == 0 && grp == 0) mean_out[bh * DPAD + c] = shift[e];
+            if (blk == 0 && grp == 0 && c < D) mean_out[bh * D + c] = shift[e];
         }
     }
     cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
@@ -296,7 +302,10 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z)
     // One instantiation per head dim and per step the job needs (uniform across the CTA).
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
-    if (D_pad == 64) {
+    // A saved μ_K (the backward's K with the forward's mean; forward.py passes no prescale with it).
+    if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
+        D_pad == 64 ? quantize_blocks<64, false, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true, true>(SB_JOB_ARGS);
+    } else if (D_pad == 64) {
         if (shift) prescale ? quantize_blocks<64, true, true>(SB_JOB_ARGS) : quantize_blocks<64, false, true>(SB_JOB_ARGS);
         else prescale ? quantize_blocks<64, true, false>(SB_JOB_ARGS) : quantize_blocks<64, false, false>(SB_JOB_ARGS);
     } else {

@@ -21,7 +21,7 @@ smooth_q_bias(const u16* __restrict__ k, i64 sb, i64 sh, i64 sn, int Hq, int Hkv
     float acc = 0.f;
     if (key < Lk) {
         const u16* kr = k + b * sb + hk * sh + key * sn;
-        const float* mk = k_mean ? k_mean + (static_cast<i64>(b) * Hkv + hk) * D_pad : nullptr;
+        const float* mk = k_mean ? k_mean + (static_cast<i64>(b) * Hkv + hk) * D : nullptr;
         for (int c = 0; c < D; ++c) {
             const float kv = bf16 ? to_f32<true>(kr[c]) : to_f32<false>(kr[c]);
             acc = fmaf(mq[c], mk ? kv - mk[c] : kv, acc);

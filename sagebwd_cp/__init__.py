@@ -5,10 +5,11 @@ DLPack array (CuPy, PyTorch, JAX; NumPy arrays run the emulator).  ``import sage
 the PyTorch adapter.
 """
 from .api import (AttentionSaved, attention, attention_backward, attention_backward_arrays, attention_forward,
-                  lse2_shape)
+                  k_mean_shape, lse2_shape)
 from .arrays import ArrayDesc, describe, set_allocator
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "lse2_shape",
+           "k_mean_shape",
            "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "__version__"]

@@ -6,11 +6,13 @@ NumPy can read through DLPack) run the NumPy emulator of the same quantized algo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from . import emulator
 from .arrays import ArrayDesc, describe, signature
+from .numerics import k_mean_shape
 from .plan import cached_plan, remember_plan
 from .problem import AttentionProblem, check_granularity, check_output, make_problem
 
@@ -21,12 +23,14 @@ DEFAULT_GRANULARITY = "fine"
 @dataclasses.dataclass
 class AttentionSaved:
     """What the backward needs from one training forward, and nothing more: the inputs, the
-    16-bit output and the base-2 LSE (B, Hq, Lq) float32 (quantization is deterministic, so the
-    backward re-derives Q̂, K̂ and their scales from q, k rather than keeping them alive)."""
+    16-bit output, the base-2 LSE (B, Hq, Lq) float32 and, with K-smoothing, μ_K (B, Hkv, D) float32
+    (quantization is deterministic, so the backward re-derives Q̂, K̂ and their scales from q, k and
+    μ_K rather than keeping them alive)."""
 
     problem: AttentionProblem
     out: ArrayDesc
     lse2: ArrayDesc
+    k_mean: ArrayDesc | None = None
 
 
 def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
@@ -57,8 +61,8 @@ def _signatures(arrays):
 
 
 def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved):
-    """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the base-2
-    LSE array (training only), or None.
+    """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the pair
+    (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.
 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
@@ -92,17 +96,20 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
 
 def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
     objs, _ = plan.run(ptrs)
-    allocated = iter(objs)  # forward_plan's outputs: out (unless given), lse2 (training), lse (return_lse)
+    # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing), lse
+    allocated = iter(objs)
     o = out if out is not None else next(allocated)
     lse2 = next(allocated) if training else None
+    k_mean = next(allocated) if training and plan.problem.smooth_k else None
     lse = next(allocated) if return_lse else None
     if training and want_saved:
         # The plan's problem has the first call's descriptors: describe this call's arrays.
         prob = dataclasses.replace(plan.problem, q=describe(q, "q"), k=describe(k, "k"), v=describe(v, "v"))
         out_desc = describe(o, "out")
         out_desc.dtype = prob.dtype  # CuPy holds bfloat16 outputs as uint16
-        return o, lse, AttentionSaved(prob, out_desc, describe(lse2, "lse2"))
-    return o, lse, lse2
+        return o, lse, AttentionSaved(prob, out_desc, describe(lse2, "lse2"),
+                                      describe(k_mean, "k_mean") if k_mean is not None else None)
+    return o, lse, ((lse2, k_mean) if training else None)
 
 
 def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
@@ -121,7 +128,12 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
     saved = None
     if training:
         lse2 = np.ascontiguousarray(state["lse2"][:, :, :prob.len_q])
-        saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2")) if want_saved else lse2
+        k_mean = np.ascontiguousarray(state["inputs"]["k_mean"], dtype=np.float32) if prob.smooth_k else None
+        if want_saved:
+            saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2"),
+                                   describe(k_mean, "k_mean") if k_mean is not None else None)
+        else:
+            saved = (lse2, k_mean)
     return o, (lse.astype(np.float32) if return_lse else None), saved
 
 
@@ -156,16 +168,19 @@ def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULA
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
     p = saved.problem
     return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, p.causal, p.softmax_scale, p.smooth_k, p.smooth_q,
-                     p.layout, granularity, deterministic, p)
+                        p.layout, granularity, deterministic, p, saved.k_mean)
 
 
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
-                              smooth_q=False, layout="HND", granularity=DEFAULT_GRANULARITY, deterministic=False):
+                              smooth_q=False, layout="HND", granularity=DEFAULT_GRANULARITY, deterministic=False,
+                              k_mean=None):
     """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
     ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
-    and dO.  The options must be those of the forward."""
+    and dO.  The options must be those of the forward.  ``k_mean`` (optional, K-smoothing only):
+    that forward's μ_K (``k_mean_shape``, float32; ``saved.k_mean``), which spares the backward a
+    pass over K; without it μ_K is computed again."""
     return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                     deterministic)
+                        deterministic, k_mean=k_mean)
 
 
 def lse2_shape(batch: int, heads_q: int, len_q: int) -> tuple:
@@ -173,25 +188,38 @@ def lse2_shape(batch: int, heads_q: int, len_q: int) -> tuple:
     return (batch, heads_q, len_q)
 
 
+def _check_float32_array(x: ArrayDesc, name: str, expected: tuple, prob: AttentionProblem) -> None:
+    """A contiguous float32 array of shape ``expected`` on q's device (the saved LSE and μ_K)."""
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
+    if x.dtype != "float32":
+        raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+    if (x.device_type, x.device_id) != (prob.q.device_type, prob.q.device_id):
+        raise ValueError(f"{name}: expected an array on {prob.q.device_type}:{prob.q.device_id}, got "
+                         f"{x.device_type}:{x.device_id}")
+    if x.strides != tuple(math.prod(expected[i + 1:]) for i in range(len(expected))):
+        raise ValueError(f"{name}: expected a contiguous array, got strides {x.strides}")
+
+
+def _check_k_mean(k_mean: ArrayDesc, prob: AttentionProblem) -> None:
+    if not prob.smooth_k:
+        raise ValueError("k_mean: μ_K belongs to K-smoothing, but smooth_k is False; pass k_mean=None")
+    _check_float32_array(k_mean, "k_mean", k_mean_shape(prob.batch, prob.heads_kv, prob.head_dim), prob)
+
+
 def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
-    expected = lse2_shape(prob.batch, prob.heads_q, prob.len_q)
-    if tuple(lse2.shape) != expected:
-        raise ValueError(f"lse2: expected shape {expected}, got {tuple(lse2.shape)}")
-    if lse2.dtype != "float32":
-        raise TypeError(f"lse2: expected dtype float32, got {lse2.dtype}")
-    if (lse2.device_type, lse2.device_id) != (prob.q.device_type, prob.q.device_id):
-        raise ValueError(f"lse2: expected an array on {prob.q.device_type}:{prob.q.device_id}, got {lse2.device_type}:{lse2.device_id}")
-    if lse2.strides != (prob.heads_q * prob.len_q, prob.len_q, 1):
-        raise ValueError(f"lse2: expected a contiguous array, got strides {lse2.strides}")
+    _check_float32_array(lse2, "lse2", lse2_shape(prob.batch, prob.heads_q, prob.len_q), prob)
 
 
 def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                 prob: AttentionProblem | None = None):
-    """(dq, dk, dv).  ``prob`` (with ``out`` and ``lse2`` descriptors) comes from a saved forward state;
-    without it the arrays are checked here.  CUDA arrays replay a cached plan as in ``run_forward``."""
+                 prob: AttentionProblem | None = None, k_mean=None):
+    """(dq, dk, dv).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
+    forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
+    compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
+    given = k_mean is not None
     options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
-               bool(deterministic))
-    sig = _signatures((q, k, v, out, lse2, do))
+               bool(deterministic), given)
+    sig = _signatures((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do))
     key = None
     if sig is not None:
         key = (options, sig[1])
@@ -202,24 +230,31 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
         prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
                             smooth_q=smooth_q, layout=layout)
         out, lse2 = check_output(out, prob), describe(lse2, "lse2")
+        k_mean = describe(k_mean, "k_mean") if given else None
     check_granularity(granularity)
     dd = check_output(do, prob, "do")
     _check_lse2(lse2, prob)
+    if given:
+        _check_k_mean(k_mean, prob)
     if prob.on_gpu:
         from .backward import backward_plan
 
-        descs = (prob.q, prob.k, prob.v, out, lse2, dd)
+        descs = (prob.q, prob.k, prob.v, out, lse2, dd) + ((k_mean,) if given else ())
         plan = None
         if key is None:  # arrays without a cheap signature: key the plan by their descriptors
             key = (options, _signatures(descs)[1])
             plan = cached_plan(key)
         if plan is None:
-            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic))
+            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
     lse2_host = lse2.obj if isinstance(lse2.obj, np.ndarray) else np.from_dlpack(lse2.obj)
+    k_mean_host = None
+    if given:
+        k_mean_host = k_mean.obj if isinstance(k_mean.obj, np.ndarray) else np.from_dlpack(k_mean.obj)
     state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
                                     lse2_host, causal=prob.causal, softmax_scale=prob.softmax_scale,
-                                    smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype))
+                                    smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
+                                    k_mean=k_mean_host)
     dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout), granularity=granularity)
     return tuple(_to_layout(g, prob.layout, prob.dtype) for g in (dq, dk, dv))

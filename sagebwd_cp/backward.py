@@ -57,18 +57,19 @@ BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")
 
 
 def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: ArrayDesc, granularity: str,
-                  deterministic: bool) -> LaunchPlan:
-    """The plan of one backward: inputs BACKWARD_INPUTS, outputs dq, dk, dv (new arrays in q's layout
+                  deterministic: bool, k_mean: ArrayDesc | None = None) -> LaunchPlan:
+    """The plan of one backward: inputs BACKWARD_INPUTS (then "k_mean", the forward's μ_K, when
+    given: K's token sums are then not taken again), outputs dq, dk, dv (new arrays in q's layout
     and dtype)."""
-    plan = PlanBuilder(prob.q.device_id, prob.q.framework,
-                       zip(BACKWARD_INPUTS, (prob.q, prob.k, prob.v, out, lse2, do)))
+    inputs = list(zip(BACKWARD_INPUTS, (prob.q, prob.k, prob.v, out, lse2, do)))
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + ([("k_mean", k_mean)] if k_mean else []))
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
     rows = specs.backward_rows_spec(prob.dtype)
 
     dev = prob.q.device_id
     tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), granularity == "fine", deterministic)
-    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad)
+    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 
     stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row

@@ -166,8 +166,9 @@ def _tile_logits(q_hat, s_q, k_hat, s_k, bias=None) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- quantization
 
-def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=False, quantize=True):
-    """Quantize q, k, v as the forward's pre-pass does.
+def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=False, quantize=True, k_mean=None):
+    """Quantize q, k, v as the forward's pre-pass does (with ``k_mean``, a saved forward's μ_K
+    (B,Hkv,D), instead of the token mean of k: the backward's pre-pass given it).
 
     Returns a dict of per-(batch, head) arrays, rows padded to a multiple of 64 with zeros:
     q_int8 (B,Hq,Lq_pad,D), q_scale (B,Hq,Lq_pad) per token, q_mean (B,Hq,nQ,D); k_int8, k_scale
@@ -200,7 +201,7 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
 
     # K: subtract the token mean (K-smoothing), then ψ per key.
     if smooth_k:
-        k_mean = token_mean(k32, axis=2)
+        k_mean = token_mean(k32, axis=2) if k_mean is None else np.asarray(k_mean, dtype=np.float32)
         k_sm = (k32 - k_mean[:, :, None, :]).astype(np.float32)
     else:
         k_mean = np.zeros((k32.shape[0], k32.shape[1], d), dtype=np.float32)
@@ -336,16 +337,16 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 # ----------------------------------------------------------------------------- backward
 
 def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                   quantize=True, dtype="float16"):
+                   quantize=True, dtype="float16", k_mean=None):
     """The dict ``emulate_backward`` reads, rebuilt from the inputs, the stored output and the
-    base-2 LSE (B, Hq, Lq) of a forward: the quantization is deterministic, so Q̂, K̂ and their
-    scales come out exactly as the forward had them."""
+    base-2 LSE (B, Hq, Lq) of a forward (and its μ_K, if given): the quantization is deterministic,
+    so Q̂, K̂ and their scales come out exactly as the forward had them."""
     q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
     group = _check_inputs(q32, k32, v32)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q32.shape[-1])
     qi = quantize_inputs(q32, k32, v32, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                         quantize=quantize)
+                         quantize=quantize, k_mean=k_mean)
     lq, lk = qi["lq"], qi["lk"]
     lse2 = _as_f32(lse2)
     if lse2.shape != q32.shape[:3]:

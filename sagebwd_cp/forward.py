@@ -16,7 +16,8 @@ from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
 SUM_THREADS = 256  # kernels/quantize.cu SUM_THREADS (token_sum)
-PERMUTE_T, PER_TOKEN = 1, 2  # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN)
+# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
+PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
 TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
 
 
@@ -38,7 +39,7 @@ class Quantized:
     k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
     kt_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]: k8t's scale per 64-key block (backward)
     k_scale: ArrayDesc  # [B][Hkv][Nk_pad], per token
-    k_mean: ArrayDesc | None  # [B][Hkv][Dp] (K-smoothing)
+    k_mean: ArrayDesc | None  # [B][Hkv][D] μ_K (K-smoothing)
     vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
     v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
@@ -80,22 +81,29 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
-                    key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True) -> Quantized:
+                    key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True, k_mean=None,
+                    k_mean_given: bool = False) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
     quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
     backward), dO is quantized in the same launch (see ``quantize_grad_output``).  Key-side buffers
     hold a multiple of ``key_pad`` tokens (the backward's: ``BackwardTiles.key_pad``).  Without
-    ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing)."""
+    ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing).  With
+    K-smoothing, ``k_mean`` ([B][Hkv][D] float32, an Output or an input) is where μ_K goes (default:
+    a workspace buffer); with ``k_mean_given`` it already holds a saved forward's μ_K, so K's token
+    sums are not taken again and K̂ comes out exactly as that forward's."""
     assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
     nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, key_pad)
     spec = specs.quantize_spec(prob.dtype)
 
-    k_mean = k_sum = None
-    if prob.smooth_k:
+    assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
+    assert k_mean is not None or not k_mean_given
+    k_sum = None
+    if prob.smooth_k and not k_mean_given:
         chunks = (Lk + TOKENS_PER_SUM - 1) // TOKENS_PER_SUM
-        k_mean = plan.workspace("k_mean", (B, Hk, dp), "float32")
+        if k_mean is None:
+            k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
         # Several chunks add into the sums atomically; a single one stores them (quantize.cu token_sum).
         k_sum = plan.workspace("k_sum", (B, Hk, dp), "float64", zeroed=chunks > 1)
         sb, sh, sn = prob.bhnd_strides(prob.k)
@@ -121,7 +129,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8")
         kt_scale = plan.workspace("kt_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
     k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
-    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t, PER_TOKEN, k_scale, kt_scale))
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, k_sum, k_mean, None, k8, k8t,
+                              PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0), k_scale, kt_scale))
 
     vt8 = v_scale = None
     if not backward:
@@ -178,7 +187,7 @@ def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, 
     plan.launch(specs.lse_spec(prob.dtype), "natural_lse", ((prob.len_q + 127) // 128, prob.heads_q, prob.batch),
                 (128, 1, 1),
                 [ptr(prob.q), i64(sb), i64(sh), i64(sn), i32(prob.heads_q), i32(prob.heads_kv), i32(prob.len_q),
-                 i32(prob.head_dim), i32(prob.padded_head_dim), f32(prob.softmax_scale), ptr(qz.k_mean),
+                 i32(prob.head_dim), f32(prob.softmax_scale), ptr(qz.k_mean),
                  ptr(lse2), ptr(lse)])
 
 
@@ -187,18 +196,22 @@ FORWARD_INPUTS = ("q", "k", "v", "out")
 
 def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool) -> LaunchPlan:
     """The plan of one forward.  Inputs: q, k, v (and out when the caller passes it); outputs, in
-    this order, those of "out", "lse2" (training) and "lse" (return_lse) that are allocated."""
+    this order, those of "out", "lse2" (training), "k_mean" (training with K-smoothing: μ_K, which
+    the backward reuses) and "lse" (return_lse) that are allocated."""
     inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs)
-    qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q)
     if out is None:
         out = plan.output("out", prob.shape(prob.heads_q, prob.len_q), prob.dtype)
     lse_shape = (prob.batch, prob.heads_q, prob.len_q)
-    lse2 = None
+    lse2 = k_mean = None
     if training:
         lse2 = plan.output("lse2", lse_shape, "float32")
+        if prob.smooth_k:
+            k_mean = plan.output("k_mean", numerics.k_mean_shape(prob.batch, prob.heads_kv, prob.head_dim),
+                                 "float32")
     elif return_lse:
         lse2 = plan.workspace("lse2", lse_shape, "float32")
+    qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q, k_mean=k_mean)
     attend(plan, prob, qz, out, lse2)
     if return_lse:
         natural_lse(plan, prob, qz, lse2, plan.output("lse", lse_shape, "float32"))

@@ -123,6 +123,12 @@ def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:
     return (np.sum(x, axis=axis) / np.float64(max(n, 1))).astype(np.float32)
 
 
+def k_mean_shape(batch: int, heads_kv: int, head_dim: int) -> tuple:
+    """Shape of μ_K (float32; ``token_mean`` of K), which a training forward with K-smoothing returns
+    so that the backward quantizes K with the same μ_K without summing K again."""
+    return (batch, heads_kv, head_dim)
+
+
 def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """Round float32 values to the nearest bfloat16 (ties to even), returned as float32."""
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)

@@ -98,6 +98,33 @@ def test_mixed_devices_and_options_errors():
         sagebwd_cp.attention(q, k, v, out=np.empty((1, 4, 70, 32), np.float16))
 
 
+def test_backward_from_arrays_takes_the_forwards_key_mean():
+    """attention_backward_arrays: k_mean (the forward's μ_K) gives the same gradients as summing K
+    again; a wrong one is refused by name."""
+    q, k, v = _qkv(seed=5)
+    out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
+    k_mean = saved.k_mean.obj
+    assert k_mean.shape == sagebwd_cp.k_mean_shape(1, 2, 64) and k_mean.dtype == np.float32
+    np.testing.assert_array_equal(k_mean, k.astype(np.float64).mean(axis=2).astype(np.float32))
+    lse2 = saved.lse2.obj
+    do = np.random.default_rng(2).standard_normal(q.shape).astype(np.float16)
+    again = sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True)
+    for given in (sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True, k_mean=k_mean),
+                  sagebwd_cp.attention_backward(saved, do)):
+        for g, r in zip(given, again):
+            np.testing.assert_array_equal(g, r)
+    with pytest.raises(ValueError, match=r"k_mean: expected shape \(1, 2, 64\), got \(1, 4, 64\)"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, k_mean=np.zeros((1, 4, 64), np.float32))
+    with pytest.raises(TypeError, match=r"k_mean: expected dtype float32, got float16"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, k_mean=k_mean.astype(np.float16))
+    with pytest.raises(ValueError, match=r"k_mean: expected a contiguous array"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, k_mean=np.zeros((1, 2, 128), np.float32)[..., ::2])
+    with pytest.raises(ValueError, match=r"k_mean: μ_K belongs to K-smoothing, but smooth_k is False"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, smooth_k=False, k_mean=k_mean)
+    _, saved = sagebwd_cp.attention_forward(q, k, v, smooth_k=False)
+    assert saved.k_mean is None
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_host_arrays_run_the_emulator(layout, causal):

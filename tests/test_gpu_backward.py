@@ -84,6 +84,29 @@ def test_backward_smoothing_options(smooth_q, smooth_k):
         assert rel_l2(gh, r) < 0.05, name
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_reuses_the_forwards_key_mean(d):
+    """The forward returns μ_K (exact: float64 sums of 16-bit values); a backward on the saved
+    state quantizes K with it and gives bitwise the gradients of one that sums K again."""
+    import torch
+
+    layout = "NHD"
+    q, k, v = make_qkv(2, 4, 2, 700, 1000, d, "float16", layout, seed=21)  # four token-sum chunks
+    k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias
+    do = _grad_output(q, layout, seed=22)
+    out, saved = sagebwd_cp.attention_forward(q, k, v, layout=layout)
+    k_mean = saved.k_mean.obj
+    assert tuple(k_mean.shape) == (2, 2, d) and k_mean.dtype == torch.float32
+    expected = k.double().mean(dim=1).float()  # (B, Lk, Hkv, D) -> (B, Hkv, D)
+    assert torch.equal(k_mean, expected)
+    with poisoned_workspaces():
+        given = sagebwd_cp.attention_backward(saved, do, deterministic=True)
+        again = sagebwd_cp.attention_backward_arrays(q, k, v, out, saved.lse2.obj, do, layout=layout,
+                                                     deterministic=True)
+    for a, b in zip(given, again):
+        assert torch.equal(a, b)
+
+
 def test_backward_strided_views_and_unaligned_rows():
     """q, k, v sliced out of one fused QKV tensor; dO a view whose rows are not 16-byte aligned
     (the kernel reads V and dO with cp.async, so such a dO is packed first)."""

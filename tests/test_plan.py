@@ -285,8 +285,10 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         gpu.calls.clear()
         start = len(gpu.allocations)
         built.run([q.ptr + shift, k.ptr + shift, v.ptr + shift])
-        out_ptr, ws_ptr = gpu.allocations[start][0], gpu.allocations[start + 2][0]
+        out_ptr, k_mean_ptr, ws_ptr = (gpu.allocations[start + i][0] for i in (0, 2, 3))
+        # out, lse2 and μ_K (which the backward reuses), then the workspace
         assert [a[1:] for a in gpu.allocations[start:]] == [((1, 2, 100, 64), "float16"), ((1, 2, 100), "float32"),
+                                                             ((1, 1, 64), "float32"),
                                                              ((built.workspace_bytes + 256,), "uint8")]
         memsets = [c for c in gpu.calls if c[0] == "memset"]
         assert memsets == [("memset", ws_ptr, 0, built.zero_bytes, 0x5157)]
@@ -301,7 +303,8 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
         job = lambda i: struct.unpack("<8Q3q4ifi", qt[i])
-        assert job(0)[:8] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, ws_ptr + names["k_mean"].offset, 0,
+        assert "k_mean" not in names
+        assert job(0)[:8] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, k_mean_ptr, 0,
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset, 0)
         assert job(1)[:8] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset,
                               0)
@@ -356,6 +359,37 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
     zeroed = sorted(b.name for b in _buffers(bwd) if b.zeroed)
     assert zeroed == ["dq_acc", "lock"] and memsets[0][3] == bwd.zero_bytes
+
+
+def test_backward_reuses_the_forwards_key_mean(gpu):
+    """With the saved state the backward quantizes K with the forward's μ_K (QUANT_MEAN_GIVEN; no
+    token sums); from plain arrays without k_mean it sums K again, into a workspace μ_K."""
+    from sagebwd_cp.forward import MEAN_GIVEN, PER_TOKEN
+
+    q, k, v = qkv(lq=100, lk=300)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    assert saved.k_mean.shape == (1, 1, 64) and saved.k_mean.dtype == "float32"
+    do = cuda_desc(q.shape, base=7 << 44)
+    job = lambda args, i: struct.unpack("<8Q3q4ifi", args[i])
+    for given in (True, False):
+        gpu.calls.clear()
+        if given:
+            sagebwd_cp.attention_backward(saved, do)
+        else:
+            sagebwd_cp.attention_backward_arrays(q, k, v, saved.out, saved.lse2, do)
+        bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"
+               and ("k_mean" in p.inputs) == given][0]
+        entries = [s.entry for s in bwd.steps]
+        assert ("token_sum" in entries) == (not given)
+        step = next(s for s in bwd.steps if s.entry == "quantize_tensors")
+        launch_args = next(c for c in gpu.launches() if c[1] == step.head[0])
+        k_job = job(_argument_bytes(launch_args[6], step.args.sizes), 1)  # Q, K, dO
+        assert k_job[0] == k.ptr
+        if given:
+            assert k_job[1] == 0 and k_job[2] == saved.k_mean.ptr and k_job[14] == PER_TOKEN | MEAN_GIVEN
+        else:
+            names = {b.name: b for b in _buffers(bwd)}
+            assert "k_sum" in names and "k_mean" in names and k_job[14] == PER_TOKEN
 
 
 def test_backward_pads_keys_to_whole_cta_tiles(gpu):

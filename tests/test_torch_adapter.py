@@ -101,15 +101,17 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     seen = []
     real = _ops.run_backward
 
-    def spy(*args):
-        seen.append(args[6:])  # after q, k, v, out, lse2, dout
-        return real(*args)
+    def spy(*args, k_mean=None):
+        seen.append(args[6:] + (None if k_mean is None else k_mean.shape,))  # after q, k, v, out, lse2, dout
+        return real(*args, k_mean=k_mean)
 
     monkeypatch.setattr(_ops, "run_backward", spy)
     q, k, v = qkv(lq=70, lk=80)
     st.attention(q, k, v, causal=True, softmax_scale=0.2, smooth_k=False, smooth_q=True, granularity="paper",
                  deterministic=True).sum().backward()
-    assert seen == [(True, 0.2, False, True, "HND", "paper", True)]
+    st.attention(q, k, v, smooth_q=True).sum().backward()  # the forward's μ_K goes to the backward
+    assert seen == [(True, 0.2, False, True, "HND", "paper", True, None),
+                    (False, None, True, True, "HND", "fine", False, (1, 2, 64))]
 
 
 def test_matches_the_neutral_api_exactly():
@@ -166,15 +168,20 @@ def test_partial_requires_grad(needs):
             assert x.grad is None
 
 
-def test_saves_only_inputs_output_and_lse():
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_saves_only_inputs_output_lse_and_key_mean(smooth_k):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90)
-    out = st.attention(q, k, v, causal=True)
+    out = st.attention(q, k, v, causal=True, smooth_k=smooth_k)
     saved = out.grad_fn.saved_tensors
-    assert len(saved) == 5
+    assert len(saved) == 6
     for s, x in zip(saved[:3], (q, k, v)):
         assert s.data_ptr() == x.data_ptr() and s.shape == x.shape
     assert saved[3].data_ptr() == out.data_ptr()
     assert saved[4].shape == (2, 4, 70) and saved[4].dtype == torch.float32
+    # μ_K (B, Hkv, D) with K-smoothing, an empty tensor without
+    assert saved[5].shape == ((2, 2, k.shape[-1]) if smooth_k else (0,)) and saved[5].dtype == torch.float32
+    if smooth_k:
+        torch.testing.assert_close(saved[5], k.detach().double().mean(dim=2).float())
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "inputs_without_grad"])
@@ -359,18 +366,26 @@ def test_opcheck_forward_operator(layout, needs):
 def test_opcheck_inference_and_backward_operators(layout):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90, layout=layout, grad=False)
     torch.library.opcheck(torch.ops.sagebwd_cp.attention.default, (q, k, v, False, 0.2, True, False, layout))
-    out, lse2 = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, True, layout, "paper", False)
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, True, layout, "paper",
+                                                               False)
     assert lse2.shape == (2, 4, 70) and lse2.dtype == torch.float32 and out.shape == q.shape
+    assert k_mean.shape == (2, 2, q.shape[-1]) and k_mean.dtype == torch.float32
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
-                          (q, k, v, out, lse2, do, True, None, True, True, layout, "paper", False))
+                          (q, k, v, out, lse2, k_mean, do, True, None, True, True, layout, "paper", False))
+    # Without K-smoothing there is no μ_K: an empty tensor stands in for it.
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, False, False, layout, "fine",
+                                                               False)
+    assert k_mean.shape == (0,)
+    torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
+                          (q, k, v, out, lse2, k_mean, do, True, None, False, False, layout, "fine", False))
 
 
 def test_operator_autograd_matches_the_eager_function():
     q, k, v = qkv(b=1, hq=4, hk=1, lq=100, lk=120)
-    out, lse2 = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, False, "HND", "fine", False)
-    assert not lse2.requires_grad
-    assert len(out.grad_fn.saved_tensors) == 5
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, False, "HND", "fine", False)
+    assert not lse2.requires_grad and not k_mean.requires_grad
+    assert len(out.grad_fn.saved_tensors) == 6
     out.sum().backward()
     ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     st.attention(*ref, causal=True).sum().backward()
