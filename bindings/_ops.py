@@ -74,13 +74,10 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: O
                  smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
     """(out, lse2, k_mean): the output, and what the backward needs besides the inputs: the base-2
     LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing)."""
-    if q.is_cuda:
-        out, _, (lse2, k_mean) = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, True,
-                                             False, False)
-        return _as_tensor(out), _as_tensor(lse2), _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q)
-    out, _, (lse2, k_mean) = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q,
-                                         layout, None, True, False, False)
-    return (_as_tensor(out, q.dtype), _as_tensor(lse2),
+    args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
+    out, _, (lse2, k_mean) = run_forward(*args, causal, softmax_scale, smooth_k, smooth_q, layout, None, True, False,
+                                         False)
+    return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
             _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
 
 

@@ -33,9 +33,13 @@ class AttentionSaved:
     k_mean: ArrayDesc | None = None
 
 
+def _numpy(desc: ArrayDesc) -> np.ndarray:
+    """The host array behind ``desc`` (NumPy, or a NumPy view through DLPack)."""
+    return desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj)
+
+
 def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
-    x = desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj)
-    x = np.asarray(x, dtype=np.float32)
+    x = np.asarray(_numpy(desc), dtype=np.float32)
     return x if layout == "HND" else x.transpose(0, 2, 1, 3)
 
 
@@ -248,13 +252,9 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
             plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
-    lse2_host = lse2.obj if isinstance(lse2.obj, np.ndarray) else np.from_dlpack(lse2.obj)
-    k_mean_host = None
-    if given:
-        k_mean_host = k_mean.obj if isinstance(k_mean.obj, np.ndarray) else np.from_dlpack(k_mean.obj)
     state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
-                                    lse2_host, causal=prob.causal, softmax_scale=prob.softmax_scale,
+                                    _numpy(lse2), causal=prob.causal, softmax_scale=prob.softmax_scale,
                                     smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
-                                    k_mean=k_mean_host)
+                                    k_mean=_numpy(k_mean) if given else None)
     dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout), granularity=granularity)
     return tuple(_to_layout(g, prob.layout, prob.dtype) for g in (dq, dk, dv))
