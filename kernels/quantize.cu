@@ -18,7 +18,7 @@
 #endif
 #define QBLOCK 64
 #define QTHREADS_MAX 128  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
-#define SUM_THREADS 256   // token_sum
+#define SUM_THREADS 512   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
 #define QUANT_MEAN_GIVEN 4
@@ -66,7 +66,10 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 constexpr int GROUP = 16;  // tokens a thread owns (one group of the fragment token order)
 struct QuantizeShared {
     float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
-    double colsum[QTHREADS_MAX / 32][128];     // a warp's column sums (Q-smoothing at DPAD = 128)
+    union {
+        double colsum[QTHREADS_MAX / 32][128];  // a warp's column sums (Q-smoothing at DPAD = 128)
+        float mean[QTHREADS_MAX];               // μ per column (K-smoothing from token_sum's parts)
+    };
 };
 
 // Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
@@ -77,8 +80,8 @@ struct QuantizeShared {
 // are then written from registers: a row as 8 bytes, a transposed column as the group's 16 bytes.
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
-// mean_sum (optional, [B][H][DPAD] float64 token sums): μ = float32(sum / N) is subtracted after
-//   the prescale (K-smoothing); block 0's threads store μ in mean_out ([B][H][D]). With
+// mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's): μ = float32(sum / N)
+//   is subtracted after the prescale (K-smoothing); block 0's threads store μ in mean_out ([B][H][D]). With
 //   QUANT_MEAN_GIVEN instead, mean_out already holds μ (a saved forward's) and is only read.
 // block_mean_out (optional, [B][H][N_pad/64][DPAD]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
@@ -95,7 +98,7 @@ struct QuantizeShared {
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
 template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
-                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum,
+                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                                float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b) {
@@ -109,6 +112,25 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     const int tok0 = blk * QBLOCK + grp * GROUP;  // the thread's first token
     const u16* xs = x + b * sb + h * sh;
 
+    float shift[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) shift[e] = MEAN_GIVEN && c0 + e < D ? mean_out[bh * D + c0 + e] : 0.f;
+    if (!MEAN_GIVEN && SHIFT && mean_sum) {
+        // μ from token_sum's parts ([B][H][sum_parts][DPAD]), once a CTA: thread c adds column c's parts (a CTA
+        // has DPAD threads, its two blocks one head); the CTA whose first block is 0 stores μ. Before the chunks'
+        // copies are issued: after them, NVRTC 13.0 spilled on sm_80-89.
+        const int c = tid;
+        const double* part = mean_sum + bh * sum_parts * DPAD + c;
+        double sum = 0.0;
+#pragma unroll 4
+        for (int p = 0; p < sum_parts; ++p) sum += part[p * DPAD];
+        const float m = c < D ? static_cast<float>(sum / static_cast<double>(N)) : 0.f;
+        sm.mean[c] = m;
+        if (blk == tid / TPB && c < D) mean_out[bh * D + c] = m;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; ++e) shift[e] = sm.mean[c0 + e];
+    }
     // Raw 16-bit values, zero outside the tensor. Rows that start 16-byte aligned are copied 8 values
     // at a time (D is then a multiple of 8: a chunk is all in or out); others value by value.
     if (rows_aligned_16(xs, sn, D)) {
@@ -127,18 +149,6 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     // What each column subtracts after the prescale: μ (K-smoothing) or the block's mean (Q-smoothing,
     // below); a job has at most one of them, and x - 0 is x, so one branch-free formula serves all.
-    float shift[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        shift[e] = 0.f;
-        const int c = c0 + e;
-        if (MEAN_GIVEN) {
-            shift[e] = c < D ? mean_out[bh * D + c] : 0.f;
-        } else if (SHIFT && mean_sum) {
-            shift[e] = c < D ? static_cast<float>(mean_sum[bh * DPAD + c] / static_cast<double>(N)) : 0.f;
-            if (blk == 0 && grp == 0 && c < D) mean_out[bh * D + c] = shift[e];
-        }
-    }
     cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
@@ -284,10 +294,11 @@ struct QuantizeJob {
 static_assert(sizeof(QuantizeJob) == 8 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
 
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
-// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA. Several CTAs
+// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA; sum_parts: the
+// parts of the job with mean_sum (token_sum's grid.x). Several CTAs
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
 extern "C" __global__ void __launch_bounds__(QTHREADS_MAX)
-quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) {
+quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad, int sum_parts) {
     SB_REQUIRE_SM80();
     int cta = blockIdx.x;
     const int which = cta < a.ctas ? 0 : (cta < a.ctas + b.ctas ? 1 : 2);
@@ -298,7 +309,7 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(mean_sum), sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z)
     // One instantiation per head dim and per step the job needs (uniform across the CTA).
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
@@ -316,19 +327,21 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad) 
 #undef SB_JOB
 }
 
-// Partial token sums for μ_K: one CTA per 256 tokens of one (batch, head) adds its float64 column
-// sums into sum_out ([B][H][D_pad], zeroed by the caller). The sums of 16-bit values are exact in
-// float64 for realistic ranges, so the atomics' order does not matter.  With one CTA per
-// (batch, head) (N <= 256) the CTA stores its sum (0 + t == t), so sum_out needs no zeroing.
-#define MEAN_TOKENS 256
-extern "C" __global__ void __launch_bounds__(SUM_THREADS)
-token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad,
+// Partial token sums for μ_K: CTA (part, h, b) sums the tokens [part·span, min(N, (part + 1)·span)) of one
+// (batch, head) in float64 and stores them in sum_out[(bh·parts + part)·D_pad + c] (parts = gridDim.x), with no
+// atomics and no zeroed buffer; the K job of quantize_tensors adds the parts. The sums of 16-bit values are
+// exact in float64 for realistic ranges, so neither order matters. Each thread keeps SUM_UNROLL 16-byte loads
+// in flight (the pass is bound by bytes in flight per SM).
+#define SUM_UNROLL 4
+// Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled.
+extern "C" __global__ void __launch_bounds__(SUM_THREADS, 3)
+token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad, int span,
           double* __restrict__ sum_out) {
     SB_REQUIRE_SM80();
-    __shared__ double part[SUM_THREADS * 8];
-    const int n0 = blockIdx.x * MEAN_TOKENS, h = blockIdx.y, b = blockIdx.z;
+    __shared__ double part[8][SUM_THREADS + 4];
+    const int n0 = blockIdx.x * span, h = blockIdx.y, b = blockIdx.z;
     const u16* xs = x + b * sb + h * sh;
-    const int n1 = min(N, n0 + MEAN_TOKENS);
+    const int n1 = min(N, n0 + span);
     // Aligned rows: each thread sums 8 columns from 16-byte loads; else one column per thread.
     const bool vec = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
     const int width = vec ? 8 : 1, groups = D_pad / width, slices = SUM_THREADS / groups;
@@ -336,29 +349,34 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (c0 < D) {
         if (vec) {
-            for (int n = n0 + slice; n < n1; n += slices) {
-                const uint4 w = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n) * sn + c0);
-                const u32 words[4] = {w.x, w.y, w.z, w.w};
+            for (int n = n0 + slice; n < n1; n += SUM_UNROLL * slices) {
+                uint4 w[SUM_UNROLL];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))));
+                for (int u = 0; u < SUM_UNROLL; ++u) {
+                    w[u] = make_uint4(0, 0, 0, 0);
+                    if (n + u * slices < n1) w[u] = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n + u * slices) * sn + c0);
+                }
+#pragma unroll
+                for (int u = 0; u < SUM_UNROLL; ++u) {
+                    const u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))));
+                }
             }
         } else {
 #pragma unroll 8
             for (int n = n0 + slice; n < n1; n += slices) s[0] += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c0]));
         }
     }
-    // part[slice][column]
+    // The slices' sums of each column: value e of thread slice·groups + g is column g·width + e. Rows of
+    // part are padded so that the eight values a warp's threads read at once sit in different banks.
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-        if (e < width) part[slice * D_pad + c0 + e] = s[e];
+    for (int e = 0; e < 8; ++e) part[e][threadIdx.x] = s[e];
     __syncthreads();
+    double t = 0.0;
     if (threadIdx.x < D) {
-        double t = 0.0;
-        for (int p = 0; p < slices; ++p) t += part[p * D_pad + threadIdx.x];
-        double* dst = sum_out + (static_cast<i64>(b) * H + h) * D_pad + threadIdx.x;
-        if (gridDim.x == 1)
-            *dst = t;
-        else
-            atomicAdd(dst, t);
+        const int g = threadIdx.x / width, e = threadIdx.x % width;
+        for (int p = 0; p < slices; ++p) t += part[e][p * groups + g];
     }
+    if (threadIdx.x < D) sum_out[((static_cast<i64>(b) * H + h) * gridDim.x + blockIdx.x) * D_pad + threadIdx.x] = t;
 }

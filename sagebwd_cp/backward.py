@@ -75,7 +75,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    plan.launch(rows, "row_stats", (nq // 16, Hq, B), (256, 1, 1),
+    # D_pad / 8 lanes a row, 256 threads a CTA (backward_rows.cu row_stats)
+    plan.launch(rows, "row_stats", (nq * (dp // 8) // 256, Hq, B), (256, 1, 1),
                 [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
                  ptr(qz.qt_scale), i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
 
@@ -107,7 +108,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
-    plan.launch(rows, "dq_convert", ((Lq * (D // 2) + 255) // 256, Hq, B), (256, 1, 1),
+    plan.launch(rows, "dq_convert", ((Lq * (D // 8) + 255) // 256, Hq, B), (256, 1, 1),
                 [ptr(dq_acc), i32(Hq), i32(Lq), i32(D), i32(dq_row), i32(nq), f32(prob.softmax_scale), ptr(dq), i64(qb),
                  i64(qh), i64(qn)])
     return plan.build(problem=prob)

@@ -15,10 +15,19 @@ from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
-SUM_THREADS = 256  # kernels/quantize.cu SUM_THREADS (token_sum)
+SUM_THREADS = 512  # kernels/quantize.cu SUM_THREADS (token_sum)
 # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
 PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
-TOKENS_PER_SUM = 256  # kernels/quantize.cu MEAN_TOKENS
+# token_sum's grid: about SUM_CTAS CTAs in all (a few per SM keep enough loads in flight), each over at
+# least SUM_MIN_SPAN tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
+SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 528, 256, 16
+
+
+def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
+    """(parts, span): token_sum's CTAs per (batch, head) and the tokens each sums."""
+    parts = max(1, min(SUM_MAX_PARTS, -(-SUM_CTAS // (batch * heads)), n // SUM_MIN_SPAN))
+    span = -(-n // parts)
+    return -(-n // span), span
 
 
 def _round_up(x: int, m: int) -> int:
@@ -69,15 +78,16 @@ def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, mean_su
 _NO_JOB = struct_arg(*(ptr(None),) * 8, *(i64(0),) * 3, *(i32(0),) * 4, f32(0.0), i32(0))
 
 
-def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs) -> None:
-    """Up to three tensors in one launch (CTAs of job 0, then 1, then 2)."""
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
+    """Up to three tensors in one launch (CTAs of job 0, then 1, then 2); ``sum_parts``: token_sum's
+    parts behind the job with token sums."""
     ctas = sum(job.value[-1].value for job in jobs)
     jobs = list(jobs) + [_NO_JOB] * (3 - len(jobs))
     # D_pad threads a CTA (four token groups of D_pad/8 lanes for each of its two blocks), each with 16
     # chunks of 16 bytes in shared memory.
     dp = prob.padded_head_dim
     plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
-                jobs + [i32(prob.head_dim), i32(dp)], shared=dp * 16 * 16)
+                jobs + [i32(prob.head_dim), i32(dp), i32(sum_parts)], shared=dp * 16 * 16)
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
@@ -99,16 +109,17 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given
-    k_sum = None
+    k_sum, parts = None, 0
     if prob.smooth_k and not k_mean_given:
-        chunks = (Lk + TOKENS_PER_SUM - 1) // TOKENS_PER_SUM
+        parts, span = token_sum_parts(B, Hk, Lk)
         if k_mean is None:
             k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
-        # Several chunks add into the sums atomically; a single one stores them (quantize.cu token_sum).
-        k_sum = plan.workspace("k_sum", (B, Hk, dp), "float64", zeroed=chunks > 1)
+        # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
+        k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        plan.launch(spec, "token_sum", (chunks, Hk, B), (SUM_THREADS, 1, 1),
-                    [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), ptr(k_sum)])
+        plan.launch(spec, "token_sum", (parts, Hk, B), (SUM_THREADS, 1, 1),
+                    [ptr(prob.k), i64(sb), i64(sh), i64(sn), i32(Hk), i32(Lk), i32(D), i32(dp), i32(span),
+                     ptr(k_sum)])
 
     # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
     q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
@@ -141,7 +152,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    _launch_quantize(plan, prob, jobs)
+    _launch_quantize(plan, prob, jobs, parts)
 
     bias = None
     if prob.smooth_q:

@@ -275,7 +275,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
     from sagebwd_cp.forward import forward_plan
     from sagebwd_cp.problem import make_problem
 
-    q, k, v = qkv(lq=100, lk=300)  # two token-sum chunks: the K sums start zeroed
+    q, k, v = qkv(lq=100, lk=600)  # two token-sum parts, stored apart (nothing to zero) and added by the K job
     prob = make_problem(q, k, v, causal=True)
     built = forward_plan(prob, None, True, False)
     names = {b.name: b for b in _buffers(built)}
@@ -290,15 +290,18 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert [a[1:] for a in gpu.allocations[start:]] == [((1, 2, 100, 64), "float16"), ((1, 2, 100), "float32"),
                                                              ((1, 1, 64), "float32"),
                                                              ((built.workspace_bytes + 256,), "uint8")]
-        memsets = [c for c in gpu.calls if c[0] == "memset"]
-        assert memsets == [("memset", ws_ptr, 0, built.zero_bytes, 0x5157)]
-        assert built.zero_bytes == names["k_sum"].nbytes and names["k_sum"].offset == 0
+        assert [c for c in gpu.calls if c[0] == "memset"] == [] and built.zero_bytes == 0
+        assert names["k_sum"].shape == (1, 1, 2, 64)
         launches = gpu.launches()
         assert [c[1] for c in launches] == [s.head[0] for s in built.steps]
         args = {s.entry: _argument_bytes(c[6], s.args.sizes) for s, c in zip(built.steps, launches)}
         u64 = lambda b: struct.unpack("<Q", b)[0]
         ts = args["token_sum"]
-        assert u64(ts[0]) == k.ptr + shift and u64(ts[8]) == ws_ptr + names["k_sum"].offset
+        assert u64(ts[0]) == k.ptr + shift and u64(ts[9]) == ws_ptr + names["k_sum"].offset
+        assert struct.unpack("<i", ts[8])[0] == 300  # tokens a part
+        launch = next(c for c in launches if c[1] == next(s.head[0] for s in built.steps if s.entry == "token_sum"))
+        assert launch[2] == (2, 1, 1)  # (parts, Hkv, B)
+        assert struct.unpack("<i", args["quantize_tensors"][-1])[0] == 2  # the K job adds both parts
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
@@ -308,7 +311,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset, 0)
         assert job(1)[:8] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset,
                               0)
-        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (6 * 1 // 2, 6 * 1 // 2, 0)  # CTAs: blocks of 64 x heads / 2
+        assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (10 * 1 // 2, 10 * 1 // 2, 0)  # CTAs: blocks of 64 x heads / 2
         fw = args["attention_forward"]
         assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11, 19)] == [0, 0] + [
             ws_ptr + names[n].offset for n in ("k8", "k_scale", "vt8", "v_scale")] + [0, out_ptr,
@@ -593,3 +596,15 @@ def test_byte_view_of_a_torch_buffer():
     assert d.ptr == buf.data_ptr() + 512 and d.shape == (2, 3, 4) and d.dtype == "float32"
     d.obj[1, 2, 3] = 1.5
     assert buf[512 + 4 * 23:512 + 4 * 24].view(torch.float32).item() == 1.5
+
+
+@pytest.mark.parametrize("batch,heads,n", [(1, 1, 1), (1, 1, 300), (4, 16, 4096), (1, 16, 16384), (1, 2, 4097),
+                                           (64, 32, 512), (1, 1, 1 << 20)])
+def test_token_sum_parts_cover_every_token_once(batch, heads, n):
+    """token_sum's parts tile the tokens (the last may be short, none empty), at most SUM_MAX_PARTS of
+    them (the K job adds them all), each over at least SUM_MIN_SPAN tokens unless there is one."""
+    from sagebwd_cp.forward import SUM_MAX_PARTS, SUM_MIN_SPAN, token_sum_parts
+
+    parts, span = token_sum_parts(batch, heads, n)
+    assert 1 <= parts <= SUM_MAX_PARTS and (parts - 1) * span < n <= parts * span
+    assert parts == 1 or span >= SUM_MIN_SPAN
