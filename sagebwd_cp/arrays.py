@@ -186,7 +186,7 @@ _user_allocator = None
 def set_allocator(fn) -> None:
     """Route every device allocation through ``fn(shape, dtype_name, device_id) -> array``.
 
-    The array must be contiguous and support DLPack (or be a torch tensor).  Workspaces are
+    The array must be contiguous, start 16-byte aligned and support DLPack (or be a torch tensor).  Workspaces are
     dropped while kernels queued on the current stream may still read them: ``fn`` must hand out
     freed memory in stream order (as torch's caching allocator and CuPy's pool do).  ``None``
     restores the default.
@@ -235,6 +235,8 @@ def allocate(shape: tuple, dtype: str, framework: str, device_id: int):
         if tuple(d.shape) != shape or d.strides != contiguous_strides(shape):
             raise ValueError(f"allocator result: expected a contiguous array of shape {shape}, got shape "
                              f"{tuple(d.shape)} and strides {d.strides}")
+        if d.ptr % 16:  # the kernels store 16-byte vectors into outputs and workspaces
+            raise ValueError(f"allocator result: expected a 16-byte aligned pointer, got {d.ptr:#x}")
         return d.obj, d.ptr
     if framework == "torch":
         # Every output of every call comes here: the dtype and device objects from their caches,

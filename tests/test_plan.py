@@ -554,7 +554,7 @@ def test_packed_arguments_match_every_kernel_signature(gpu):
 
 # ------------------------------------------------------------------------------ allocation helpers
 
-def test_user_allocator_results_must_be_contiguous():
+def test_user_allocator_results_must_be_contiguous_and_aligned():
     from sagebwd_cp import arrays
 
     calls = []
@@ -570,6 +570,15 @@ def test_user_allocator_results_must_be_contiguous():
         sagebwd_cp.set_allocator(lambda shape, dtype, device_id: np.empty(shape[::-1], dtype=dtype).T)
         with pytest.raises(ValueError, match=r"allocator result: expected a contiguous array of shape \(2, 3\)"):
             arrays.allocate((2, 3), "float32", "torch", 0)
+
+        def misaligned(shape, dtype, device_id):
+            base = np.empty(64 + 16, dtype=np.uint8)
+            start = -base.ctypes.data % 16 + 2  # 2 bytes past a 16-byte boundary
+            return base[start:start + 8].view(np.float16)
+
+        sagebwd_cp.set_allocator(misaligned)
+        with pytest.raises(ValueError, match=r"allocator result: expected a 16-byte aligned pointer, got 0x"):
+            arrays.allocate((4,), "float16", "torch", 0)
     finally:
         sagebwd_cp.set_allocator(None)
 
