@@ -18,14 +18,15 @@ from .problem import AttentionProblem
 SUM_THREADS = 512  # kernels/quantize.cu SUM_THREADS (token_sum)
 # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
 PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
-# token_sum's grid: about SUM_CTAS CTAs in all (a few per SM keep enough loads in flight), each over at
-# least SUM_MIN_SPAN tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
-SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 528, 256, 16
+# token_sum's grid: at most SUM_CTAS CTAs in all where the (batch, head)s allow (three 512-thread CTAs an SM,
+# quantize.cu's launch bounds, on the 132 SMs of an H100/H200: one wave), each over at least SUM_MIN_SPAN
+# tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
+SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 396, 256, 16
 
 
 def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
     """(parts, span): token_sum's CTAs per (batch, head) and the tokens each sums."""
-    parts = max(1, min(SUM_MAX_PARTS, -(-SUM_CTAS // (batch * heads)), n // SUM_MIN_SPAN))
+    parts = max(1, min(SUM_MAX_PARTS, SUM_CTAS // (batch * heads), n // SUM_MIN_SPAN))
     span = -(-n // parts)
     return -(-n // span), span
 
