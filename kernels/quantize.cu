@@ -112,6 +112,8 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     const int tok0 = blk * QBLOCK + grp * GROUP;  // the thread's first token
     const u16* xs = x + b * sb + h * sh;
 
+    // What each column subtracts after the prescale: μ (K-smoothing) or the block's mean (Q-smoothing,
+    // below); a job has at most one of them, and x - 0 is x, so one branch-free formula serves all.
     float shift[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) shift[e] = MEAN_GIVEN && c0 + e < D ? mean_out[bh * D + c0 + e] : 0.f;
@@ -147,8 +149,6 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         }
     }
 
-    // What each column subtracts after the prescale: μ (K-smoothing) or the block's mean (Q-smoothing,
-    // below); a job has at most one of them, and x - 0 is x, so one branch-free formula serves all.
     cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
