@@ -81,7 +81,7 @@ struct QuantizeShared {
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
 // mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's): μ = float32(sum / N)
-//   is subtracted after the prescale (K-smoothing); block 0's threads store μ in mean_out ([B][H][D]). With
+//   is subtracted after the prescale (K-smoothing); the CTA holding block 0 stores μ in mean_out ([B][H][D]). With
 //   QUANT_MEAN_GIVEN instead, mean_out already holds μ (a saved forward's) and is only read.
 // block_mean_out (optional, [B][H][N_pad/64][DPAD]): subtract and store the block's own mean
 //   over its valid rows (Q-smoothing). At most one of mean_sum and block_mean_out.
@@ -373,10 +373,10 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
 #pragma unroll
     for (int e = 0; e < 8; ++e) part[e][threadIdx.x] = s[e];
     __syncthreads();
-    double t = 0.0;
     if (threadIdx.x < D) {
         const int g = threadIdx.x / width, e = threadIdx.x % width;
+        double t = 0.0;
         for (int p = 0; p < slices; ++p) t += part[e][p * groups + g];
+        sum_out[((static_cast<i64>(b) * H + h) * gridDim.x + blockIdx.x) * D_pad + threadIdx.x] = t;
     }
-    if (threadIdx.x < D) sum_out[((static_cast<i64>(b) * H + h) * gridDim.x + blockIdx.x) * D_pad + threadIdx.x] = t;
 }

@@ -163,7 +163,7 @@ class BackwardTiles:
         return 256 * dp + self.stages * stage + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64 + 2 * 8 * 32 * 16
 
 
-def wgmma_groups(dp: int, fine: bool = True, deterministic: bool = False) -> int:
+def wgmma_groups(dp: int, deterministic: bool = False) -> int:
     """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
     the deterministic kernels (dK's accumulators in shared memory, 168 registers: 12 warps per SM,
     whose turn waits for dQ they hide; measured 10-15% faster), 2 for the others (which spend their
@@ -182,7 +182,7 @@ def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = 
     """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128; the mma.sync kernel only);
     the wgmma kernel on sm_90."""
     wg = use_wgmma(arch)
-    tiles = BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, fine, deterministic) if wg else 2)
+    tiles = BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic) if wg else 2)
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit and not tiles.wgmma:
         tiles = BackwardTiles(stages=1)  # the wgmma kernel needs its two stages
     if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
@@ -226,5 +226,5 @@ def all_specs(arch: str | None = None) -> list:
                             specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(2, True, wgmma_groups(dp, fine, det))))
+                                                           BackwardTiles(2, True, wgmma_groups(dp, det))))
     return specs
