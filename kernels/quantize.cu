@@ -3,9 +3,9 @@
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
 // Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
-// sums behind μ_K). A thread's raw chunks come by cp.async into its own slots of shared memory and
-// both layouts are written from its registers (quantize_blocks): no tile shared between threads, no
-// barrier except for per-block maxima and Q-smoothing's means at D_pad = 128.
+// sums behind μ_K). A thread's raw chunks come by cp.async into its own slots of shared memory, and
+// it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
+// for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
 // Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO).
 #include "common.cuh"
@@ -24,34 +24,6 @@
 #define QUANT_MEAN_GIVEN 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
-
-// Max over LANES lanes (xor partners) of N values per lane, scattered: afterwards v[0 .. N/LANES)
-// hold the maxima of the values (lane % LANES)·(N/LANES) + x. Each step keeps the half of the values
-// whose index bit matches the lane's and sends the other half (N - N/LANES shuffles, not N·log2 LANES).
-// Steps are template recursions so that every index is a constant (the arrays stay in registers).
-template <int LANES, int N, int M = LANES / 2, int HALF = N / 2>
-SB_DEVICE void max_scatter(float (&v)[N], int lane) {
-    const bool hi = lane & M;
-#pragma unroll
-    for (int x = 0; x < HALF; ++x) {
-        const float keep = hi ? v[HALF + x] : v[x], send = hi ? v[x] : v[HALF + x];
-        v[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, M));
-    }
-    if constexpr (M > 1) max_scatter<LANES, N, M / 2, HALF / 2>(v, lane);
-}
-
-// The converse: v[0 .. N/LANES) of each of LANES lanes -> v[0 .. N) of all of them, in index order.
-template <int LANES, int N, int M = 1, int HELD = N / LANES>
-SB_DEVICE void gather(float (&v)[N], int lane) {
-    const bool hi = lane & M;
-#pragma unroll
-    for (int x = 0; x < HELD; ++x) {
-        const float mine = v[x], theirs = __shfl_xor_sync(0xffffffffu, mine, M);
-        v[x] = hi ? theirs : mine;
-        v[HELD + x] = hi ? mine : theirs;
-    }
-    if constexpr (2 * M < LANES) gather<LANES, N, 2 * M, 2 * HELD>(v, lane);
-}
 
 // Byte transpose: words a, b, c, d hold bytes 0-3 of four tokens; out[n] holds byte n of each, in that order.
 SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
@@ -76,8 +48,9 @@ struct QuantizeShared {
 // even number, N_pad being a multiple of 128), DPAD threads. A thread owns GROUP = 16 tokens x 8
 // columns: the DPAD/8 lanes of a token group are adjacent and 4 groups make a block. Its 16 chunks
 // of 16 bytes come by cp.async into its own column of a shared tile (no registers held while they
-// fly, all in flight at once) and are read twice, for the maxima and for the codes; both layouts
-// are then written from registers: a row as 8 bytes, a transposed column as the group's 16 bytes.
+// fly, all in flight at once) and are read twice, a row at a time, for the maxima and for the codes;
+// a row is stored as 8 bytes as it is coded, and its codes for the transposed copy take its slot,
+// whence the group's 16 rows are transposed and stored as 16-byte columns.
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
 // mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's): μ = float32(sum / N)
@@ -120,7 +93,8 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     if (!MEAN_GIVEN && SHIFT && mean_sum) {
         // μ from token_sum's parts ([B][H][sum_parts][DPAD]), once a CTA: thread c adds column c's parts (a CTA
         // has DPAD threads, its two blocks one head); the CTA whose first block is 0 stores μ. Before the chunks'
-        // copies are issued: after them, NVRTC 13.0 spilled on sm_80-89.
+        // copies are issued: after them, NVRTC 13.0 spilled on sm_80-89 or kept a stack frame on sm_90, and it
+        // measured no faster.
         const int c = tid;
         const double* part = mean_sum + bh * sum_parts * DPAD + c;
         double sum = 0.0;
@@ -189,28 +163,42 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         }
     }
 
-    // max|value| of the thread's 16 rows, 0 past N. Without a shift, on the raw 16-bit values: rounding
-    // is monotonic and prescale > 0, so max|RN(x·p)| = RN(max|x|·p), and rows past N are zero.
-    float inv[GROUP];
+    // Row maxima of |value|, a row an iteration (rolled, as the codes' loop below), 0 past N. Without a shift, on
+    // the raw 16-bit values: rounding is monotonic and prescale > 0, so max|RN(x·p)| = RN(max|x|·p), and rows past
+    // N are zero. Per token, the group's L lanes combine each row's max and lane j keeps rows j·OWN.. (one or two),
+    // whose scales it forms; every thread keeps the max over its rows for the block's scale.
+    const bool per_token = flags & QUANT_PER_TOKEN;
+    constexpr int OWN = GROUP / L;
+    static_assert(OWN == 1 || OWN == 2, "a lane owns the scales of one or two rows");
+    float own_max[OWN], thread_max = 0.f;
 #pragma unroll
+    for (int x = 0; x < OWN; ++x) own_max[x] = 0.f;
+#pragma unroll 1
     for (int i = 0; i < GROUP; ++i) {
+        float m = 0.f;
         if (SHIFT) {
             float v[8];
             row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
-            float m = 0.f;
 #pragma unroll
             for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
-            inv[i] = i < rows_in ? m : 0.f;
+            m = i < rows_in ? m : 0.f;
         } else {
-            const float m = chunk_abs_max(raw[i * DPAD + tid]);
-            inv[i] = PRESCALE ? mul_rn(m, prescale) : m;
+            m = chunk_abs_max(raw[i * DPAD + tid]);
+            if (PRESCALE) m = mul_rn(m, prescale);
+        }
+        thread_max = fmaxf(thread_max, m);
+        if (per_token) {
+#pragma unroll
+            for (int o = 1; o < L; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            if (i / OWN == lane % L) {
+                if (OWN == 1 || i % 2 == 0) own_max[0] = m;
+                else own_max[OWN - 1] = m;
+            }
         }
     }
-    // The block's max|value| from the rows' (a barrier at DPAD = 128: two warps a block).
+    // The block's max|value| from the threads' (a barrier at DPAD = 128: two warps a block).
     auto block_amax = [&] {
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, inv[i]);
+        float amax = thread_max;
 #pragma unroll
         for (int m = 1; m < 32; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
         if (WARPS_PER_BLOCK > 1) {
@@ -224,36 +212,40 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         return amax;
     };
     float t_inv = 0.f;  // with t_scale_out: the transposed codes' inverse scale
-    if (flags & QUANT_PER_TOKEN) {
+    float own_inv[OWN], block_inv = 0.f;
+    if (per_token) {
         if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + bh * blocks + blk : nullptr);
-        // Lane j of the group forms the scales of rows j·OWN.. (one or two) and hands the inverses round.
-        constexpr int OWN = GROUP / L;
-        max_scatter<L>(inv, lane);
 #pragma unroll
-        for (int x = 0; x < OWN; ++x) inv[x] = psi_inverse(inv[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
-        gather<L>(inv, lane);
+        for (int x = 0; x < OWN; ++x) own_inv[x] = psi_inverse(own_max[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
     } else {
-        const float v = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
-#pragma unroll
-        for (int i = 0; i < GROUP; ++i) inv[i] = i < rows_in ? v : 0.f;  // rows past N code 0 (per token: amax 0)
+        block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
     }
 
-    // Codes: word half of row i holds columns c0 + 4·half .. + 3. The rows are stored as they come;
-    // code[] keeps what t_out takes: the same codes, or (t_scale_out) the block's, from the same values.
-    u32 code[GROUP][2];
-#pragma unroll
+    // Codes, a row an iteration: the rows are stored as they are coded, and with t_out the codes t_out takes
+    // (the same, or with t_scale_out the block's, from the same values) replace the row's raw chunk, which is
+    // not read again. A rolled loop: every warp runs this code once, at its own pace, and 16 unrolled rows
+    // were more code than the instruction cache kept for the CTAs of an SM ("no instruction" stalls).
+    const int group_lane0 = lane - lane % L;
+#pragma unroll 1
     for (int i = 0; i < GROUP; ++i) {
+        float row_inv = i < rows_in ? block_inv : 0.f;  // rows past N code 0 (per token: amax 0)
+        if (per_token) row_inv = __shfl_sync(0xffffffffu, OWN == 1 || i % 2 == 0 ? own_inv[0] : own_inv[OWN - 1], group_lane0 + i / OWN);
         float v[8];
         row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
-        const uint2 c = chunk_codes(v, inv[i]);
+        const uint2 c = chunk_codes(v, row_inv);
         if (rows_out) *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = c;
-        const uint2 ct = t_scale_out ? chunk_codes(v, i < rows_in ? t_inv : 0.f) : c;  // rows past N code 0
-        code[i][0] = ct.x;
-        code[i][1] = ct.y;
+        if (t_out) *reinterpret_cast<uint2*>(&raw[i * DPAD + tid]) = t_scale_out ? chunk_codes(v, i < rows_in ? t_inv : 0.f) : c;
     }
     if (t_out) {
         // Stored position 4k + n of the group holds row 4k + n, or 2k + (n & 1) + 8(n >> 1) in the fragment
         // order (numerics.KEY_PERMUTATION_16).
+        u32 code[GROUP][2];
+#pragma unroll
+        for (int i = 0; i < GROUP; ++i) {
+            const uint2 c = *reinterpret_cast<const uint2*>(&raw[i * DPAD + tid]);
+            code[i][0] = c.x;
+            code[i][1] = c.y;
+        }
         u32 col[8][4];
         const bool permute = flags & QUANT_PERMUTE_T;
 #pragma unroll
