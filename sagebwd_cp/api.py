@@ -6,12 +6,11 @@ NumPy can read through DLPack) run the NumPy emulator of the same quantized algo
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from . import emulator
-from .arrays import ArrayDesc, describe, signature
+from .arrays import ArrayDesc, contiguous_strides, describe, signature
 from .numerics import k_mean_shape
 from .plan import cached_plan, remember_plan
 from .problem import AttentionProblem, check_granularity, check_output, make_problem
@@ -201,7 +200,7 @@ def _check_float32_array(x: ArrayDesc, name: str, expected: tuple, prob: Attenti
     if (x.device_type, x.device_id) != (prob.q.device_type, prob.q.device_id):
         raise ValueError(f"{name}: expected an array on {prob.q.device_type}:{prob.q.device_id}, got "
                          f"{x.device_type}:{x.device_id}")
-    if x.strides != tuple(math.prod(expected[i + 1:]) for i in range(len(expected))):
+    if x.strides != contiguous_strides(expected):
         raise ValueError(f"{name}: expected a contiguous array, got strides {x.strides}")
 
 

@@ -68,7 +68,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     rows = specs.backward_rows_spec(prob.dtype)
 
     dev = prob.q.device_id
-    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), granularity == "fine", deterministic)
+    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), deterministic)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 

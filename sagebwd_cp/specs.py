@@ -177,7 +177,7 @@ def wgmma_groups(dp: int, deterministic: bool = False) -> int:
     return 3 if deterministic else 2
 
 
-def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None, fine: bool = True,
+def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None,
                    deterministic: bool = False) -> BackwardTiles:
     """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128; the mma.sync kernel only);
     the wgmma kernel on sm_90."""

@@ -194,9 +194,9 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     assert specs.forward_tiles(128, hopper, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
     assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     assert specs.backward_tiles(64, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
-    for fine, det in ((False, False), (True, True), (False, True)):  # 3 warpgroups for the deterministic kernels
-        assert specs.backward_tiles(64, hopper, "sm_90", fine, det).groups == (3 if det else 2)
-        assert specs.backward_tiles(128, hopper, "sm_90", fine, det).groups == 2
+    for det in (False, True):  # 3 warpgroups for the deterministic kernels
+        assert specs.backward_tiles(64, hopper, "sm_90", det).groups == (3 if det else 2)
+        assert specs.backward_tiles(128, hopper, "sm_90", det).groups == 2
     # The overrides: a listed value is taken, another is refused by name.
     for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, hopper, "sm_90").key_tile),
                                 ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, hopper, "sm_90").groups)):
