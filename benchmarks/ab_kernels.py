@@ -8,7 +8,10 @@ machine with the run):
     git archive <commit> kernels ptx | tar -x -C benchmarks/ab_base
     python benchmarks/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
 
-Every argument but ``--base`` goes to ``bench_attention.py``. The Python side of the checkout is
+With ``--base-env NAME=VALUE`` (repeatable) the base is instead these same sources run with those
+environment settings (e.g. ``SAGEBWD_PDL=0``: plain launches instead of programmatic dependents).
+
+Every argument but ``--base`` and ``--base-env`` goes to ``bench_attention.py``. The Python side of the checkout is
 shared, so the two versions must take the same kernel arguments, unless the base folder also holds
 the other version's ``sagebwd_cp/`` (``git archive <commit> kernels ptx sagebwd_cp``): then its
 Python modules are swapped in too.
@@ -34,10 +37,10 @@ def _copy_sources(src_root: str, dst_root: str, dirs: dict) -> None:
                 shutil.copy2(os.path.join(src_root, d, name), os.path.join(dst_root, d, name))
 
 
-def _bench(bench_args) -> dict:
+def _bench(bench_args, env=None) -> dict:
     """{(d, causal, N, pass, impl): TOPS} of our rows, from bench_attention.py's table."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), *bench_args],
-                         cwd=ROOT, capture_output=True, text=True)
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise SystemExit(f"bench_attention.py failed:\n{out.stdout}\n{out.stderr}")
     rows = {}
@@ -56,7 +59,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=os.path.join(ROOT, "benchmarks", "ab_base"),
                     help="a folder holding the other version's kernels/ and ptx/")
+    ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="compare with these sources under this environment setting instead of --base")
     args, bench_args = ap.parse_known_args(argv)
+    if args.base_env:
+        env = dict(item.split("=", 1) for item in args.base_env)
+        first, base, again = _bench(bench_args), _bench(bench_args, env), _bench(bench_args)
+        _print(first, base, again)
+        return 0
     for d in SOURCE_DIRS:
         if not os.path.isdir(os.path.join(args.base, d)):
             raise SystemExit(f"--base: expected {os.path.join(args.base, d)} (git archive <commit> kernels ptx)")
@@ -75,13 +85,17 @@ def main(argv=None) -> int:
         _copy_sources(saved, ROOT, dirs)  # the checkout's own sources back, whatever happened
         shutil.rmtree(saved, ignore_errors=True)
     again = _bench(bench_args)
+    _print(first, base, again)
+    return 0
+
+
+def _print(first: dict, base: dict, again: dict) -> None:
     print(f"{'d':>3} c {'N':>6} {'pass':<6} {'impl':<26} {'this':>7} {'base':>7} {'again':>7} {'this/base':>9}")
     for key in first:
         t1, tb, t2 = first[key], base.get(key), again.get(key)
         ratio = f"{(t1 + t2) / 2 / tb:9.3f}" if tb and t2 else "        -"
         print(f"{key[0]:>3} {key[1]} {key[2]:>6} {key[3]:<6} {key[4]:<26} {t1:7.1f} "
               f"{tb if tb is not None else float('nan'):7.1f} {t2 if t2 is not None else float('nan'):7.1f} {ratio}")
-    return 0
 
 
 if __name__ == "__main__":
