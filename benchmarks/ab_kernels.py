@@ -9,7 +9,7 @@ machine with the run):
     python benchmarks/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
 
 With ``--base-env NAME=VALUE`` (repeatable) the base is instead these same sources run with those
-environment settings (e.g. ``SAGEBWD_PDL=0``: plain launches instead of programmatic dependents).
+environment settings, e.g. ``--base-env SAGEBWD_BACKWARD_GROUPS=3`` against the default choice.
 
 Every argument but ``--base`` and ``--base-env`` goes to ``bench_attention.py``. The Python side of the checkout is
 shared, so the two versions must take the same kernel arguments, unless the base folder also holds
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     help="compare with these sources under this environment setting instead of --base")
     args, bench_args = ap.parse_known_args(argv)
     if args.base_env:
+        if any("=" not in item for item in args.base_env):
+            raise SystemExit(f"--base-env: expected NAME=VALUE, got {args.base_env}")
         env = dict(item.split("=", 1) for item in args.base_env)
         first, base, again = _bench(bench_args), _bench(bench_args, env), _bench(bench_args)
         _print(first, base, again)
