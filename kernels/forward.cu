@@ -354,17 +354,16 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                 l_run[mt][half] = fmaf(beta[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
                 pv_factor[mt][half] = beta[half] * pv_scale;
             }
-            // P̂ = rint(coef·e) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
+            // P̂ = rint(fp16(e)·fp16(coef)) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
 #pragma unroll
             for (int kk = 0; kk < KSTEPS_P; ++kk) {
                 const int n = 4 * kk;
-                const float pc = pcoef[kk * 32 / BKV];
+                const u32 pc = pack2_f32<false>(pcoef[kk * 32 / BKV], pcoef[kk * 32 / BKV]);  // fp16(coef) twice
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    pf[mt][kk][half] = pack4_magic(round_magic(u[n][2 * half], pc), round_magic(u[n][2 * half + 1], pc),
-                                                   round_magic(u[n + 1][2 * half], pc), round_magic(u[n + 1][2 * half + 1], pc));
-                    pf[mt][kk][2 + half] = pack4_magic(round_magic(u[n + 2][2 * half], pc), round_magic(u[n + 2][2 * half + 1], pc),
-                                                       round_magic(u[n + 3][2 * half], pc), round_magic(u[n + 3][2 * half + 1], pc));
+                    pf[mt][kk][half] = pack4_p_codes(u[n][2 * half], u[n][2 * half + 1], u[n + 1][2 * half], u[n + 1][2 * half + 1], pc);
+                    pf[mt][kk][2 + half] = pack4_p_codes(u[n + 2][2 * half], u[n + 2][2 * half + 1], u[n + 3][2 * half],
+                                                         u[n + 3][2 * half + 1], pc);
                 }
             }
         }

@@ -54,6 +54,15 @@ SB_DEVICE u32 pack4_low_bytes(u32 a, u32 b, u32 c, u32 d) {
     return r;
 }
 
-SB_DEVICE u32 pack4_magic(float a, float b, float c, float d) {
-    return pack4_low_bytes(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d));
+// The forward's P̂ (numerics.forward_p_codes): four e in [0, 1] to u8 codes rint(fp16(e)·fp16(coef)),
+// packed a in byte 0 ... d in byte 3. coef2 holds fp16(coef) in both halves. Per pair one cvt.rn.f16x2
+// and one fma.rn.f16x2 with 1024, which rounds the exact product once to an integer (float16 spacing
+// is 1 in [1024, 2048)) and leaves it in the low byte of each half; one prmt gathers the four bytes.
+SB_DEVICE u32 pack4_p_codes(float a, float b, float c, float d, u32 coef2) {
+    constexpr u32 BIAS2 = 0x64006400u;  // 1024.0 in both float16 halves
+    u32 ab = pack2_f32<false>(a, b), cd = pack2_f32<false>(c, d), r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ab) : "r"(ab), "r"(coef2), "r"(BIAS2));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(cd) : "r"(cd), "r"(coef2), "r"(BIAS2));
+    asm("prmt.b32 %0, %1, %2, 0x6420;" : "=r"(r) : "r"(ab), "r"(cd));
+    return r;
 }

@@ -20,6 +20,7 @@ from .numerics import (
     P_LEVELS,
     LN2,
     default_softmax_scale,
+    forward_p_codes,
     qk_prescale,
     quantize_block,
     quantize_tile,
@@ -293,7 +294,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         coef, s_max = _pv_coefficients(s_v[:, :, blocks], blocks * BLOCK_KV < lk)
         coef = np.repeat(coef, BLOCK_KV, axis=-1)[:, :, None, :]
         if quantize:
-            p_hat = np.clip(np.rint((coef * e).astype(np.float32)), 0, P_LEVELS).astype(np.float32)
+            p_hat = forward_p_codes(e, coef)
         else:
             p_hat = (coef * e).astype(np.float32)
         beta = np.exp2(rmax - m_new_safe).astype(np.float32)

@@ -39,6 +39,9 @@ Conventions
   float32(float32(255·s_V)·(1/s_max)) for the other (1/s_max: IEEE here, the SFU's reciprocal in the
   kernel, within one ulp), s_max the largest s_V among the tile's blocks that
   hold a key < Lk, and acc adds (P̂V̂)·(β/255)·s_max: one row max, scale and O update per 128 keys.
+  The rounding runs on float16 pairs (``forward_p_codes``): P̂ = rint(fp16(e)·fp16(coef)), the
+  product exact, ties to even (the kernel: cvt.rn.f16x2 of two e, one fma.rn.f16x2 with coef and
+  1024, whose low bytes are the codes: 1.25 instructions a score).  l sums e itself in float32.
 * Backward P for dV: "fine" quantizes per key, unsigned with 255 levels; "paper" uses 127 levels
   over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their
   inverse scale from a fast reciprocal (``quantize_tile``); the pre-pass quantizer of Q, K, V, dO
@@ -114,6 +117,16 @@ def quantize_tile(x: np.ndarray, axis, levels: int = INT8_MAX):
     zero (scale 1: no later quantization reads it).  Returns (float32 integer values, float32 scale)."""
     q, scale = _psi(x, axis, levels, fast_reciprocal=True, zero_scale=1.0)
     return q.astype(np.float32), scale
+
+
+def forward_p_codes(e: np.ndarray, coef) -> np.ndarray:
+    """The forward's P̂ (float32 codes 0..255) from e = exp2(S - rmax) in [0, 1] and P̂'s coefficient
+    (≤ 255, per key): rint(fp16(e)·fp16(coef)) with ties to even.  The product of two float16 values
+    is exact in float64, and the kernel's fma.rn.f16x2(e, coef, 1024) rounds it once to an integer
+    (float16 spacing is 1 in [1024, 2048), and 1024 is even)."""
+    e16 = np.asarray(e, dtype=np.float32).astype(np.float16).astype(np.float64)
+    c16 = np.asarray(coef, dtype=np.float32).astype(np.float16).astype(np.float64)
+    return np.clip(np.rint(e16 * c16), 0, P_LEVELS).astype(np.float32)
 
 
 def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:

@@ -214,7 +214,9 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q, key_tile=BLOCK_KV):
             s_v = qi["v_scale"][bi, hk, cols // BLOCK_KV]  # per key
             s_max = max(s_v[c] for c in range(0, len(cols), BLOCK_KV) if c == 0 or cols[c] < lk)
             coef = np.array([f32(255) if sv == s_max else f32(f32(255) * sv) * (f32(1) / s_max) for sv in s_v], f32)
-            p = np.clip(np.rint((coef[None, :] * e).astype(f32)), 0, 255)  # numerics: unsigned P̂, 255 levels
+            # numerics: unsigned P̂, 255 levels, the product of e and coef as float16 values (exact in float64)
+            e16, c16 = e.astype(np.float16).astype(np.float64), coef.astype(np.float16).astype(np.float64)
+            p = np.clip(np.rint(c16[None, :] * e16), 0, 255)
             beta, alpha = np.exp2(rmax - m0), np.exp2(m - m0)
             l = alpha * l + beta * e.sum(axis=1, dtype=f32)
             pv = (p.astype(np.float64) @ qi["v_int8"][bi, hk, cols].astype(np.float64)).astype(f32)
@@ -416,3 +418,23 @@ def test_quantize_tile_properties():
                 assert np.all(err <= scale.astype(np.float64) * (0.5 + 1e-4)), (mag, axis, levels)
         vals, scale = quantize_tile(np.zeros((64, 64), np.float32), -1)
         assert np.all(vals == 0) and np.all(scale == 1)
+
+
+def test_forward_p_codes_are_the_kernels_float16_rounding():
+    """numerics.forward_p_codes, rint(fp16(e)·fp16(coef)), is what the kernel's fma.rn.f16x2(e, coef,
+    1024) leaves in each half's low byte: the float16 nearest to 1024 + the exact product, less 1024.
+    Within a float16 step of e·coef, 255 at e = 1 and coef = 255, 0 at e = 0."""
+    from sagebwd_cp.numerics import forward_p_codes
+
+    rng = np.random.default_rng(3)
+    e = np.concatenate([rng.random(20000), np.exp2(-rng.random(20000) * 30), [0.0, 1.0]]).astype(np.float32)
+    coef = np.concatenate([rng.random(e.size - 2) * 255, [255.0, 255.0]]).astype(np.float32)
+    codes = forward_p_codes(e, coef)
+    e16, c16 = e.astype(np.float16).astype(np.float64), coef.astype(np.float16).astype(np.float64)
+    fma16 = (e16 * c16 + 1024.0).astype(np.float16)  # float64 holds the product exactly: one rounding
+    assert np.array_equal(codes, fma16.astype(np.float32) - 1024)
+    assert codes.min() >= 0 and codes.max() <= 255 and codes[-1] == 255 and codes[-2] == 0
+    # fp16(e) and fp16(coef) are each within 2^-11 relatively, so the code stays within half a step plus that
+    assert np.all(np.abs(codes - e.astype(np.float64) * coef) <= 0.5 + 255 * 2.0 ** -10)
+    # ties go to even, as the FMA rounds: 2.5 -> 2, 3.5 -> 4
+    assert list(forward_p_codes(np.float32([0.5, 0.5]), np.float32([5.0, 7.0]))) == [2.0, 4.0]
