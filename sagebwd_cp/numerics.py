@@ -32,7 +32,7 @@ Conventions
   divided by the token count in float64 and rounded to float32; then k - μ_K in float32.
 * Forward P quantization (per row of a key tile, the "free" scale): with rmax the tile's row max of
   S and m_new the running max, e = exp2(S - rmax), P̂ = rint(255 * e) (unsigned: P ≥ 0, so all
-  256 codes of a u8 operand are used), l = α·l + β·Σe and acc = α·acc + (P̂V̂)·(β/255)·s_V with
+  256 codes of a u8 operand are used; e and 255 as float16 values, below), l = α·l + β·Σe and acc = α·acc + (P̂V̂)·(β/255)·s_V with
   β = exp2(rmax - m_new), α = exp2(m - m_new).  A key tile of 128 keys (the wgmma forward) spans
   two V blocks: it quantizes P̃·s_V[block]/s_max per row instead (legal: the scale is applied
   before the rounding), P̂ = rint(coef·e) with coef = 255 for a block whose s_V equals s_max and
