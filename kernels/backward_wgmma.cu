@@ -49,6 +49,10 @@ constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 // the last stores 48-63).
 constexpr int DQ_COLS = (DP / GROUPS + 7) / 8 * 8;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
+// dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
+// of DQ_CHUNK_NT n-tiles in flight): 32 columns, or the 24 of three warpgroups.
+constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : 4, DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
+static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
 SB_DEVICE int dq_col0(int w) { return GROUPS * DQ_COLS == DP ? w * DQ_COLS : min(w * DQ_COLS, DP - DQ_COLS); }
 // Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows: blocks of 128 keys one after the other,
 // the last one half used when GROUPS is odd (so that every block keeps the 128-byte swizzle).
@@ -379,7 +383,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 
         // dV += P̂ᵀ dÔ, one chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
-        int pr[NT_CH][4];
+        int pr[NT_CH][4], pr2[NT_CH][4];  // pr2: dK's odd chunks where they pair up (below)
         rows_issue<SB_FINE>(pr, pf, sdot_lo, 0);
         // Later chunks one at a time between the steps below: step c folds chunk c - 1 and issues chunk c.
         auto dv_step = [&](int c) {
@@ -494,76 +498,84 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         if (tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
         __syncthreads();  // both warpgroups' Ŷ and scales are in shared memory
 
-        // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), each an int32
-        // product of two k-steps; dK's chunks interleave with them. The FP32 sum builds up in the
-        // shared dQ tile (registers are short): kb = 0 stores, later blocks add; ROOMY holds kb = 0's
-        // term in registers and kb = 1 stores the sum.
+        // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), in column chunks of
+        // DQ_CHUNK_COLS: each chunk's int32 products of every key block are in flight at once and fold in one
+        // pass, Σ_kb float(Ŷ_kb K̂_kb)·ŷ_kb (I2FP, FMUL or FFMA), into one store to the shared dQ tile. dK's
+        // chunks interleave with them.
         {
-            int pq[NT_DQ][4];
-            float dq_held[ROOMY ? NT_DQ : 1][4];
+            int pq[GROUPS][DQ_CHUNK_NT][4];
             // This thread's rows and columns.
             const int ft = loop_tid(), fw = loop_wg(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const int col0 = dq_col0(fw), own0 = fw * DQ_COLS;  // first computed and first stored column
             float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + col0 + 2 * (ft & 3);
             const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
-            auto issue_dq = [&](int kb) {
-                const int blk = kb / 2 * (BQ * 128 / 16), in = 64 * (kb % 2);  // Ŷ's and K̂ᵀ's 128-key block, offset in it
-                const int kt_blk = kb / 2 * (DP * 128 / 16);
+            auto issue_dq = [&](int c) {
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
-                    wgmma_s8_ss(pq, wgmma_desc<128>(ds_desc + blk, in + 32 * kk), wgmma_desc<128>(kt_lo + kt_blk, in + 32 * kk), kk);
+                for (int kb = 0; kb < GROUPS; ++kb) {
+                    const int blk = kb / 2 * (BQ * 128 / 16), in = 64 * (kb % 2);  // Ŷ's and K̂ᵀ's 128-key block, offset in it
+                    const int kt_blk = kb / 2 * (DP * 128 / 16) + c * DQ_CHUNK_COLS * 128 / 16;
+#pragma unroll
+                    for (int kk = 0; kk < 2; ++kk)
+                        wgmma_s8_ss(pq[kb], wgmma_desc<128>(ds_desc + blk, in + 32 * kk), wgmma_desc<128>(kt_lo + kt_blk, in + 32 * kk), kk);
+                }
                 wgmma_commit();
             };
-            auto fold_dq = [&](int kb) {
-                wgmma_hold_all(pq);
-                const float f[2] = {yscale_s[kb * BQ + rows], yscale_s[kb * BQ + rows + 8]};
+            auto fold_dq = [&](int c) {
 #pragma unroll
-                for (int n = 0; n < NT_DQ; ++n) {
-                    if (DP % GROUPS != 0 && col0 + 8 * n < own0) continue;  // another warpgroup's columns
+                for (int kb = 0; kb < GROUPS; ++kb) wgmma_hold_all(pq[kb]);
+                float f[GROUPS][2];
+#pragma unroll
+                for (int kb = 0; kb < GROUPS; ++kb) f[kb][0] = yscale_s[kb * BQ + rows], f[kb][1] = yscale_s[kb * BQ + rows + 8];
+#pragma unroll
+                for (int n = 0; n < DQ_CHUNK_NT; ++n) {
+                    const int col = c * DQ_CHUNK_COLS + 8 * n;
+                    if (DP % GROUPS != 0 && col0 + col < own0) continue;  // another warpgroup's columns
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        float2* sp = reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + n * 8);
-                        float2 x = make_float2(static_cast<float>(pq[n][2 * half]) * f[half],
-                                               static_cast<float>(pq[n][2 * half + 1]) * f[half]);
-                        if constexpr (ROOMY) {
-                            if (kb == 0) {
-                                dq_held[n][2 * half] = x.x;
-                                dq_held[n][2 * half + 1] = x.y;
-                                continue;
-                            }
-                            x.x += dq_held[n][2 * half];
-                            x.y += dq_held[n][2 * half + 1];
-                        } else if (kb) {
-                            const float2 y = *sp;
-                            x.x += y.x;
-                            x.y += y.y;
+                        float2 x = make_float2(static_cast<float>(pq[0][n][2 * half]) * f[0][half],
+                                               static_cast<float>(pq[0][n][2 * half + 1]) * f[0][half]);
+#pragma unroll
+                        for (int kb = 1; kb < GROUPS; ++kb) {
+                            x.x = fmaf(static_cast<float>(pq[kb][n][2 * half]), f[kb][half], x.x);
+                            x.y = fmaf(static_cast<float>(pq[kb][n][2 * half + 1]), f[kb][half], x.y);
                         }
-                        *sp = x;
+                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + col) = x;
                     }
                 }
             };
-            // One dK chunk and one dQ product in flight, issued alternately: dK s, dQ s, dK s+1, dQ s+1, ...
-            issue_dq(0);
+            // Products in the order dK 0, dQ 0, dK 1, dQ 1, ..., then dK's last chunks, two in flight: each one
+            // is issued once the one two before it is folded. Where dK has two or more chunks after dQ's last,
+            // odd dK chunks accumulate in pr2, so that those run two at a time once dQ's registers are free.
+            static_assert(DQ_CHUNKS <= CHUNKS, "dQ's chunks interleave with dK's");
+            constexpr int PRODUCTS = CHUNKS + DQ_CHUNKS;
+            constexpr bool DK_PAIRS = CHUNKS - DQ_CHUNKS >= 2;
+            // Product x: a dQ chunk (odd x below 2·DQ_CHUNKS) or a dK chunk; its chunk index.
+            auto is_dq = [](int x) { return x < 2 * DQ_CHUNKS && x % 2 == 1; };
+            auto chunk_of = [](int x) { return x < 2 * DQ_CHUNKS ? x / 2 : x - DQ_CHUNKS; };
+            auto issue = [&](int x) {
+                const int c = chunk_of(x);
+                if (is_dq(x))
+                    issue_dq(c);
+                else
+                    rows_issue<false>(DK_PAIRS && c % 2 ? pr2 : pr, zf, sqt_lo, c);
+            };
+            issue(1);  // dK 0 is in flight already
 #pragma unroll
-            for (int st = 0; st < (CHUNKS > GROUPS ? CHUNKS : GROUPS); ++st) {
-                if (st < CHUNKS) {
-                    if (st < GROUPS) wgmma_wait<1>(); else wgmma_wait<0>();  // dK st (dQ st may still run)
-                    {
-                        // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
-                        // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
-                        const float s_qt =
-                            reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
-                        const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
-                        fold_dk(st, pr, zf, fk);
-                    }
-                    if (st + 1 < CHUNKS) rows_issue<false>(pr, zf, sqt_lo, st + 1);
+            for (int x = 0; x < PRODUCTS; ++x) {
+                if (x + 1 < PRODUCTS) wgmma_wait<1>(); else wgmma_wait<0>();  // product x is done (x + 1 may run)
+                const int c = chunk_of(x);
+                if (is_dq(x)) {
+                    fold_dq(c);
+                } else {
+                    // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
+                    // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
+                    const float s_qt =
+                        reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
+                    const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
+                    fold_dk(c, DK_PAIRS && c % 2 ? pr2 : pr, zf, fk);
                 }
-                if (st < GROUPS) {
-                    if (st + 1 < CHUNKS) wgmma_wait<1>(); else wgmma_wait<0>();  // dQ st (dK st+1 may still run)
-                    fold_dq(st);
-                    if (st + 1 < GROUPS) issue_dq(st + 1);
-                }
+                if (x + 2 < PRODUCTS) issue(x + 2);
             }
             fence_proxy_async();  // the bulk reduction reads what these stores wrote
             // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
