@@ -162,9 +162,10 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    // Later query blocks have more work under the causal mask: start them first.
-    const int qb = SB_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    // Later query blocks have more work under the causal mask: they start first, every head's before
+    // any head's next one (heads in x: launch.attention_grid).
+    const int qb = SB_CAUSAL ? (gridDim.y - 1 - blockIdx.y) : blockIdx.x;
+    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
     const int q0 = qb * CTA_Q;
     const i64 bhq = static_cast<i64>(b) * Hq + h, bhk = static_cast<i64>(b) * Hkv + hk;
 
@@ -457,7 +458,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (lse2 && t == 0)
-                    lse2[fresh_batch_head(Hq) * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    lse2[fresh_batch_head<SB_CAUSAL>(Hq) * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

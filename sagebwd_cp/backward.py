@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import numerics, specs
 from .arrays import ArrayDesc
 from .forward import quantize_inputs
-from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, tensor_map
+from .launch import attention_grid, device_arch, f32, i32, i64, ptr, shared_memory_limit, tensor_map
 from .plan import LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
@@ -95,7 +95,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     spec = specs.backward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
                                tiles)
-    plan.launch(spec, "attention_backward", ((Lk + tiles.block_keys - 1) // tiles.block_keys, Hk, B),
+    plan.launch(spec, "attention_backward", attention_grid(Lk, tiles.block_keys, Hk, B, prob.causal and deterministic, "k"),
                 (tiles.threads, 1, 1),
                 [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale), ptr(qz.kt_scale),
                  ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(qz.dot8), ptr(qz.do_scale), ptr(stats),

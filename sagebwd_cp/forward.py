@@ -11,7 +11,7 @@ import dataclasses
 
 from . import numerics, specs
 from .arrays import ArrayDesc, byte_view, current_stream, empty
-from .launch import device_arch, f32, i32, i64, ptr, shared_memory_limit, struct_arg
+from .launch import attention_grid, device_arch, f32, i32, i64, ptr, shared_memory_limit, struct_arg
 from .plan import Buffer, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 
@@ -183,7 +183,7 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
-    grid = ((prob.len_q + tiles.cta_q - 1) // tiles.cta_q, prob.heads_q, prob.batch)
+    grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch, prob.causal, "q")
     # Without Q-smoothing the kernel quantizes Q itself (kernels/forward.cu quantize_q_rows).
     plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
                 [ptr(qz.q8), ptr(qz.q_scale), ptr(qz.k8), ptr(qz.k_scale), ptr(qz.vt8), ptr(qz.v_scale), ptr(qz.bias),

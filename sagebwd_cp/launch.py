@@ -181,3 +181,24 @@ def shared_memory_limit(device_id: int) -> int:
         lim = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
         _device_limits[device_id] = lim
     return lim
+
+
+
+GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z
+
+
+def attention_grid(tokens: int, block: int, heads: int, batch: int, heads_first: bool, arg: str) -> tuple:
+    """The grid of an attention kernel: (blocks, heads, batch), or with ``heads_first`` (heads, blocks,
+    batch). The hardware starts CTAs x first, so there every head's first block starts before any head's
+    second: under a causal mask, where a head's blocks differ in work and the kernels start the heaviest
+    first, the CTAs that start last are the lightest and the grid ends without a tail of heavy CTAs (the
+    forward; benchmarks/NOTES.md, causal grids). The kernels read block and head from the matching axes.
+    ``tokens`` of ``arg`` make blocks of ``block``."""
+    blocks = (tokens + block - 1) // block
+    if heads_first and blocks > GRID_YZ_LIMIT:
+        raise ValueError(f"{arg}: causal attention takes at most {GRID_YZ_LIMIT * block} tokens "
+                         f"({GRID_YZ_LIMIT} blocks of {block}), got {tokens}")
+    if heads > GRID_YZ_LIMIT and not heads_first or batch > GRID_YZ_LIMIT:
+        raise ValueError(f"{arg}: at most {GRID_YZ_LIMIT} heads and {GRID_YZ_LIMIT} batch entries, "
+                         f"got {heads} heads and batch {batch}")
+    return (heads, blocks, batch) if heads_first else (blocks, heads, batch)

@@ -352,8 +352,8 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
-    # token_sum; K and V (two blocks a CTA; the forward kernel quantizes Q); the attention
-    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 1 + 2 * 1) // 2, 1, 1), (1, 2, 1)]
+    # token_sum; K and V (two blocks a CTA; the forward kernel quantizes Q); the attention (causal: heads in x)
+    assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 1 + 2 * 1) // 2, 1, 1), (2, 1, 1)]
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
     sagebwd_cp.attention_backward(saved, do, deterministic=True)
@@ -617,3 +617,18 @@ def test_token_sum_parts_cover_every_token_once(batch, heads, n):
     parts, span = token_sum_parts(batch, heads, n)
     assert 1 <= parts <= SUM_MAX_PARTS and (parts - 1) * span < n <= parts * span
     assert parts == 1 or span >= SUM_MIN_SPAN
+
+
+def test_causal_grids_start_every_heads_heaviest_block_first():
+    """Causal grids put heads in x, which the hardware starts first: in start order every head's first
+    (heaviest) block comes before any head's second. Non-causal grids keep blocks in x, without the
+    65535 limit of y and z; a causal length past it is refused, naming the argument."""
+    assert launch.attention_grid(1000, 64, 8, 2, False, "q") == (16, 8, 2)
+    assert launch.attention_grid(1000, 64, 8, 2, True, "q") == (8, 16, 2)
+    longest = launch.GRID_YZ_LIMIT * 64
+    assert launch.attention_grid(longest, 64, 8, 1, True, "q") == (8, launch.GRID_YZ_LIMIT, 1)
+    assert launch.attention_grid(longest + 1, 64, 8, 1, False, "q") == (launch.GRID_YZ_LIMIT + 1, 8, 1)
+    with pytest.raises(ValueError, match=rf"^k: causal attention takes at most {longest} tokens .* got {longest + 1}$"):
+        launch.attention_grid(longest + 1, 64, 8, 1, True, "k")
+    with pytest.raises(ValueError, match=r"^q: at most 65535 heads and 65535 batch entries, got 8 heads and batch 65536$"):
+        launch.attention_grid(64, 64, 8, 65536, True, "q")
