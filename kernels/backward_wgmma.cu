@@ -154,10 +154,6 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
-    // Deterministic and causal, heads are in x (launch.attention_grid), so that every head's heaviest key
-    // block starts first: the turns then pass along CTAs that started together (measured: +2-10%). The
-    // others keep a head's CTAs together, which share its query-side tiles in L2 (heads first: -2% at 16K).
-    constexpr bool HEADS_FIRST = SB_CAUSAL && SB_DETERMINISTIC;
     const int j = HEADS_FIRST ? blockIdx.y : blockIdx.x, hk = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
     const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
