@@ -183,7 +183,6 @@ def shared_memory_limit(device_id: int) -> int:
     return lim
 
 
-
 GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z
 
 
