@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import report  # noqa: E402
+import report_common  # noqa: E402
 
-README = os.path.join(report.ROOT, "README.md")
+README = os.path.join(report_common.ROOT, "README.md")
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 IMPL_ORDER = ("sagebwd", "sagebwd[fine]", "sagebwd[paper]", "sageattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
@@ -71,7 +71,7 @@ def load(path: str):
 def check_speed_records(data: dict) -> None:
     """Raise ValueError if a speed record lacks a required key."""
     for i, rec in enumerate(data.get("records", [])):
-        missing = [k for k in report.SPEED_RECORD_KEYS if k not in rec]
+        missing = [k for k in report_common.SPEED_RECORD_KEYS if k not in rec]
         if missing:
             raise ValueError(f"speed record {i} lacks {missing}: {rec}")
 
@@ -285,13 +285,13 @@ def accuracy_markdown(data: dict) -> str:
                 out += ["", f"### {_shape_text(key)}, granularity \"{gran}\"", "",
                         "| σ | O | dQ | dK | dV | Rel-L2 ÷ SB26 (O / dQ / dK / dV) |", "|---|---|---|---|---|---|"]
                 for sigma in sorted(rows):
-                    pub = report.SB26_TABLE1.get(sigma)
+                    pub = report_common.SB26_TABLE1.get(sigma)
                     ratios = " / ".join("–" if pub is None or t not in rows[sigma] else
                                         f"{rows[sigma][t]['rel_l2'] / pub[t][1]:.2f}" for t in GRADS)
                     out.append(f"| {sigma:g} | " + " | ".join(_cell(rows[sigma].get(t)) for t in GRADS)
                                + f" | {ratios} |")
         out += ["", "### SB26 Table 1 (published)", "", "| σ | O | dQ | dK | dV |", "|---|---|---|---|---|"]
-        for sigma, row in sorted(report.SB26_TABLE1.items()):
+        for sigma, row in sorted(report_common.SB26_TABLE1.items()):
             out.append(f"| {sigma} | " + " | ".join(f"{row[t][0]:.4f} / {row[t][1]:.4f}" for t in GRADS) + " |")
     inter = [r for r in recs if r["table"] == "intermediates"]
     if inter:
@@ -312,7 +312,7 @@ def accuracy_markdown(data: dict) -> str:
                 cells.append(_cell(hit[0]) if hit else "–")
             if all(c == "–" for c in cells):
                 continue
-            pub = report.SB26_TABLE2.get(tensor)
+            pub = report_common.SB26_TABLE2.get(tensor)
             out.append(f"| {TENSOR_LABEL[tensor]} | " + " | ".join(cells) + " | "
                        + ("–" if pub is None else f"{pub[0]:.4f} / {pub[1]:.4f}") + " |")
     smooth = [r for r in recs if r["table"] == "smoothing"]
@@ -450,7 +450,7 @@ def headline(speed, accuracy, memory, results_link: str) -> str:
             gran = "fine" if "fine" in _granularities(sig) else (_granularities(sig) or [None])[0]
             row = sigma_rows(sig, key, gran).get(1)
             if row:
-                pub = report.SB26_TABLE1[1]
+                pub = report_common.SB26_TABLE1[1]
                 lines.append(f"Accuracy at σ = 1 ({_shape_text(key)}, granularity \"{gran}\"), Rel-L2 against FP64: "
                              + ", ".join(f"{t} {row[t]['rel_l2']:.4f}" for t in GRADS if t in row)
                              + " (SB26 Table 1: " + ", ".join(f"{pub[t][1]:.4f}" for t in GRADS) + ").")
@@ -530,7 +530,7 @@ def main(argv=None) -> int:
     target = args.results
     if target is None:
         found = sorted({os.path.dirname(p) for n in ("speed", "accuracy", "memory")
-                        for p in glob.glob(os.path.join(report.DEFAULT_RESULTS, "*", f"{n}.json"))})
+                        for p in glob.glob(os.path.join(report_common.DEFAULT_RESULTS, "*", f"{n}.json"))})
         if len(found) != 1:
             ap.error(f"name a results folder; found {found or 'none'}")
         target = found[0]

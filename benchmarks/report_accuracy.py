@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import report  # noqa: E402
+import report_common  # noqa: E402
 
 SIGMAS = (1, 3, 5, 8, 10)
 GRANULARITIES = ("fine", "paper")
@@ -65,7 +65,7 @@ class Backend:
         if host:
             self.name = "host-emulator"
         else:
-            self.name = report.cuda_device_name()
+            self.name = report_common.cuda_device_name()
 
     def sigma_base(self, b, h, n, d, seed):
         """float32 (q, k, v, dO) in HND with std 1: on the GPU drawn like the GPU tests draw them."""
@@ -151,7 +151,7 @@ def sigma_sweep(be: Backend, configs, heads, sigmas, granularities) -> list:
             res = be.run(q, k, v, do, granularities)
             recs = _scored(res, be.exact(q, k, v, do), table="sigma", source=_source(be), sigma=sigma, **shape)
             records += recs
-            report.log(f"  σ sweep d={d} N={n} σ={sigma}: " + _summary(recs))
+            report_common.log(f"  σ sweep d={d} N={n} σ={sigma}: " + _summary(recs))
     return records
 
 
@@ -255,7 +255,7 @@ def intermediates_table(heads, n, d, granularities) -> list:
         ref = exact[{"P_hat": "P", "dS_hat_q": "dS", "dS_hat_k": "dS"}.get(tensor, tensor)]
         records.append(dict(table="intermediates", source="emulator", granularity=gran, tensor=tensor,
                             **shape, **metrics(x, ref)))
-    report.log("  intermediates (emulator): " + "  ".join(
+    report_common.log("  intermediates (emulator): " + "  ".join(
         f"{r['tensor']}{'' if r['granularity'] is None else '/' + r['granularity']} {r['rel_l2']:.4f}"
         for r in records))
     return records
@@ -270,7 +270,7 @@ def smoothing_table(be: Backend, heads, n, d, granularities) -> list:
         recs = _scored(be.run(q, k, v, do, granularities, **options), exact, table="smoothing",
                        source=_source(be), smoothing=variant, **shape)
         records += recs
-        report.log(f"  smoothing {variant:<4}: " + _summary(recs))
+        report_common.log(f"  smoothing {variant:<4}: " + _summary(recs))
     return records
 
 
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", action="store_true", help="run the NumPy emulator on the CPU (no GPU needed)")
     ap.add_argument("--out", default=None, help="JSON path (required with --host)")
-    ap.add_argument("--results-dir", default=report.DEFAULT_RESULTS)
+    ap.add_argument("--results-dir", default=report_common.DEFAULT_RESULTS)
     ap.add_argument("--configs", type=_shape_arg, nargs="+", default=None, metavar="D:N",
                     help="σ-sweep shapes as head_dim:seqlen (default 64:1024 128:4096; --host 64:256)")
     ap.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS))
@@ -307,23 +307,24 @@ def main(argv=None) -> int:
 
     start = time.time()
     be = Backend(args.host)
-    report.log(f"accuracy on {be.name}")
+    report_common.log(f"accuracy on {be.name}")
     records = sigma_sweep(be, configs, heads, sigmas, args.granularities)
     records += intermediates_table(heads, bias_n, bias_d, args.granularities)
     records += smoothing_table(be, heads, bias_n, bias_d, args.granularities)
     kernels = "the NumPy emulator (host)" if args.host else "the GPU kernels"
-    meta = report.metadata(be.name, seconds=round(time.time() - start, 1),
-                           sources={"sigma": kernels, "intermediates": "the NumPy emulator", "smoothing": kernels,
-                                    "reference": "float64 NumPy (sagebwd_cp.reference)" if args.host
-                                    else "float64 torch autograd on the GPU (SDPA math backend)"},
-                           inputs={"sigma": {"description": "q, k ~ N(0, σ²); v, dO ~ N(0, 1); fp16; seeds "
-                                                            f"{SIGMA_SEED} (q, k, v) and {SIGMA_SEED + 1} (dO)"},
-                                   "bias": {"description": f"q, v, dO ~ N(0, 1), k = N(0, 1) + {BIAS_STRENGTH:g}·c "
-                                                           "with c ~ N(0, 1) per (head, channel); fp16",
-                                            "strength": BIAS_STRENGTH, "seed": BIAS_SEED}})
+    meta = report_common.metadata(
+        be.name, seconds=round(time.time() - start, 1),
+        sources={"sigma": kernels, "intermediates": "the NumPy emulator", "smoothing": kernels,
+                 "reference": "float64 NumPy (sagebwd_cp.reference)" if args.host
+                 else "float64 torch autograd on the GPU (SDPA math backend)"},
+        inputs={"sigma": {"description": "q, k ~ N(0, σ²); v, dO ~ N(0, 1); fp16; seeds "
+                                         f"{SIGMA_SEED} (q, k, v) and {SIGMA_SEED + 1} (dO)"},
+                "bias": {"description": f"q, v, dO ~ N(0, 1), k = N(0, 1) + {BIAS_STRENGTH:g}·c "
+                                        "with c ~ N(0, 1) per (head, channel); fp16",
+                         "strength": BIAS_STRENGTH, "seed": BIAS_SEED}})
     data = {"kind": "accuracy", "metadata": meta, "records": records}
-    out = args.out or os.path.join(report.device_dir(args.results_dir, be.name), "accuracy.json")
-    report.write_json(out, data)
+    out = args.out or os.path.join(report_common.device_dir(args.results_dir, be.name), "accuracy.json")
+    report_common.write_json(out, data)
 
     import render_report
 

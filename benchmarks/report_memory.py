@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import report  # noqa: E402
+import report_common  # noqa: E402
 from bench_attention import peak_mib, timed  # noqa: E402
 from report_speed import failure_reason  # noqa: E402
 
@@ -36,7 +36,7 @@ _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*
 def library_kernels() -> set:
     """The names of our kernels, read from kernels/*.cu so the list cannot go stale."""
     names = set()
-    for path in glob.glob(os.path.join(report.ROOT, "kernels", "*.cu")):
+    for path in glob.glob(os.path.join(report_common.ROOT, "kernels", "*.cu")):
         with open(path) as f:
             names.update(_ENTRY.findall(f.read()))
     return names - NOT_ATTENTION
@@ -58,7 +58,7 @@ def category(name: str, library: set) -> str:
 def _inputs(dtype, d, n):
     import torch
 
-    b, h = report.sweep_shape(n, d)
+    b, h = report_common.sweep_shape(n, d)
     tdt = getattr(torch, dtype)
     return b, h, tuple(torch.randn((b, h, n, d), device="cuda", dtype=tdt) for _ in range(4))
 
@@ -113,11 +113,11 @@ def measure_peaks(dtype, head_dims, seqlens, causal, impls, skipped) -> list:
                     peak = peak_mib(fwdbwd_call(impl, q, k, v, do, causal))
                 except Exception as exc:  # noqa: BLE001 - a backend without a kernel for this shape
                     skipped.append(dict(key, reason=failure_reason(exc)))
-                    report.log(f"  {impl:<16} d={d} N={n}: skipped ({failure_reason(exc)})")
+                    report_common.log(f"  {impl:<16} d={d} N={n}: skipped ({failure_reason(exc)})")
                     torch.cuda.empty_cache()
                     continue
                 records.append(dict(key, peak_mib=peak, inputs_mib=inputs, cupy_pool_mib=cupy_pool_mib()))
-                report.log(f"  {impl:<16} d={d} N={n}: peak {peak:8.1f} MiB (inputs {inputs:.0f} MiB)")
+                report_common.log(f"  {impl:<16} d={d} N={n}: peak {peak:8.1f} MiB (inputs {inputs:.0f} MiB)")
             q = k = v = do = None  # free this shape's inputs before the next one is allocated
             torch.cuda.empty_cache()
     return records
@@ -164,7 +164,7 @@ def _profile_shape(dtype, d, n, causals, granularities, iters, library, records,
                 wall = timed(fn, reps=5, warmup=1)
             except Exception as exc:  # noqa: BLE001
                 skipped.append(dict(key, reason=failure_reason(exc)))
-                report.log(f"  profile {impl} {pass_} d={d} N={n}: skipped ({failure_reason(exc)})")
+                report_common.log(f"  profile {impl} {pass_} d={d} N={n}: skipped ({failure_reason(exc)})")
                 continue
             cats = {}
             for name, ms in kernels.items():
@@ -173,9 +173,9 @@ def _profile_shape(dtype, d, n, causals, granularities, iters, library, records,
             total = sum(kernels.values())
             records.append(dict(key, wall_ms=wall, kernel_ms=total, categories=cats, kernels=kernels,
                                 launches=launches))
-            report.log(f"  profile {impl:<15} {pass_:<6} d={d} N={n} {'c' if causal else 'nc'}: wall "
-                       f"{wall:7.2f} ms, kernels {total:7.2f} ms, " + ", ".join(
-                           f"{c} {100 * ms / total:.1f}%" for c, ms in sorted(cats.items())))
+            report_common.log(f"  profile {impl:<15} {pass_:<6} d={d} N={n} {'c' if causal else 'nc'}: wall "
+                              f"{wall:7.2f} ms, kernels {total:7.2f} ms, " + ", ".join(
+                                  f"{c} {100 * ms / total:.1f}%" for c, ms in sorted(cats.items())))
 
 
 def profile_calls(dtype, head_dims, seqlens, causals, granularities, iters, skipped) -> list:
@@ -202,25 +202,26 @@ def main(argv=None) -> int:
     ap.add_argument("--granularities", nargs="+", choices=("fine", "paper"), default=["fine", "paper"])
     ap.add_argument("--iters", type=int, default=3, help="profiled calls per measurement")
     ap.add_argument("--quick", action="store_true", help="profile N = 4K only, non-causal")
-    ap.add_argument("--results-dir", default=report.DEFAULT_RESULTS)
+    ap.add_argument("--results-dir", default=report_common.DEFAULT_RESULTS)
     ap.add_argument("--out", default=None, help="JSON path (default <results-dir>/<device>/memory.json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.profile_seqlens, args.causal = args.profile_seqlens[:1], "no"
 
-    device = report.cuda_device_name()
+    device = report_common.cuda_device_name()
     start = time.time()
     skipped = []
     peak = measure_peaks(args.dtype, args.head_dims, args.seqlens, False, args.impls, skipped)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     prof = profile_calls(args.dtype, args.head_dims, args.profile_seqlens, causals, args.granularities,
                          args.iters, skipped)
-    meta = report.metadata(device, seconds=round(time.time() - start, 1),
-                           kernel_categories={"quantization": sorted(QUANTIZATION), "attention": sorted(ATTENTION),
-                                              "prepost": sorted(library_kernels() - QUANTIZATION - ATTENTION)})
+    meta = report_common.metadata(
+        device, seconds=round(time.time() - start, 1),
+        kernel_categories={"quantization": sorted(QUANTIZATION), "attention": sorted(ATTENTION),
+                           "prepost": sorted(library_kernels() - QUANTIZATION - ATTENTION)})
     data = {"kind": "memory", "metadata": meta, "peak": peak, "profile": prof, "skipped": skipped}
-    out = args.out or os.path.join(report.device_dir(args.results_dir, device), "memory.json")
-    report.write_json(out, data)
+    out = args.out or os.path.join(report_common.device_dir(args.results_dir, device), "memory.json")
+    report_common.write_json(out, data)
 
     import render_report
 

@@ -3,7 +3,7 @@ kernels against SDPA's FlashAttention2, cuDNN and memory-efficient backends and 
 1.0.6 Triton forward (inference only, where installed), with the INT8 and 16-bit mma.sync
 ceilings measured in the same run.
 
-16K tokens per batch, hidden 2048 (heads = 2048 / head_dim); FLOPs as in report.py.  Backward
+16K tokens per batch, hidden 2048 (heads = 2048 / head_dim); FLOPs as in report_common.py.  Backward
 alone: ours is one attention_backward call on a saved state (its quantization and pre/postprocess
 included); the peers' is torch.autograd.grad on a retained SDPA graph.  Two input sets alternate
 so that no call finds its inputs in L2.  A peer that rejects a shape is skipped with the reason.
@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import report  # noqa: E402
+import report_common  # noqa: E402
 from bench_attention import measure_ceilings, timed  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -42,7 +42,7 @@ def ours_name(pass_: str, granularity: str | None) -> str:
 
 
 def make_record(impl, pass_, dtype, head_dim, causal, seqlen, batch, heads, ms) -> dict:
-    tflops = report.flops(pass_, batch, heads, seqlen, head_dim, causal) / (ms * 1e-3) / 1e12
+    tflops = report_common.flops(pass_, batch, heads, seqlen, head_dim, causal) / (ms * 1e-3) / 1e12
     return {"impl": impl, "pass": pass_, "dtype": dtype, "head_dim": head_dim, "causal": causal, "seqlen": seqlen,
             "batch": batch, "heads": heads, "ms": ms, "tflops": tflops}
 
@@ -75,7 +75,7 @@ class Config:
         import torch
 
         self.dtype, self.head_dim, self.seqlen = dtype, head_dim, seqlen
-        self.batch, self.heads = report.sweep_shape(seqlen, head_dim)
+        self.batch, self.heads = report_common.sweep_shape(seqlen, head_dim)
         shape = (self.batch, self.heads, seqlen, head_dim)
         tdt = getattr(torch, dtype)
         self.sets = [tuple(torch.randn(shape, device="cuda", dtype=tdt) for _ in range(4)) for _ in range(2)]
@@ -155,7 +155,7 @@ def _release(torch) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: report it, later calls will fail too
-        report.log(f"  CUDA error after a failure: {failure_reason(exc)}")
+        report_common.log(f"  CUDA error after a failure: {failure_reason(exc)}")
 
 
 def run_config(cfg, causal, passes, impls, granularities, warmup, reps, records, skipped):
@@ -194,13 +194,13 @@ def run_config(cfg, causal, passes, impls, granularities, warmup, reps, records,
             except Exception as exc:  # noqa: BLE001 - e.g. a backend without a kernel for this shape
                 reason = failure_reason(exc)
                 skipped.append(dict(impl=name, **{"pass": pass_}, **key, reason=reason))
-                report.log(f"  {name:<16} {pass_:<6} skipped: {reason}")
+                report_common.log(f"  {name:<16} {pass_:<6} skipped: {reason}")
                 fn = None
                 _release(torch)
                 continue
             rec = make_record(name, pass_, cfg.dtype, cfg.head_dim, causal, cfg.seqlen, cfg.batch, cfg.heads, ms)
             records.append(rec)
-            report.log(f"  {name:<16} {pass_:<6} {ms:9.3f} ms {rec['tflops']:7.1f} TOPS")
+            report_common.log(f"  {name:<16} {pass_:<6} {ms:9.3f} ms {rec['tflops']:7.1f} TOPS")
             fn = None  # frees retained graphs and saved states before the next job allocates its own
 
 
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 10; 5 at N=32K)")
     ap.add_argument("--quick", action="store_true", help="N = 4K and 16K, fp16, 3 timed calls: a smoke run")
-    ap.add_argument("--results-dir", default=report.DEFAULT_RESULTS)
+    ap.add_argument("--results-dir", default=report_common.DEFAULT_RESULTS)
     ap.add_argument("--out", default=None, help="JSON path (default <results-dir>/<device>/speed.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -224,10 +224,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    device = report.cuda_device_name()
+    device = report_common.cuda_device_name()
     start = time.time()
     int8_tops, f16_tflops = measure_ceilings()
-    report.log(f"{device}: INT8 mma.sync {int8_tops:.0f} TOPS, 16-bit mma.sync {f16_tflops:.0f} TFLOPS")
+    report_common.log(f"{device}: INT8 mma.sync {int8_tops:.0f} TOPS, 16-bit mma.sync {f16_tflops:.0f} TFLOPS")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     records, skipped, timing = [], [], {}
     for dtype in args.dtypes:
@@ -237,21 +237,22 @@ def main(argv=None) -> int:
                 timing[n] = {"warmup": warmup, "reps": reps}
                 cfg = Config(dtype, d, n)
                 for causal in causals:
-                    report.log(f"[{time.time() - start:6.0f} s] {dtype} d={d} N={n} "
-                               f"{'causal' if causal else 'non-causal'} B={cfg.batch} H={cfg.heads}")
+                    report_common.log(f"[{time.time() - start:6.0f} s] {dtype} d={d} N={n} "
+                                      f"{'causal' if causal else 'non-causal'} B={cfg.batch} H={cfg.heads}")
                     run_config(cfg, causal, args.passes, args.impls, args.granularities, warmup, reps, records, skipped)
                 del cfg
                 torch.cuda.empty_cache()
     elapsed = time.time() - start
-    meta = report.metadata(device, ceilings={"int8_mma_tops": int8_tops, "fp16_mma_tflops": f16_tflops},
-                           sweep={"tokens_per_batch": report.TOKENS_PER_BATCH, "hidden": report.HIDDEN,
-                                  "layout": "HND", "timing": "median of CUDA-event times after warm-up",
-                                  "reps": timing, "granularities": args.granularities},
-                           seconds=round(elapsed, 1))
+    meta = report_common.metadata(
+        device, ceilings={"int8_mma_tops": int8_tops, "fp16_mma_tflops": f16_tflops},
+        sweep={"tokens_per_batch": report_common.TOKENS_PER_BATCH, "hidden": report_common.HIDDEN,
+               "layout": "HND", "timing": "median of CUDA-event times after warm-up",
+               "reps": timing, "granularities": args.granularities},
+        seconds=round(elapsed, 1))
     data = {"kind": "speed", "metadata": meta, "records": records, "skipped": skipped}
-    out = args.out or os.path.join(report.device_dir(args.results_dir, device), "speed.json")
-    report.write_json(out, data)
-    report.log(f"speed sweep: {len(records)} measurements, {len(skipped)} skipped, {elapsed:.0f} s")
+    out = args.out or os.path.join(report_common.device_dir(args.results_dir, device), "speed.json")
+    report_common.write_json(out, data)
+    report_common.log(f"speed sweep: {len(records)} measurements, {len(skipped)} skipped, {elapsed:.0f} s")
 
     import render_report
 

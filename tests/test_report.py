@@ -11,11 +11,11 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 
 import render_report  # noqa: E402
-import report  # noqa: E402
+import report_common  # noqa: E402
 import report_speed  # noqa: E402
 
 KEY = dict(dtype="float16", head_dim=128, causal=False, seqlen=16384)
-B, H = report.sweep_shape(16384, 128)
+B, H = report_common.sweep_shape(16384, 128)
 # TOPS per (pass, impl) at KEY; the ratios below follow from these
 TOPS = {("fwd", "sagebwd"): 150.0, ("fwd", "sdpa-flash"): 300.0, ("fwd", "sdpa-cudnn"): 600.0,
         ("fwd", "sageattn"): 400.0,
@@ -27,8 +27,8 @@ TOPS = {("fwd", "sagebwd"): 150.0, ("fwd", "sdpa-flash"): 300.0, ("fwd", "sdpa-c
 
 def _record(pass_, impl, tops, **over):
     k = dict(KEY, **over)
-    b, h = report.sweep_shape(k["seqlen"], k["head_dim"])
-    ms = report.flops(pass_, b, h, k["seqlen"], k["head_dim"], k["causal"]) / (tops * 1e12) * 1e3
+    b, h = report_common.sweep_shape(k["seqlen"], k["head_dim"])
+    ms = report_common.flops(pass_, b, h, k["seqlen"], k["head_dim"], k["causal"]) / (tops * 1e12) * 1e3
     return report_speed.make_record(impl, pass_, k["dtype"], k["head_dim"], k["causal"], k["seqlen"], b, h, ms)
 
 
@@ -69,7 +69,7 @@ def memory_data():
 
 
 def write_results(tmp_path, parts=("speed", "accuracy", "memory")):
-    target = tmp_path / "results" / report.device_slug("Test GPU")
+    target = tmp_path / "results" / report_common.device_slug("Test GPU")
     target.mkdir(parents=True)
     for name, make in (("speed", speed_data), ("accuracy", accuracy_data), ("memory", memory_data)):
         if name in parts:
@@ -85,7 +85,7 @@ def _row(md: str, start: str) -> str:
 
 def test_speed_records_have_the_required_keys_and_tops():
     rec = report_speed.make_record("sagebwd", "fwd", "float16", 128, False, 16384, 1, 16, 10.0)
-    assert set(report.SPEED_RECORD_KEYS) <= set(rec)
+    assert set(report_common.SPEED_RECORD_KEYS) <= set(rec)
     assert rec["tflops"] == pytest.approx(4 * 16 * 16384**2 * 128 / 10e-3 / 1e12)
     causal_bwd = report_speed.make_record("x", "bwd", "float16", 64, True, 4096, 4, 32, 1.0)
     assert causal_bwd["tflops"] == pytest.approx(2.5 * 4 * 4 * 32 * 4096**2 * 64 / 2 / 1e-3 / 1e12)
@@ -97,9 +97,9 @@ def test_speed_records_have_the_required_keys_and_tops():
 
 
 def test_sweep_shapes_and_device_folder():
-    assert report.sweep_shape(1024, 64) == (16, 32)
-    assert report.sweep_shape(32768, 128) == (1, 16)
-    assert report.device_slug("NVIDIA H200") == "NVIDIA_H200"
+    assert report_common.sweep_shape(1024, 64) == (16, 32)
+    assert report_common.sweep_shape(32768, 128) == (1, 16)
+    assert report_common.device_slug("NVIDIA H200") == "NVIDIA_H200"
     calls = []
     fn = report_speed.alternate(calls.append)
     for _ in range(4):
