@@ -236,8 +236,9 @@ def test_host_accuracy_needs_out():
 
 
 def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp_path, monkeypatch):
-    """benchmarks/ab_kernels.py: our rows of bench_attention's table by (d, causal, N, pass, impl),
+    """tools/ab_kernels.py: our rows of bench_attention's table by (d, causal, N, pass, impl),
     and the checkout's kernel sources back in place even when the base version's run fails."""
+    sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tools"))
     import ab_kernels
 
     table = ("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN  %int8  peak(fwd+bwd)\n"

@@ -5,14 +5,18 @@ on an idle GPU and its time includes the host work before its first launch. Time
 (events around each call, one synchronize at the end, the host running ahead as in training) the
 same call shows its GPU time. The difference is the host time the first method exposes.
 
-    python benchmarks/probe_host_gap.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
+    python tools/probe_host_gap.py [--seqlens 1024 4096 16384] [--head-dims 64 128]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
-from bench_attention import timed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from bench_attention import timed  # noqa: E402
 
 
 def back_to_back(fn, reps=20, warmup=3) -> float:

@@ -1,16 +1,20 @@
 """Time per head of the forward kernel (attend-only) and of the whole backward as the head count
 varies at a fixed N: a sawtooth in ms/head shows the cost of the grid's last partial wave. With
 --fixed-ctas, the forward kernel at N = 1K..16K with N·H fixed (the same 4096 work tiles), so that
-time = A + B·(key tiles per work tile) separates a fixed cost per work tile (benchmarks/NOTES.md).
+time = A + B·(key tiles per work tile) separates a fixed cost per work tile (docs/history/PERFORMANCE_LOG.md).
 
-    python benchmarks/probe_waves.py [--seqlen 4096] [--heads 56 72] [--head-dims 64 128] [--backward]
-    python benchmarks/probe_waves.py --fixed-ctas
+    python tools/probe_waves.py [--seqlen 4096] [--heads 56 72] [--head-dims 64 128] [--backward]
+    python tools/probe_waves.py --fixed-ctas
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-from bench_attention import timed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from bench_attention import timed  # noqa: E402
 
 
 def inputs(h, n, d):

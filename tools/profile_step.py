@@ -4,7 +4,7 @@ Runs ``--warmup`` untimed steps then ``--steps`` more; pick the kernel with the 
 filters, e.g.
 
     ncu --kernel-name attention_backward --launch-skip 2 --launch-count 1 --set full \
-        python benchmarks/profile_step.py --head-dim 128 --seqlen 4096 --pass bwd
+        python tools/profile_step.py --head-dim 128 --seqlen 4096 --pass bwd
 """
 from __future__ import annotations
 

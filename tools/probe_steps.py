@@ -7,15 +7,19 @@ Every kernel launch and memset of a plan gets a CUDA event before and after it (
 launch path, wrapped), so each step's time is its own, with the steps queued back to back as in a
 real call; the median over --reps calls is printed, and the call's time without the events.
 
-    python benchmarks/probe_steps.py [--seqlens 4096 16384] [--head-dims 64 128] [--causal]
+    python tools/probe_steps.py [--seqlens 4096 16384] [--head-dims 64 128] [--causal]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
+import sys
 
-from bench_attention import timed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from bench_attention import timed  # noqa: E402
 
 
 class _EventedCuda:

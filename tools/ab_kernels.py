@@ -5,8 +5,8 @@ and prints the three side by side. Compiled kernels are cached by source, so bot
 Prepare the other version where the checkout is (the folder is git-ignored; carry it to the GPU
 machine with the run):
 
-    git archive <commit> kernels ptx | tar -x -C benchmarks/ab_base
-    python benchmarks/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
+    git archive <commit> kernels ptx | tar -x -C tools/ab_base
+    python tools/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
 
 With ``--base-env NAME=VALUE`` (repeatable) the base is instead these same sources run with those
 environment settings, e.g. ``--base-env SAGEBWD_BACKWARD_GROUPS=3`` against the default choice.
@@ -57,7 +57,7 @@ def _bench(bench_args, env=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default=os.path.join(ROOT, "benchmarks", "ab_base"),
+    ap.add_argument("--base", default=os.path.join(ROOT, "tools", "ab_base"),
                     help="a folder holding the other version's kernels/ and ptx/")
     ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
                     help="compare with these sources under this environment setting instead of --base")

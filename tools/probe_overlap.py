@@ -9,9 +9,9 @@ independent input sets of one shape (fp16, 16K tokens per batch, hidden 2048):
   beside    attend on the current stream and pre on a high-priority stream launched after it, joined
             at the end: the pre-pass's CTAs take the slots that attention CTAs free.
 If "beside" is close to "attend", a forward that overlaps its pre-pass with the attention of other
-heads (benchmarks/NOTES.md) would save about "serial" - "beside".
+heads (docs/history/PERFORMANCE_LOG.md) would save about "serial" - "beside".
 
-    python benchmarks/probe_overlap.py [--seqlens 4096 16384] [--head-dims 64 128] [--reps 20]
+    python tools/probe_overlap.py [--seqlens 4096 16384] [--head-dims 64 128] [--reps 20]
 """
 from __future__ import annotations
 
