@@ -2,7 +2,7 @@
 
 fp16, 16K tokens per batch, hidden 2048 (heads = 2048 / head_dim), N = 1K..16K.  TOPS use the
 FLOP convention 4·B·H·N²·d for the forward (half when causal), 2.5x that for the backward and
-3.5x for forward+backward (ALGORITHM.md).  Also measures the INT8 and fp16
+3.5x for forward+backward (docs/ALGORITHM.md).  Also measures the INT8 and fp16
 mma.sync ceilings in the same run.  Prints a compact table last; ``--json PATH`` writes records.
 
     python benchmarks/bench_attention.py [--seqlens 4096 16384] [--head-dims 64 128] [--tiles 8x1 4x2]

@@ -33,7 +33,7 @@ SB26_TABLE2 = {"delta": (0.9973, 0.0736), "P": (0.9917, 0.1293), "dS": (0.9789, 
                "dQ": (0.9664, 0.2579), "dK": (0.9537, 0.3074), "dV": (0.9985, 0.0540)}
 
 # ---------------------------------------------------------------------------------------------
-# Shapes and FLOPs (ALGORITHM.md): 16K tokens per batch, hidden 2048; forward 4·B·H·N²·d (half
+# Shapes and FLOPs (docs/ALGORITHM.md): 16K tokens per batch, hidden 2048; forward 4·B·H·N²·d (half
 # when causal), backward 2.5x that, forward+backward 3.5x.
 
 # Keys every speed record carries (report_speed.py writes them, render_report.py checks them).

@@ -266,7 +266,7 @@ def test_backward_against_sdpa_autograd(causal):
         assert cos_sim(g, r) > 0.999 and rel_l2(g, r) < 0.05, name
 
 
-# SB26 Table 1 Rel-L2 of dQ, dK, dV (ALGORITHM.md).
+# SB26 Table 1 Rel-L2 of dQ, dK, dV (docs/ALGORITHM.md).
 PAPER_REL_L2 = {1: (0.0184, 0.0220, 0.0159), 3: (0.0758, 0.0777, 0.0387), 5: (0.2014, 0.2007, 0.0605),
                 8: (0.4666, 0.4699, 0.0973), 10: (0.6648, 0.6684, 0.1157)}
 PAPER_COS = {1: (0.9998, 0.9998, 0.9999), 3: (0.9971, 0.9970, 0.9992), 5: (0.9798, 0.9799, 0.9982),
