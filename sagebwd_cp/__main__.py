@@ -1,18 +1,21 @@
 """Command line: ``python -m sagebwd_cp info`` and ``python -m sagebwd_cp compile --arch sm_89``.
 
-``compile`` needs no GPU (NVRTC compiles for any ``sm_XX``), so it doubles as a pre-compile step
-that fills the disk cache and as a check that no kernel spills registers.
+``info`` is quick: versions, the GPU or its absence, the kernel cache and one kernel compiled.
+``compile`` builds every specialization, one process per core, and needs no GPU (NVRTC compiles
+for any ``sm_XX``), so it doubles as a pre-compile step that fills the disk cache and as the check
+that no kernel spills registers (exit 1 if one does or fails to compile).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import platform
-import re
 import sys
 import time
 
 from . import __version__, compiler
+from .device import cuda_device
 
 CHECK_ARCH_WITHOUT_GPU = "sm_90"
 
@@ -40,35 +43,52 @@ class KernelRow:
         return not self.error and self.spill_bytes == 0
 
 
-def compile_all(arch: str, specs=None, *, use_disk_cache: bool = True) -> list:
+def _rows(spec, arch: str, result, seconds: float) -> list:
+    """The rows of one specialization's compile: ``result`` is its CompiledKernel or the exception."""
+    if isinstance(result, BaseException):
+        return [KernelRow(spec.key, ",".join(spec.entries), arch, error=str(result))]
+    if not result.reports:
+        # Some NVRTC builds ignore -Xptxas=-v: no report to check, which is not a failure.
+        return [KernelRow(spec.key, entry, arch, -1, 0, 0, 0, seconds) for entry in spec.entries]
+    rows = []
+    for entry in spec.entries:
+        report = result.reports.get(entry)
+        if report is None:
+            # ptxas reports every entry it compiled: a missing one is a misnamed kernel.
+            rows.append(KernelRow(spec.key, entry, arch, seconds=seconds,
+                                  error=f"ptxas reported no kernel named {entry!r}"))
+            continue
+        rows.append(KernelRow(spec.key, entry, arch, report.registers, report.stack_bytes,
+                              report.spill_stores, report.spill_loads, seconds))
+    return rows
+
+
+def compile_pairs(pairs, *, use_disk_cache: bool = True, jobs: int = 1, progress=None) -> list:
+    """Compile ``(spec, arch)`` pairs, ``jobs`` processes at a time; rows in the pairs' order,
+    failures included.  ``progress``, if given, is called once per finished specialization."""
+    pairs = list(pairs)
+    done = [None] * len(pairs)
+    for i, result, seconds in compiler.compile_many(pairs, jobs=jobs, use_disk_cache=use_disk_cache):
+        done[i] = _rows(*pairs[i], result, seconds)
+        if progress is not None:
+            progress()
+    return [row for rows in done for row in rows]
+
+
+def compile_all(arch: str, specs=None, *, use_disk_cache: bool = True, jobs: int = 1) -> list:
     """Compile every specialization for ``arch``; one row per kernel entry, failures included."""
     if specs is None:
         from . import specs as specs_module
 
         specs = specs_module.all_specs(arch)
-    rows = []
-    for spec in specs:
-        start = time.perf_counter()
-        try:
-            compiled = compiler.compile_spec(spec, arch, use_disk_cache=use_disk_cache)
-        except (compiler.CompileError, FileNotFoundError) as exc:
-            rows.append(KernelRow(spec.key, ",".join(spec.entries), arch, error=str(exc)))
-            continue
-        seconds = time.perf_counter() - start
-        if not compiled.reports:
-            # Some NVRTC builds ignore -Xptxas=-v: no report to check, which is not a failure.
-            rows.extend(KernelRow(spec.key, entry, arch, -1, 0, 0, 0, seconds) for entry in spec.entries)
-            continue
-        for entry in spec.entries:
-            report = compiled.reports.get(entry)
-            if report is None:
-                # ptxas reports every entry it compiled: a missing one is a misnamed kernel.
-                rows.append(KernelRow(spec.key, entry, arch, seconds=seconds,
-                                      error=f"ptxas reported no kernel named {entry!r}"))
-                continue
-            rows.append(KernelRow(spec.key, entry, arch, report.registers, report.stack_bytes,
-                                  report.spill_stores, report.spill_loads, seconds))
-    return rows
+    return compile_pairs([(spec, arch) for spec in specs], use_disk_cache=use_disk_cache, jobs=jobs)
+
+
+def representative_spec(arch: str):
+    """The kernel ``info`` compiles: the forward a float16 call at head dim 128 launches on ``arch``."""
+    from . import specs
+
+    return specs.forward_spec(128, "float16", False, False, specs.forward_tiles(128, arch=arch))
 
 
 def _table(header, rows) -> str:
@@ -97,31 +117,6 @@ def _report_failures(rows) -> int:
     return 1 if bad else 0
 
 
-def _cuda_device():
-    """(properties dict or None, why there is none)."""
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU path
-        return None, f"cupy is not importable: {exc}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - the driver's message is the useful detail
-        return None, str(exc)
-    if count == 0:
-        return None, "the CUDA driver reports 0 devices"
-    device_id = cupy.cuda.Device().id
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"]
-    return {
-        "id": device_id,
-        "count": count,
-        "name": name.decode() if isinstance(name, bytes) else str(name),
-        "arch": compiler.device_arch(device_id),
-        "sms": props["multiProcessorCount"],
-        "smem_optin": props["sharedMemPerBlockOptin"],
-    }, ""
-
-
 def _versions() -> list:
     out = [("python", platform.python_version()), ("sagebwd_cp", __version__)]
     try:
@@ -148,68 +143,108 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
+def _cache_dir_text() -> str:
+    try:
+        return str(compiler.cache_dir())
+    except OSError as exc:
+        return f"not writable ({exc})"
+
+
 def cmd_info(args) -> int:
     print(_table(("component", "version"), _versions()))
+    print(f"kernel cache: {_cache_dir_text()}")
     print()
-    device, why = _cuda_device()
+    device, why = cuda_device()
     if device is None:
-        print(f"No CUDA device present ({why}).")
-        print("Host (NumPy) arrays run through the CPU emulator of the quantized algorithm.")
-        print(f"Compiling every kernel for {CHECK_ARCH_WITHOUT_GPU} as a check that NVRTC works.")
+        print(why)
         arch = CHECK_ARCH_WITHOUT_GPU
+        print(f"Compiling one kernel for {arch} as a check that NVRTC works "
+              f"(every kernel: python -m sagebwd_cp compile --arch {arch}).")
     else:
         arch = device["arch"]
         print(f"CUDA device {device['id']} of {device['count']}: {device['name']}")
         print(f"  arch {arch}, {device['sms']} SMs, "
               f"{device['smem_optin']} bytes opt-in shared memory per block")
         if arch not in compiler.SUPPORTED_ARCHS:
-            print(f"  note: the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}")
-        print(f"Compiling every kernel for {arch}.")
+            print(f"the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}, not {arch}; "
+                  "host arrays still run on the CPU emulator", file=sys.stderr)
+            return 1
+        print(f"Compiling one kernel for {arch} (every kernel: python -m sagebwd_cp compile).")
     print()
     try:
-        rows = compile_all(arch)
+        rows = compile_pairs([(representative_spec(arch), arch)])
     except ImportError as exc:
         print(f"cannot compile: {exc} (install the cuda13 or cuda12 extra)", file=sys.stderr)
         return 1
-    print(_table(("kernel", "registers", "spills"),
-                 [(_kernel_name(r), "-" if r.error else r.registers, "ERROR" if r.error else r.spill_bytes)
-                  for r in rows]))
+    print(_table(("kernel", "registers", "spills", "seconds"),
+                 [(_kernel_name(r), "-" if r.error else r.registers, "ERROR" if r.error else r.spill_bytes,
+                   f"{r.seconds:.1f}") for r in rows]))
     return _report_failures(rows)
 
 
 def cmd_compile(args) -> int:
     archs = list(dict.fromkeys((args.arch or []) + (list(compiler.SUPPORTED_ARCHS) if args.all_archs else [])))
     if not archs:
-        device, why = _cuda_device()
+        device, why = cuda_device()
         if device is None:
             print(f"no --arch given and no CUDA device to take it from ({why}); "
                   f"name one, e.g. --arch sm_89, or --all-archs", file=sys.stderr)
             return 2
         archs = [device["arch"]]
-    rows = []
+    from tqdm import tqdm
+
+    jobs = args.jobs or compiler.default_jobs()
+    print(f"kernel cache: {_cache_dir_text()}", flush=True)
+    start = time.perf_counter()
     try:
-        for arch in archs:
-            rows += compile_all(arch, use_disk_cache=not args.no_cache)
+        listed = compiler.all_specs_many(archs, jobs=jobs)
+        pairs = [(spec, arch) for arch in archs for spec in listed[arch]
+                 if not args.only or any(fnmatch.fnmatchcase(spec.key, p) for p in args.only)]
+        if not pairs:
+            print(f"no specialization matches --only {' '.join(args.only)} (keys look like "
+                  f"{representative_spec(archs[0]).key})", file=sys.stderr)
+            return 2
+        workers = min(jobs, len(pairs))
+        print(f"compiling {len(pairs)} specializations for {', '.join(archs)} in {workers} "
+              f"process{'es' if workers > 1 else ''}", flush=True)
+        # The bar goes to stderr and shows only on a terminal; the table below goes to stdout.
+        with tqdm(total=len(pairs), unit="kernel", desc="compiling", file=sys.stderr, disable=None) as bar:
+            rows = compile_pairs(pairs, use_disk_cache=not args.no_cache, jobs=jobs, progress=bar.update)
     except ImportError as exc:
         print(f"cannot compile: {exc} (install the cuda13 or cuda12 extra)", file=sys.stderr)
         return 1
     print(_table(("kernel", "arch", "registers", "stack", "spill bytes", "seconds"),
                  [(_kernel_name(r), r.arch, *(("-",) * 3 if r.error else (r.registers, r.stack_bytes, r.spill_bytes)),
                    "ERROR" if r.error else f"{r.seconds:.2f}") for r in rows]))
-    return _report_failures(rows)
+    status = _report_failures(rows)
+    if status == 0:
+        print(f"{len(rows)} kernels compiled for {', '.join(archs)} without register spills "
+              f"in {time.perf_counter() - start:.0f} s")
+    return status
 
 
 def _arch(value: str) -> str:
-    if not re.fullmatch(r"sm_\d+a?", value):
-        raise argparse.ArgumentTypeError(f"expected an arch like sm_89, got {value!r}")
+    if value not in compiler.SUPPORTED_ARCHS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(compiler.SUPPORTED_ARCHS)}, got {value!r}")
     return value
+
+
+def _jobs(value: str) -> int:
+    try:
+        jobs = int(value)
+    except ValueError:
+        jobs = -1
+    if jobs < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of processes (0: one per core), got {value!r}")
+    return jobs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sagebwd-cp", description="SageBwd INT8 attention: device report and kernel pre-compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, the CUDA device, and a compile check of every kernel")
+    info = sub.add_parser("info", help="versions, the CUDA device or its absence, the kernel cache, and a compile "
+                                       "check of one kernel")
     info.set_defaults(func=cmd_info)
     comp = sub.add_parser("compile", help="compile every kernel for named archs (no GPU needed); "
                                           "exit 1 on a failure or a register spill")
@@ -217,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="target arch; repeat for several (default: the current device's)")
     comp.add_argument("--all-archs", action="store_true",
                       help=f"every supported arch: {', '.join(compiler.SUPPORTED_ARCHS)}")
+    comp.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N",
+                      help="compile in N processes (default 0: one per core)")
+    comp.add_argument("--only", action="append", metavar="PATTERN",
+                      help="only the specializations whose key matches this glob, e.g. 'forward.hd128.*'; repeatable")
     comp.add_argument("--no-cache", action="store_true", help="recompile even if the disk cache has the cubin")
     comp.set_defaults(func=cmd_compile)
     return parser

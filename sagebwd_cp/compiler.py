@@ -254,3 +254,80 @@ def get_function_pointer(spec: KernelSpec, entry: str, device_id: int, dynamic_s
     fn = get_function(spec, entry, device_id, dynamic_smem)
     with cupy.cuda.Device(device_id):
         return fn.kernel.ptr  # RawKernel loads its module on the current device
+
+
+# ---------------------------------------------------------------------------------------------
+# Many specializations at once: one NVRTC compile per process, so a full build uses every core.
+
+def default_jobs() -> int:
+    """The cores this process may run on (the compile processes to start by default)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _compile_in_worker(spec: KernelSpec, arch: str, use_disk_cache: bool):
+    """(CompiledKernel or the exception it raised, seconds): run in a compile process."""
+    import time
+
+    start = time.perf_counter()
+    try:
+        result = compile_spec(spec, arch, use_disk_cache=use_disk_cache)
+    except (CompileError, FileNotFoundError, ValueError) as exc:
+        result = exc
+    return result, time.perf_counter() - start
+
+
+def _spawn_pool(jobs: int):
+    import concurrent.futures
+    import multiprocessing
+
+    # spawned, not forked: a forked child would share this process's CUDA context, if it has one
+    return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _all_specs_in_worker(arch: str) -> list:
+    from . import specs
+
+    return specs.all_specs(arch)
+
+
+def all_specs_many(archs, *, jobs: int = 1) -> dict:
+    """``{arch: specs.all_specs(arch)}``, the archs listed in ``jobs`` processes at once: listing
+    compiles the kernels whose tiles are read back from a compiled layout, which fills the disk cache."""
+    archs = list(dict.fromkeys(archs))
+    if jobs <= 1 or len(archs) <= 1:
+        return {arch: _all_specs_in_worker(arch) for arch in archs}
+    with _spawn_pool(min(jobs, len(archs))) as pool:
+        return dict(zip(archs, pool.map(_all_specs_in_worker, archs)))
+
+
+def compile_many(items, *, jobs: int = 1, use_disk_cache: bool = True):
+    """Compile ``(spec, arch)`` pairs; yields ``(index, CompiledKernel or exception, seconds)`` as each
+    finishes (in any order).  ``jobs`` > 1 compiles in that many processes; 1 compiles here, one after
+    another.  A compile error, a missing
+    source or a bad arch comes back as the exception rather than stopping the others."""
+    items = list(items)
+    if jobs <= 1 or len(items) <= 1:
+        for i, (spec, arch) in enumerate(items):
+            yield (i, *_compile_in_worker(spec, arch, use_disk_cache))
+        return
+    import concurrent.futures
+
+    # The longest compiles first, so no process is left with one at the end: the backward kernels
+    # take several times the others' time.
+    order = sorted(range(len(items)), key=lambda i: not items[i][0].filename.startswith("backward"))
+    with _spawn_pool(min(jobs, len(items))) as pool:
+        futures = {pool.submit(_compile_in_worker, *items[i], use_disk_cache): i for i in order}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                result, seconds = future.result()
+                if isinstance(result, CompiledKernel):
+                    with _lock:
+                        _memory_cache[result.key] = result
+                yield futures[future], result, seconds
+        except BaseException:
+            for future in futures:  # Ctrl-C or a closed generator: start no more compiles
+                future.cancel()
+            raise

@@ -3,18 +3,11 @@ import pytest
 
 
 def _no_cuda_reason():
-    """None when a CUDA device is usable, else why not."""
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - a broken install also means "no GPU here"
-        return f"cupy is not importable: {exc}"
-    try:
-        if cupy.cuda.is_available():
-            return None
-        count = cupy.cuda.runtime.getDeviceCount()  # raises with the driver's reason, if any
-        return f"cupy.cuda.is_available() is false; {count} devices"
-    except Exception as exc:  # noqa: BLE001
-        return f"cupy.cuda.is_available() is false: {exc}"
+    """None when a CUDA device is usable, else why not (in the words of ``info``)."""
+    from sagebwd_cp.device import cuda_device
+
+    found, why = cuda_device()
+    return None if found else why
 
 
 def _no_torch_reason():
@@ -27,7 +20,7 @@ def _no_torch_reason():
 
 def pytest_collection_modifyitems(config, items):
     # Probe only when a marked test was collected: importing torch costs seconds.
-    for marker, probe, prefix in (("gpu", _no_cuda_reason, "no CUDA device present"),
+    for marker, probe, prefix in (("gpu", _no_cuda_reason, "needs a CUDA GPU"),
                                   ("torch", _no_torch_reason, "PyTorch unavailable")):
         marked = [item for item in items if item.get_closest_marker(marker)]
         reason = probe() if marked else None

@@ -1,13 +1,23 @@
-"""The run-time compiler, on the CPU: NVRTC compiles for any sm_XX without a GPU."""
+"""The run-time compiler, on the CPU: NVRTC compiles for any sm_XX without a GPU.
+
+Every specialization for every arch is compiled, and checked for spills, by the CI step
+``python -m sagebwd_cp compile --all-archs`` (.ci/run); here every kernel file is compiled for every
+arch once, in parallel, which catches a source that fails on one arch in seconds rather than minutes."""
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from sagebwd_cp import compiler, specs
-from sagebwd_cp.__main__ import compile_all, main
+from sagebwd_cp import compiler, device, specs
+from sagebwd_cp.__main__ import compile_all, compile_pairs, main, representative_spec
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _require_ptxas_report():
@@ -16,18 +26,58 @@ def _require_ptxas_report():
         pytest.skip(f"NVRTC {compiler.nvrtc_version()} prints no ptxas resource report")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_spec_compiles_without_spills(arch):
-    rows = compile_all(arch)
-    assert {r.key for r in rows} == {s.key for s in specs.all_specs(arch)}
-    failed = [(r.key, r.entry, r.error) for r in rows if r.error]
+def _one_spec_per_kernel_file(arch):
+    """A specialization of every kernel file (and of both paths of sm_90's wgmma forward and
+    backward), built without listing all_specs, which compiles the mma.sync backward to read its tiles."""
+    chosen = [specs.quantize_spec("float16"), specs.lse_spec("bfloat16"), specs.bias_spec("float16"),
+              specs.ceiling_spec(), specs.backward_rows_spec("bfloat16"), representative_spec(arch),
+              specs.backward_spec(64, "float16", True, False, True, False, specs.BackwardTiles(2))]
+    if arch in specs.WGMMA_ARCHS:
+        chosen += [specs.forward_spec(64, "bfloat16", True, True, specs.ForwardTiles(4, 1, True, 64)),
+                   specs.backward_spec(128, "bfloat16", False, False, True, True, specs.BackwardTiles(2, True, 2)),
+                   specs.backward_spec(64, "float16", True, False, False, True, specs.BackwardTiles(2, True, 3))]
+    return chosen
+
+
+def test_every_kernel_file_compiles_for_every_arch_without_spills():
+    pairs = [(spec, arch) for arch in ARCHS for spec in _one_spec_per_kernel_file(arch)]
+    assert {s.filename for s, _ in pairs} >= {"quantize.cu", "lse.cu", "smooth_q_bias.cu", "ceiling.cu",
+                                              "backward_rows.cu", "forward.cu", "backward.cu", "backward_wgmma.cu"}
+    rows = compile_pairs(pairs, jobs=compiler.default_jobs())
+    assert {(r.key, r.arch) for r in rows} == {(s.key, a) for s, a in pairs}
+    failed = [(r.key, r.arch, r.error) for r in rows if r.error]
     assert not failed
     _require_ptxas_report()
-    spilled = [(r.key, r.entry, r.spill_stores, r.spill_loads) for r in rows if r.spill_bytes]
+    spilled = [(r.key, r.arch, r.spill_stores, r.spill_loads) for r in rows if r.spill_bytes]
     assert not spilled
-    stacked = [(r.key, r.entry, r.stack_bytes) for r in rows if r.stack_bytes]  # local arrays, not spills
+    stacked = [(r.key, r.arch, r.stack_bytes) for r in rows if r.stack_bytes]  # local arrays, not spills
     assert not stacked
     assert all(r.registers > 0 for r in rows)
+
+
+def test_compile_processes_return_results_and_errors_in_order():
+    """compile_many in two processes: each pair's own result (a compile error or a bad arch comes
+    back as the exception, the others still compile), and the results land in the memory cache."""
+    good, other = specs.backward_rows_spec("bfloat16"), specs.lse_spec("float16")
+    pairs = [(good, "sm_86"), (good, "sm_75"), (other, "sm_80")]
+    results = {i: r for i, r, _ in compiler.compile_many(pairs, jobs=2)}
+    assert sorted(results) == [0, 1, 2]
+    assert isinstance(results[1], ValueError) and "sm_75" in str(results[1])
+    for i in (0, 2):
+        spec, arch = pairs[i]
+        assert isinstance(results[i], compiler.CompiledKernel) and results[i].arch == arch
+        assert results[i].cubin_path.stat().st_size > 0
+        assert compiler.compile_spec(spec, arch) is results[i]  # taken from the memory cache
+    rows = compile_pairs(pairs, jobs=2)
+    # backward_rows' three entries, one row for the failed spec, natural_lse's entry: in the pairs' order
+    assert [r.arch for r in rows] == ["sm_86"] * 3 + ["sm_75", "sm_80"]
+    assert rows[3].error and not any(r.error for i, r in enumerate(rows) if i != 3)
+
+
+def test_ci_compiles_every_spec_for_every_arch():
+    """The guarantee the test suite leaves to CI: every specialization for every arch, no spills."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "python -m sagebwd_cp compile --all-archs" in ci
 
 
 def test_spec_keys_are_unique():
@@ -147,9 +197,19 @@ def test_compile_spec_rejects_a_bad_arch():
 
 
 def test_cli_compile_exits_zero(capsys):
-    assert main(["compile", "--arch", "sm_89"]) == 0
+    assert main(["compile", "--arch", "sm_90", "--only", "natural_lse.*", "--only", "ceiling"]) == 0
     out = capsys.readouterr().out
-    assert "sm_89" in out and _forward_spec().key in out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("natural_lse.", "ceiling:"))]
+    assert sorted(rows) == ["ceiling:fp16_mma_ceiling", "ceiling:int8_mma_ceiling",
+                            "natural_lse.bfloat16:natural_lse", "natural_lse.float16:natural_lse"]
+    assert f"kernel cache: {compiler.cache_dir()}" in out
+    assert "compiling 3 specializations for sm_90" in out
+    assert "4 kernels compiled for sm_90 without register spills" in out
+
+
+def test_cli_compile_names_an_unmatched_pattern(capsys):
+    assert main(["compile", "--arch", "sm_90", "--jobs", "1", "--only", "nothing.*"]) == 2
+    assert "no specialization matches --only nothing.*" in capsys.readouterr().err
 
 
 def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
@@ -162,7 +222,7 @@ def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
         return dataclasses.replace(compiled, reports=reports)
 
     monkeypatch.setattr(compiler, "compile_spec", spilling)
-    assert main(["compile", "--arch", "sm_89"]) == 1
+    assert main(["compile", "--arch", "sm_90", "--jobs", "1", "--only", "quantize.*"]) == 1
     assert "SPILLS" in capsys.readouterr().err
 
 
@@ -170,22 +230,50 @@ def test_cli_compile_exits_one_on_a_compile_error(tmp_path, monkeypatch, capsys)
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { undeclared_thing = 1; }\n')
     monkeypatch.setattr(compiler, "source_dirs", lambda: (tmp_path,))
     monkeypatch.setattr(specs, "all_specs", lambda arch=None: [compiler.make_spec("broken", "broken.cu", ["broken"])])
-    assert main(["compile", "--arch", "sm_90"]) == 1
+    assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 1
     assert "undeclared_thing" in capsys.readouterr().err
 
 
-def test_cli_rejects_a_malformed_arch():
+@pytest.mark.parametrize("arch", ["89", "sm_75", "sm_90a"])
+def test_cli_rejects_an_unsupported_arch(arch, capsys):
     with pytest.raises(SystemExit) as info:
-        main(["compile", "--arch", "89"])
-    assert info.value.code == 2
+        main(["compile", "--arch", arch])
+    assert info.value.code == 2  # argparse's usage error, not a traceback
+    err = capsys.readouterr().err
+    assert f"--arch: expected one of sm_80, sm_86, sm_89, sm_90, got '{arch}'" in err
 
 
-def test_cli_info_reports_versions_and_compiles(capsys):
+def test_cli_rejects_a_bad_job_count(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--arch", "sm_90", "--jobs", "-2"])
+    assert "expected a whole number of processes (0: one per core), got '-2'" in capsys.readouterr().err
+
+
+def test_cli_info_reports_versions_and_compiles_one_kernel(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "NVRTC" in out and "numpy" in out
-    assert "No CUDA device present" in out or "CUDA device 0" in out
-    assert _forward_spec().key in out
+    assert f"kernel cache: {compiler.cache_dir()}" in out
+    found, why = device.cuda_device()
+    arch = found["arch"] if found else "sm_90"
+    assert (why in out) if found is None else (f"CUDA device {found['id']}" in out)
+    kernel_lines = [line for line in out.splitlines() if line.startswith(representative_spec(arch).key)]
+    assert len(kernel_lines) == 1  # one kernel, not every specialization
+
+
+def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
+    """A new user's first command: under 15 seconds, cold cache included, and plain about no GPU."""
+    env = dict(os.environ, SAGEBWD_CP_CACHE_DIR=str(tmp_path / "cache"))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "sagebwd_cp", "info"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert seconds < 15, f"info took {seconds:.1f} s"
+    assert f"kernel cache: {tmp_path / 'cache'}" in proc.stdout
+    if device.cuda_device()[0] is None:
+        assert "no CUDA GPU found; host arrays run on the CPU emulator" in proc.stdout
+        assert "insufficient" not in proc.stdout + proc.stderr
 
 
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):

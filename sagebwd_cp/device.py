@@ -1,0 +1,56 @@
+"""Is there a CUDA GPU here, and if not, why not, in words a user can act on.
+
+CuPy reports a machine without the NVIDIA driver as "CUDA driver version is insufficient", which
+reads as "upgrade the driver"; ``cuda_device`` tells that case apart (the driver library itself is
+missing) and says plainly that there is no GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+NO_GPU = "no CUDA GPU found; host arrays run on the CPU emulator"
+_DRIVER_LIBRARIES = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+
+
+def _driver_present() -> bool:
+    for name in _DRIVER_LIBRARIES:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def cuda_device():
+    """``(properties, "")`` for the current CUDA device, or ``(None, why)`` where there is none.
+
+    ``properties``: id, count, name, arch, sms, smem_optin (opt-in shared memory per block, bytes).
+    ``why`` is a sentence: NO_GPU where the machine has no GPU or no NVIDIA driver, else what failed."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - a broken install also means no GPU path
+        return None, (f"CuPy is not importable ({exc}): install the cuda13 or cuda12 extra, "
+                      f"e.g. pip install \"sagebwd_cp[cuda13]\"; host arrays run on the CPU emulator")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - the driver's message is the detail to keep
+        if not _driver_present() or "NoDevice" in str(exc):  # cudaErrorNoDevice: a driver, no GPU
+            return None, NO_GPU
+        return None, f"the CUDA driver failed: {exc}; host arrays run on the CPU emulator"
+    if count == 0:
+        return None, NO_GPU
+    from .compiler import device_arch
+
+    device_id = cupy.cuda.Device().id
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"]
+    return {
+        "id": device_id,
+        "count": count,
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "arch": device_arch(device_id),
+        "sms": props["multiProcessorCount"],
+        "smem_optin": props["sharedMemPerBlockOptin"],
+    }, ""
