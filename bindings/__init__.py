@@ -12,9 +12,15 @@
 CUDA tensors run the INT8 kernels on torch's current stream, with outputs from torch's caching
 allocator; CPU tensors run the NumPy emulator of the same algorithm.
 """
-from ._ops import attention_backward_op, attention_forward_op, attention_op
-from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention
-from .modules import SageAttention
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # name the extra rather than leave a bare "No module named 'torch'"
+    raise ModuleNotFoundError(f"sagebwd_cp.torch needs PyTorch, which is not importable ({exc}); "
+                              "install it with: pip install \"sagebwd_cp[torch]\"", name="torch") from exc
+
+from ._ops import attention_backward_op, attention_forward_op, attention_op  # noqa: E402
+from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from .modules import SageAttention  # noqa: E402
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttention", "SageAttentionFunction",
            "attention_op", "attention_forward_op", "attention_backward_op"]

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from sagebwd_cp.problem import check_flag, check_options
+
 from . import _ops
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttentionFunction"]
@@ -121,9 +123,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     # dimension of size <= 1, where .contiguous() would return the tensor itself anyway.
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    if softmax_scale is not None:
-        softmax_scale = float(softmax_scale)
-    causal, smooth_k, smooth_q, deterministic = bool(causal), bool(smooth_k), bool(smooth_q), bool(deterministic)
+    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
+            and deterministic.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
+        # A string scale or causal="no" is an error by name, not a float() or a truthy bool().
+        causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
+            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     compiling = _compiling()
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         if compiling:
@@ -178,12 +182,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if hq != hk and not enable_gqa:
             raise ValueError(f"enable_gqa: query has {hq} heads and key/value {hk}; pass enable_gqa=True for "
                              "grouped-query attention (as torch requires)")
+    is_causal = is_causal if is_causal.__class__ is bool else check_flag(is_causal, "is_causal")
     q, k, v = (_flatten_batch(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     opts = dict(softmax_scale=scale, layout="HND", smooth_k=smooth_k, smooth_q=smooth_q, granularity=granularity,
                 deterministic=deterministic)
     lq, lk = q.shape[2], k.shape[2]
     if not is_causal or lq == lk:
-        out = attention(q, k, v, causal=bool(is_causal), **opts)
+        out = attention(q, k, v, causal=is_causal, **opts)
     elif lq < lk:
         # Top-left: query i sees keys 0..i, so keys from lq on are never seen; on the first lq keys
         # top-left and bottom-right alignment coincide.

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from sagebwd_cp.problem import check_options
+
 from . import _ops
 from .functional import attention
 
@@ -18,13 +20,10 @@ class SageAttention(nn.Module):
                  smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
                  deterministic: bool = False):
         super().__init__()
-        self.causal = bool(causal)
+        self.causal, self.softmax_scale, self.smooth_k, self.smooth_q, self.deterministic = check_options(
+            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
         self.layout = _ops.check_layout(layout)
-        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
-        self.smooth_k = bool(smooth_k)
-        self.smooth_q = bool(smooth_q)
         self.granularity = _ops.check_granularity(granularity)
-        self.deterministic = bool(deterministic)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout,

@@ -1,7 +1,9 @@
 """The public functions: inference, training forward and backward, on any DLPack array.
 
-CUDA arrays run the INT8 kernels on the caller's current stream; host arrays (NumPy, or anything
-NumPy can read through DLPack) run the NumPy emulator of the same quantized algorithm.
+CUDA arrays run the INT8 kernels on the caller's current stream; host arrays (NumPy, torch CPU
+tensors, or anything NumPy can read through DLPack) run the NumPy emulator of the same quantized
+algorithm.  Results come back in the framework and dtype of q: torch in, torch out (bfloat16
+included; tensors that require grad are read detached); NumPy in, NumPy out; CuPy in, CuPy out.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import dataclasses
 import numpy as np
 
 from . import emulator
-from .arrays import ArrayDesc, contiguous_strides, describe, signature
+from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result,
+                     signature)
 from .numerics import k_mean_shape
 from .plan import cached_plan, remember_plan
-from .problem import AttentionProblem, check_granularity, check_output, make_problem
+from .problem import AttentionProblem, check_granularity, check_options, check_output, make_problem
 
 
 DEFAULT_GRANULARITY = "fine"
@@ -32,19 +35,14 @@ class AttentionSaved:
     k_mean: ArrayDesc | None = None
 
 
-def _numpy(desc: ArrayDesc) -> np.ndarray:
-    """The host array behind ``desc`` (NumPy, or a NumPy view through DLPack)."""
-    return desc.obj if isinstance(desc.obj, np.ndarray) else np.from_dlpack(desc.obj)
-
-
-def _host_array(desc: ArrayDesc, layout: str) -> np.ndarray:
-    x = np.asarray(_numpy(desc), dtype=np.float32)
+def _host_array(desc: ArrayDesc, layout: str, name: str) -> np.ndarray:
+    x = np.asarray(host_numpy(desc, name), dtype=np.float32)
     return x if layout == "HND" else x.transpose(0, 2, 1, 3)
 
 
-def _to_layout(x: np.ndarray, layout: str, dtype: str) -> np.ndarray:
-    x = x if layout == "HND" else x.transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(x.astype(np.float16 if dtype == "float16" else np.float32))
+def _to_layout(x: np.ndarray, layout: str, like: ArrayDesc, dtype: str):
+    """An emulator result (B, H, N, D) in ``layout``, in ``like``'s framework and ``dtype``."""
+    return host_result(x if layout == "HND" else x.transpose(0, 2, 1, 3), like, dtype)
 
 
 def _emulator_dtype(dtype: str) -> str:
@@ -70,6 +68,11 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
+    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
+            and return_lse.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
+        # Checked before the plan lookup, which would otherwise take causal="no" for causal=True.
+        causal, softmax_scale, smooth_k, smooth_q, return_lse = check_options(
+            causal, softmax_scale, smooth_k, smooth_q, return_lse=return_lse)
     options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
                bool(return_lse))
     sig = _signatures((q, k, v) if out is None else (q, k, v, out))
@@ -116,28 +119,26 @@ def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
 
 
 def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
-    if prob.dtype == "bfloat16":
-        raise TypeError("q: bfloat16 host arrays are not supported by NumPy; pass float32 values or a CUDA array")
     layout = prob.layout
-    qh, kh, vh = (_host_array(d, layout) for d in (prob.q, prob.k, prob.v))
+    od = check_output(out, prob) if out is not None else None
+    qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
     o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                              smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
                                              dtype=_emulator_dtype(prob.dtype))
-    o = _to_layout(o, layout, prob.dtype)
-    if out is not None:
-        od = check_output(out, prob)
-        np.copyto(od.obj, o)
+    o = _to_layout(o, layout, prob.q, prob.dtype)
+    if od is not None:
+        copy_into(od, o)
         o = od.obj
     saved = None
     if training:
-        lse2 = np.ascontiguousarray(state["lse2"][:, :, :prob.len_q])
-        k_mean = np.ascontiguousarray(state["inputs"]["k_mean"], dtype=np.float32) if prob.smooth_k else None
+        lse2 = host_result(state["lse2"][:, :, :prob.len_q], prob.q, "float32")
+        k_mean = host_result(state["inputs"]["k_mean"], prob.q, "float32") if prob.smooth_k else None
         if want_saved:
             saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2"),
                                    describe(k_mean, "k_mean") if k_mean is not None else None)
         else:
             saved = (lse2, k_mean)
-    return o, (lse.astype(np.float32) if return_lse else None), saved
+    return o, (host_result(lse, prob.q, "float32") if return_lse else None), saved
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
@@ -223,6 +224,10 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
     options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
                bool(deterministic), given)
     sig = _signatures((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do))
+    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
+            and deterministic.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
+        causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
+            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     key = None
     if sig is not None:
         key = (options, sig[1])
@@ -251,9 +256,10 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
             plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
-    state = emulator.backward_state(*(_host_array(d, prob.layout) for d in (prob.q, prob.k, prob.v, out)),
-                                    _numpy(lse2), causal=prob.causal, softmax_scale=prob.softmax_scale,
+    state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
+                                      ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"))),
+                                    host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,
                                     smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
-                                    k_mean=_numpy(k_mean) if given else None)
-    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout), granularity=granularity)
-    return tuple(_to_layout(g, prob.layout, prob.dtype) for g in (dq, dk, dv))
+                                    k_mean=host_numpy(k_mean, "k_mean") if given else None)
+    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=granularity)
+    return tuple(_to_layout(g, prob.layout, prob.q, prob.dtype) for g in (dq, dk, dv))

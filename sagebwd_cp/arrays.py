@@ -137,6 +137,47 @@ def describe(x, name: str = "array") -> ArrayDesc:
 # Per-call reads for the launch-plan cache: what ``describe`` would read, straight from the
 # attributes of the common array types.
 
+# ---------------------------------------------------------------------------------------------
+# Host arrays: what the CPU emulator reads, and its results in the caller's framework and dtype.
+
+_HOST_NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def host_numpy(desc: ArrayDesc, name: str) -> np.ndarray:
+    """The host array behind ``desc`` as NumPy, without a copy where NumPy can read it.  A torch
+    tensor is read detached (the neutral API computes no autograd graph: ``sagebwd_cp.torch`` does),
+    and a bfloat16 one, which NumPy lacks, as a float32 copy."""
+    obj = desc.obj
+    if isinstance(obj, np.ndarray):
+        return obj
+    if desc.framework == "torch":
+        t = obj.detach()
+        return (t.float() if desc.dtype == "bfloat16" else t).numpy()
+    try:
+        return np.from_dlpack(obj)
+    except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+        raise TypeError(f"{name}: NumPy cannot read this {desc.framework} {desc.dtype} host array through "
+                        f"DLPack ({exc}); pass a NumPy array or a torch tensor") from None
+
+
+def host_result(x: np.ndarray, like: ArrayDesc, dtype: str):
+    """A host result in ``like``'s framework and ``dtype``: a torch CPU tensor for torch inputs
+    (bfloat16 included), else a NumPy array (bfloat16, which NumPy lacks, as float32)."""
+    if like.framework == "torch":
+        return sys.modules["torch"].from_numpy(np.ascontiguousarray(x)).to(_torch_dtype(dtype))
+    return np.ascontiguousarray(x, dtype=_HOST_NUMPY_DTYPES.get(dtype, np.float32))
+
+
+def copy_into(dst: ArrayDesc, src) -> None:
+    """Write a host result into the caller's ``out`` array (NumPy or a torch CPU tensor)."""
+    if dst.framework == "torch":
+        torch = sys.modules["torch"]
+        with torch.no_grad():  # ``out`` may require grad; the neutral API records no graph
+            dst.obj.copy_(src if isinstance(src, torch.Tensor) else torch.from_numpy(src))
+    else:
+        np.copyto(host_numpy(dst, "out"), src)
+
+
 def _torch_signature(x):
     p = x.data_ptr()
     return p, (x.shape, x.stride(), x.dtype, x.get_device(), p % 16)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
 
 from . import specs
 from .arrays import ArrayDesc, describe
@@ -13,7 +16,7 @@ from .arrays import ArrayDesc, describe
 LAYOUTS = ("HND", "NHD")
 GRANULARITIES = ("fine", "paper")
 KERNEL_DTYPES = ("float16", "bfloat16")
-HOST_DTYPES = ("float16", "float32", "float64")
+HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
 MAX_HEAD_DIM = specs.PADDED_HEAD_DIMS[-1]
 
 
@@ -56,6 +59,31 @@ def check_layout(layout) -> str:
     return layout
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool; only True, False and NumPy's bools are taken (a string such as "no" is truthy)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def check_softmax_scale(value) -> float | None:
+    """``value`` as a float, or None (the default 1/sqrt(head_dim)); strings and bools are refused."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a float or None, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {value}")
+    return value
+
+
+def check_options(causal, softmax_scale, smooth_k, smooth_q, **flags) -> tuple:
+    """(causal, softmax_scale, smooth_k, smooth_q, *flags' values), each checked by name."""
+    return (check_flag(causal, "causal"), check_softmax_scale(softmax_scale), check_flag(smooth_k, "smooth_k"),
+            check_flag(smooth_q, "smooth_q"), *(check_flag(v, n) for n, v in flags.items()))
+
+
 def check_granularity(granularity) -> str:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
@@ -72,16 +100,18 @@ def _dims(desc: ArrayDesc, name: str, layout: str):
 def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
                  layout="HND") -> AttentionProblem:
     layout = check_layout(layout)
+    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     devices = {(d.device_type, d.device_id) for d in (qd, kd, vd)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v: expected arrays on one device, got q on {qd.device_type}:{qd.device_id}, "
                          f"k on {kd.device_type}:{kd.device_id}, v on {vd.device_type}:{vd.device_id}")
     on_gpu = qd.is_cuda
-    allowed = KERNEL_DTYPES if on_gpu else KERNEL_DTYPES + HOST_DTYPES
+    allowed = KERNEL_DTYPES if on_gpu else HOST_DTYPES
     for name, d in (("q", qd), ("k", kd), ("v", vd)):
         if d.dtype not in allowed:
-            raise TypeError(f"{name}: expected dtype in {allowed} for a {'CUDA' if on_gpu else 'host'} array, got {d.dtype}")
+            raise TypeError(f"{name}: expected dtype {', '.join(allowed[:-1])} or {allowed[-1]} for a "
+                            f"{'CUDA' if on_gpu else 'host'} array, got {d.dtype}")
     if not (qd.dtype == kd.dtype == vd.dtype):
         raise TypeError(f"q, k, v: expected one dtype, got q {qd.dtype}, k {kd.dtype}, v {vd.dtype}")
     bq, hq, lq, dq = _dims(qd, "q", layout)
@@ -104,11 +134,8 @@ def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, sm
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {d.strides}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dq)
-    softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale: expected a finite positive number, got {softmax_scale}")
-    return AttentionProblem(qd, kd, vd, layout, bq, hq, hk, lq, lk, dq, qd.dtype, bool(causal), softmax_scale,
-                            bool(smooth_k), bool(smooth_q), on_gpu)
+    return AttentionProblem(qd, kd, vd, layout, bq, hq, hk, lq, lk, dq, qd.dtype, causal, softmax_scale,
+                            smooth_k, smooth_q, on_gpu)
 
 
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:

@@ -1,5 +1,9 @@
 """The array layer and the public API on the CPU: descriptors without copies, clear errors for bad
 input, and host arrays running through the emulator."""
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -58,7 +62,8 @@ def test_describe_rejects_non_arrays():
 
 
 @pytest.mark.parametrize("make,exc,message", [
-    (lambda q, k, v: (q.astype(np.int32), k, v), TypeError, r"q: expected dtype in .* got int32"),
+    (lambda q, k, v: (q.astype(np.int32), k, v), TypeError,
+     r"q: expected dtype float16, bfloat16, float32 or float64 for a host array, got int32$"),
     (lambda q, k, v: (q, k.astype(np.float32), v), TypeError, r"q, k, v: expected one dtype, got q float16, k float32"),
     (lambda q, k, v: (q[0], k, v), ValueError, r"q: expected a rank-4 array .* got shape \(4, 70, 64\)"),
     (lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, r"head_dim: expected a multiple of 8 .* got 60"),
@@ -146,3 +151,100 @@ def test_host_arrays_run_the_emulator(layout, causal):
     buf = np.full_like(perm(q), np.nan)
     assert sagebwd_cp.attention(perm(q), perm(k), perm(v), causal=causal, layout=layout, out=buf) is buf
     np.testing.assert_array_equal(buf, out)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_numpy_in_numpy_out_in_the_callers_dtype(dtype):
+    q, k, v = _qkv(lq=40, lk=50, dtype=dtype, seed=4)
+    out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, return_lse=True)
+    assert type(out) is np.ndarray and out.dtype == dtype and out.shape == q.shape
+    assert type(lse) is np.ndarray and lse.dtype == np.float32
+    grads = sagebwd_cp.attention_backward(saved, np.ones_like(q))
+    assert [(type(g), g.dtype, g.shape) for g in grads] == [(np.ndarray, dtype, x.shape) for x in (q, k, v)]
+
+
+def _torch_qkv(torch, dtype, requires_grad=False, layout="HND"):
+    q, k, v = (torch.from_numpy(x) for x in _qkv(lq=40, lk=50, dtype=np.float32, seed=6))
+    if layout == "NHD":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return tuple(x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_torch_cpu_tensors_come_back_as_torch_in_their_dtype(name, layout):
+    """Torch in, torch out, in q's dtype (bfloat16 included), from tensors that require grad (read
+    detached: the results carry no graph); the values are those of the NumPy path."""
+    import torch
+
+    dtype = getattr(torch, name)
+    q, k, v = _torch_qkv(torch, dtype, requires_grad=True, layout=layout)
+    out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, layout=layout, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == q.shape and out.device.type == "cpu"
+    assert not out.requires_grad and out.grad_fn is None
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    assert isinstance(saved.lse2.obj, torch.Tensor) and isinstance(saved.k_mean.obj, torch.Tensor)
+    do = torch.ones_like(out)
+    grads = sagebwd_cp.attention_backward(saved, do)
+    for g, x in zip(grads, (q, k, v)):
+        assert isinstance(g, torch.Tensor) and g.dtype == dtype and g.shape == x.shape
+    if name != "bfloat16":  # NumPy has no bfloat16: the emulator runs the bfloat16 rules on float32 values
+        host = [x.detach().numpy() for x in (q, k, v)]
+        out_np = sagebwd_cp.attention(*host, causal=True, layout=layout)
+        np.testing.assert_array_equal(out.numpy(), out_np)
+        grads_np = sagebwd_cp.attention_backward_arrays(*host, out_np, saved.lse2.obj.numpy(), do.numpy(),
+                                                        causal=True, layout=layout)
+        for g, r in zip(grads, grads_np):
+            np.testing.assert_array_equal(g.numpy(), r)
+    else:  # against float32 inputs of the same values: bfloat16 rounding apart, the same attention
+        ref = sagebwd_cp.attention(*(x.detach().float() for x in (q, k, v)), causal=True, layout=layout)
+        assert ref.dtype == torch.float32
+        assert (out.float() - ref).norm() / ref.norm() < 0.02
+    buf = torch.full_like(q, float("nan")).requires_grad_(True)
+    assert sagebwd_cp.attention(q, k, v, causal=True, layout=layout, out=buf) is buf
+    assert torch.equal(buf.detach(), out)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"softmax_scale": "0.1"}, "softmax_scale: expected a float or None, got str '0.1'"),
+    ({"softmax_scale": True}, "softmax_scale: expected a float or None, got bool True"),
+    ({"causal": "no"}, "causal: expected True or False, got str 'no'"),
+    ({"causal": 1}, "causal: expected True or False, got int 1"),
+    ({"smooth_k": None}, "smooth_k: expected True or False, got NoneType None"),
+    ({"smooth_q": "False"}, "smooth_q: expected True or False, got str 'False'"),
+    ({"return_lse": 0}, "return_lse: expected True or False, got int 0"),
+])
+def test_options_take_their_own_types_only(kwargs, message):
+    q, k, v = _qkv(lq=8, lk=8)
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        sagebwd_cp.attention(q, k, v, **kwargs)
+    with pytest.raises(TypeError, match=message.split(":")[0]):
+        sagebwd_cp.attention_forward(q, k, v, **kwargs)
+
+
+def test_option_values_of_numpy_types_are_taken():
+    q, k, v = _qkv(lq=8, lk=8)
+    np.testing.assert_array_equal(sagebwd_cp.attention(q, k, v, causal=np.True_, softmax_scale=np.float32(0.125)),
+                                  sagebwd_cp.attention(q, k, v, causal=True, softmax_scale=0.125))
+
+
+def test_backward_options_take_their_own_types_only():
+    q, k, v = _qkv(lq=8, lk=8)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    with pytest.raises(TypeError, match="deterministic: expected True or False, got str 'yes'"):
+        sagebwd_cp.attention_backward(saved, out, deterministic="yes")
+    lse2 = saved.lse2.obj
+    with pytest.raises(TypeError, match="causal: expected True or False, got str 'no'"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, out, causal="no")
+    with pytest.raises(TypeError, match="softmax_scale: expected a float or None, got str '0.1'"):
+        sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, out, softmax_scale="0.1")
+
+
+def test_torch_adapter_without_torch_names_the_extra():
+    code = "import sys; sys.modules['torch'] = None; import sagebwd_cp.torch"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: sagebwd_cp.torch needs PyTorch")
+    assert 'pip install "sagebwd_cp[torch]"' in last

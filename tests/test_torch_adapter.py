@@ -321,7 +321,8 @@ def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda
     (lambda q, k, v: st.attention(q, k.double(), v), TypeError, r"q, k, v: expected one dtype"),
     (lambda q, k, v: st.attention(q[:, :3], k, v), ValueError, r"heads: expected the query heads \(3\)"),
     (lambda q, k, v: st.attention(q[0], k, v), ValueError, r"q: expected a rank-4 array"),
-    (lambda q, k, v: st.attention(q.int(), k.int(), v.int()), TypeError, r"q: expected dtype in"),
+    (lambda q, k, v: st.attention(q.int(), k.int(), v.int()), TypeError,
+     r"q: expected dtype float16, bfloat16, float32 or float64 for a host array, got int32"),
     (lambda q, k, v: st.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(64, 64, dtype=torch.bool)),
      ValueError, r"attn_mask: arbitrary attention masks are not supported"),
     (lambda q, k, v: st.scaled_dot_product_attention(q, k, v, dropout_p=0.1), ValueError, r"dropout_p: .* got 0.1"),
@@ -336,6 +337,14 @@ def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda
     (lambda q, k, v: st.flash_attn_func(q, k, v, return_attn_probs=True), ValueError, r"return_attn_probs: "),
     (lambda q, k, v: st.SageAttention(layout="nhd"), ValueError, r"layout: expected one of"),
     (lambda q, k, v: st.SageAttention(granularity=64), ValueError, r"granularity: expected one of"),
+    (lambda q, k, v: st.attention(q, k, v, causal="no"), TypeError, r"causal: expected True or False, got str 'no'"),
+    (lambda q, k, v: st.attention(q, k, v, softmax_scale="0.1"), TypeError,
+     r"softmax_scale: expected a float or None, got str '0.1'"),
+    (lambda q, k, v: st.attention(q, k, v, deterministic=1), TypeError, r"deterministic: expected True or False, got int"),
+    (lambda q, k, v: st.scaled_dot_product_attention(q, k, v, is_causal="no", enable_gqa=True), TypeError,
+     r"is_causal: expected True or False, got str 'no'"),
+    (lambda q, k, v: st.flash_attn_func(q, k, v, causal=None), TypeError, r"causal: expected True or False, got NoneType"),
+    (lambda q, k, v: st.SageAttention(causal="yes"), TypeError, r"causal: expected True or False, got str 'yes'"),
 ])
 def test_argument_errors(call, exc, message):
     q, k, v = qkv(hq=4, hk=2, lq=64, lk=64)
