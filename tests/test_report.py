@@ -171,8 +171,14 @@ def test_readme_headline_is_replaced_between_markers_only(tmp_path):
     assert head == README_TEXT.split(render_report.START)[0]
     assert tail == README_TEXT.split(render_report.END)[1]
     assert "old headline" not in block
-    assert "| forward | 150 | 0.50 | 0.25 |" in block
-    assert "| backward (fine / paper) | 90 / 120 | 0.30 / 0.40 | 0.20 / 0.27 |" in block
+    # ours, cuDNN's TOPS, ours ÷ cuDNN, ours ÷ FA2 (ours 150, FA2 300, cuDNN 600 forward; 450 cuDNN backward)
+    assert "| pass | ours (TOPS) | cuDNN (TOPS) | ours ÷ cuDNN | ours ÷ FA2 |" in block
+    assert "| forward | 150 | 600 | 0.25 | 0.50 |" in block
+    assert "| backward (fine / paper) | 90 / 120 | 450 | 0.20 / 0.27 | 0.30 / 0.40 |" in block
+    assert "scaled_dot_product_attention" in block  # the peer, named
+    terms = block.split("Terms: ")[1]
+    for term in ("TOPS:", "Rel-L2:", "σ:", "SB26: the SageBwd paper", "arXiv 2603.02170", "FA2:", "fine / paper:"):
+        assert term in terms
     assert "dQ 0.0197" in block and "0.0184" in block  # ours and SB26 at σ = 1
     assert "ours 546 MiB (FA2 514, cuDNN 387)" in block
     assert "(results/Test_GPU/speed.md)" in block

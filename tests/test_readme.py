@@ -1,0 +1,126 @@
+"""Every command and snippet of README.md runs as written.
+
+Commands that run on any machine in seconds are run; the install and test commands are the ones
+.ci/run runs (checked to be there, word for word); GPU and long benchmark scripts must exist and
+take the options the README gives them.  A command in none of these lists fails the test, so a new
+one is classified when it is added.  Python snippets run as they are, JAX's where JAX is installed.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # render_report
+README = (REPO / "README.md").read_text()
+
+RUN = {  # run as written, on any machine, in seconds
+    "python -m sagebwd_cp info",
+    "python examples/train_tiny.py --device cpu --steps 3 --d-model 64 --layers 1 --seq-len 64 "
+    "--out train_tiny_cpu.png",
+}
+CI = {  # .ci/run runs these as written
+    'pip install -e ".[cuda13,test]" torch==2.13.0',
+    "python -m pytest -q",
+    "python -m pytest",
+    "python -m sagebwd_cp compile --all-archs",
+}
+SCRIPTS = {  # a GPU or minutes: the script exists and takes the README's options
+    "python examples/train_tiny.py",
+    "python benchmarks/bench_overhead.py",
+    "python benchmarks/bench_host.py",
+    "python benchmarks/gpu_check.py",
+    "python benchmarks/bench_attention.py --seqlens 4096 16384 --head-dims 64 128 --passes fwd bwd",
+    "python -m sagebwd_cp",
+}
+
+
+def _fenced(lang):
+    return re.findall(rf"^```{lang}\n(.*?)^```", README, re.MULTILINE | re.DOTALL)
+
+
+def _commands():
+    """Shell commands: the lines of the bash blocks and the inline `python ...` / `pip ...` spans,
+    each without its trailing comment."""
+    lines = [line for block in _fenced("bash") for line in block.splitlines()]
+    lines += re.findall(r"`((?:python|pip) [^`]+)`", README)
+    return sorted({line.split("  #")[0].split(" #")[0].strip() for line in lines if line.strip()})
+
+
+def _is_pip_extras(command):
+    return command.startswith("pip install") and command not in CI
+
+
+def test_every_readme_command_is_classified():
+    unknown = [c for c in _commands() if c not in RUN | CI | SCRIPTS and not _is_pip_extras(c)]
+    assert not unknown, f"README commands in no list of tests/test_readme.py: {unknown}"
+    gone = (RUN | CI | SCRIPTS) - set(_commands())
+    assert not gone, f"listed in tests/test_readme.py but no longer in the README: {gone}"
+
+
+def test_ci_runs_the_readme_setup():
+    """The quick start's two commands are the first bash block, and .ci/run runs them as written."""
+    ci = (REPO / ".ci" / "run").read_text()
+    for command in CI:
+        assert command in ci, command
+    assert _fenced("bash")[0].splitlines() == ['pip install -e ".[cuda13,test]" torch==2.13.0', "python -m pytest -q"]
+
+
+def test_pip_commands_name_existing_extras():
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = [c for c in _commands() if c.startswith("pip install")]
+    assert named
+    for command in named:
+        for group in re.findall(r'"\.\[([^\]]+)\]"', command):
+            assert set(group.split(",")) <= extras, command
+
+
+@pytest.mark.parametrize("command", sorted(RUN))
+def test_readme_command_runs(command, tmp_path):
+    args = command.split()
+    args[0] = sys.executable
+    args = [str(REPO / a) if a.endswith(".py") else a for a in args]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("command", sorted(SCRIPTS))
+def test_readme_scripts_exist_and_take_their_options(command):
+    args = command.split()
+    if args[1] == "-m":
+        proc = subprocess.run([sys.executable, "-m", args[2], "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return
+    script = REPO / args[1]
+    assert script.is_file(), command
+    compile(script.read_text(), str(script), "exec")
+    options = [a for a in args[2:] if a.startswith("--")]
+    if options:  # only these load the script's imports (torch), for its --help
+        proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        for option in options:
+            assert option in proc.stdout, f"{command}: {option} is not an option of {args[1]}"
+
+
+@pytest.mark.parametrize("index", range(len(_fenced("python"))))
+def test_readme_python_snippet_runs(index, tmp_path, monkeypatch):
+    block = _fenced("python")[index]
+    for module in re.findall(r"^import (\w+)", block, re.MULTILINE):
+        pytest.importorskip(module)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_headline_is_the_rendered_report():
+    """The block between the headline markers is what benchmarks/render_report.py makes of the
+    committed results: its figures are never edited by hand."""
+    import render_report
+
+    block = README.split(render_report.START)[1].split(render_report.END)[0]
+    results = re.search(r"\]\((benchmarks/results/[^/]+)/speed\.md\)", block).group(1)
+    data = [render_report.load(str(REPO / results / f"{n}.json")) for n in ("speed", "accuracy", "memory")]
+    assert block.strip("\n") == render_report.headline(*data, results).strip("\n")
