@@ -141,7 +141,11 @@ def _scored(res: dict, exact: tuple, **fields) -> list:
 
 
 def sigma_sweep(be: Backend, configs, heads, sigmas, granularities) -> list:
+    from tqdm import tqdm
+
     records = []
+    # A bar with the time left, on a terminal: the emulator's sweep takes minutes.
+    bar = tqdm(total=len(configs) * len(sigmas), unit="input", desc="σ sweep", file=sys.stderr, disable=None)
     for d, n in configs:
         shape = dict(dtype="float16", batch=1, heads=heads, seqlen=n, head_dim=d, causal=False)
         base = be.sigma_base(1, heads, n, d, SIGMA_SEED)
@@ -152,6 +156,8 @@ def sigma_sweep(be: Backend, configs, heads, sigmas, granularities) -> list:
             recs = _scored(res, be.exact(q, k, v, do), table="sigma", source=_source(be), sigma=sigma, **shape)
             records += recs
             report_common.log(f"  σ sweep d={d} N={n} σ={sigma}: " + _summary(recs))
+            bar.update()
+    bar.close()
     return records
 
 

@@ -229,6 +229,11 @@ def main(argv=None) -> int:
     int8_tops, f16_tflops = measure_ceilings()
     report_common.log(f"{device}: INT8 mma.sync {int8_tops:.0f} TOPS, 16-bit mma.sync {f16_tflops:.0f} TFLOPS")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    from tqdm import tqdm
+
+    # A bar with the time left (on a terminal; the log lines stay): the full sweep takes tens of minutes.
+    bar = tqdm(total=len(args.dtypes) * len(args.head_dims) * len(args.seqlens) * len(causals), unit="config",
+               desc="speed sweep", file=sys.stderr, disable=None)
     records, skipped, timing = [], [], {}
     for dtype in args.dtypes:
         for d in args.head_dims:
@@ -240,8 +245,10 @@ def main(argv=None) -> int:
                     report_common.log(f"[{time.time() - start:6.0f} s] {dtype} d={d} N={n} "
                                       f"{'causal' if causal else 'non-causal'} B={cfg.batch} H={cfg.heads}")
                     run_config(cfg, causal, args.passes, args.impls, args.granularities, warmup, reps, records, skipped)
+                    bar.update()
                 del cfg
                 torch.cuda.empty_cache()
+    bar.close()
     elapsed = time.time() - start
     meta = report_common.metadata(
         device, ceilings={"int8_mma_tops": int8_tops, "fp16_mma_tflops": f16_tflops},
