@@ -146,7 +146,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
-    (Hq a multiple of Hkv: GQA/MQA) and Lk tokens.  fp16 or bf16 on CUDA; causal masking is
+    (Hq a multiple of Hkv: GQA/MQA) and Lk tokens.  fp16 or bf16 on CUDA; on the host (the emulator)
+    also fp32 and fp64; results in q's framework and dtype.  Causal masking is
     bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
     that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
     natural-log logsumexp, shape (B, Hq, Lq), float32.
