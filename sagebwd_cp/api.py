@@ -221,14 +221,14 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
     """(dq, dk, dv).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
-    given = k_mean is not None
-    options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
-               bool(deterministic), given)
-    sig = _signatures((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do))
     if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
             and deterministic.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
         causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
             causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
+    given = k_mean is not None
+    options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
+               bool(deterministic), given)
+    sig = _signatures((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do))
     key = None
     if sig is not None:
         key = (options, sig[1])

@@ -134,10 +134,6 @@ def describe(x, name: str = "array") -> ArrayDesc:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-call reads for the launch-plan cache: what ``describe`` would read, straight from the
-# attributes of the common array types.
-
-# ---------------------------------------------------------------------------------------------
 # Host arrays: what the CPU emulator reads, and its results in the caller's framework and dtype.
 
 _HOST_NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
@@ -177,6 +173,10 @@ def copy_into(dst: ArrayDesc, src) -> None:
     else:
         np.copyto(host_numpy(dst, "out"), src)
 
+
+# ---------------------------------------------------------------------------------------------
+# Per-call reads for the launch-plan cache: what ``describe`` would read, straight from the
+# attributes of the common array types.
 
 def _torch_signature(x):
     p = x.data_ptr()
