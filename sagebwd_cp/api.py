@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from . import emulator
-from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result,
+from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
 from .plan import cached_plan, remember_plan
@@ -141,6 +141,7 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
     return o, (host_result(lse, prob.q, "float32") if return_lse else None), saved
 
 
+@jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
               out=None, return_lse=False):
     """Inference attention (saves nothing for a backward).
@@ -156,6 +157,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     return (o, lse) if return_lse else o
 
 
+@jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
                       out=None, return_lse=False):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
@@ -163,6 +165,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
     return (o, lse, saved) if return_lse else (o, saved)
 
 
+@jax_boundary
 def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULARITY, deterministic=False):
     """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO.
 
@@ -176,6 +179,7 @@ def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULA
                         p.layout, granularity, deterministic, p, saved.k_mean)
 
 
+@jax_boundary
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
                               smooth_q=False, layout="HND", granularity=DEFAULT_GRANULARITY, deterministic=False,
                               k_mean=None):

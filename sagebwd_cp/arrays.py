@@ -92,7 +92,11 @@ def _from_dlpack(x, name: str) -> ArrayDesc:
     dev_type, dev_id = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (KDL_CPU, 0)
     try:
         # stream=-1: the producer must not synchronize; the kernels run on the caller's stream.
-        capsule = x.__dlpack__(stream=-1) if dev_type == KDL_CUDA else x.__dlpack__()
+        # JAX has no current stream and takes any integer as one to wait on: see _jax_stream.
+        if dev_type == KDL_CUDA:
+            capsule = x.__dlpack__(stream=-1 if _framework(x) != "jax" else _jax_stream(dev_id))
+        else:
+            capsule = x.__dlpack__()
     except TypeError:
         capsule = x.__dlpack__()
     cname = _get_name(capsule)
@@ -345,3 +349,142 @@ def stream_reader(framework: str):
 def current_stream(desc: ArrayDesc) -> int:
     """The caller's current stream on ``desc``'s device: torch's for torch arrays, else CuPy's."""
     return stream_reader(desc.framework)(desc.device_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX arrays through the neutral API.  JAX has no current stream: the kernels run on CuPy's, and
+# the DLPack handshake orders them both ways.  In: ``__dlpack__(stream=S)`` makes S wait until
+# JAX has written the array.  Out: the CuPy arrays the library allocates go to JAX through
+# ``jax.dlpack.from_dlpack``, which hands CuPy JAX's stream to make wait for S.  No copies.
+
+def _jax_stream(device_id: int) -> int:
+    """The DLPack stream argument for a JAX array on a device: CuPy's current stream, where the
+    kernels will run.  JAX passes it to cuStreamWaitEvent as it is, so -1 ("do not synchronize"
+    in the DLPack protocol) fails there with CUDA_ERROR_INVALID_HANDLE; CuPy's null stream
+    (handle 0, which DLPack reserves) is the legacy default stream, DLPack's and CUDA's 1."""
+    return stream_reader("jax")(device_id) or 1
+
+
+# Capsules of JAX arrays that queued kernels may still read, with an event recorded after those
+# kernels: JAX does not see that use, and could reuse the memory of an array deleted meanwhile.
+_jax_pending: list = []
+
+
+def _retain_until_done(descs: list, device_id: int) -> None:
+    import cupy
+
+    while _jax_pending and _jax_pending[0][0].done:  # in recording order, so the oldest first
+        _jax_pending.pop(0)
+    with cupy.cuda.Device(device_id):
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record()
+    _jax_pending.append((event, descs))
+
+
+class _CupyToJax:
+    """A CuPy array as JAX's ``from_dlpack`` reads it: CuPy's capsule, with bfloat16 restored where
+    CuPy holds it as uint16 (the capsule is patched before JAX consumes it; the bits are the same)."""
+
+    def __init__(self, arr, bfloat16: bool):
+        self._arr, self._bfloat16 = arr, bfloat16
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, **_):
+        kwargs = {} if max_version is None else {"max_version": max_version}
+        capsule = self._arr.__dlpack__(stream=stream, **kwargs)  # CuPy makes `stream` wait for its own
+        if self._bfloat16:
+            cname = _get_name(capsule)
+            # DLManagedTensorVersioned puts version, manager_ctx, deleter and flags (32 bytes) first.
+            offset = {b"dltensor": 0, b"dltensor_versioned": 32}[cname]
+            t = _DLTensor.from_address(_get_pointer(capsule, cname) + offset)
+            t.dtype.code = 4  # kDLBfloat
+        return capsule
+
+
+def is_jax_array(x) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def _to_jax(obj, dtype: str, like: ArrayDesc):
+    """A JAX array over an array the library returned (no copy on a GPU)."""
+    import jax
+    import jax.dlpack
+
+    if isinstance(obj, np.ndarray):  # the emulator's output, on the host
+        return jax.device_put(obj, jax.devices("cpu")[like.device_id])
+    import cupy
+
+    with cupy.cuda.Device(like.device_id):
+        return jax.dlpack.from_dlpack(_CupyToJax(obj, dtype == "bfloat16" and obj.dtype == np.uint16))
+
+
+def _jax_tracer_type(jax):
+    tracer = getattr(jax.core, "Tracer", None)
+    if tracer is None:
+        from jax._src.core import Tracer as tracer
+    return tracer
+
+
+def jax_boundary(fn):
+    """Lets ``fn`` (a public function of the API) take and return JAX arrays: JAX arguments are
+    described once (with the stream handshake), outputs become JAX arrays, and the JAX arguments
+    stay referenced until the launched kernels are done.  Other calls go straight through."""
+    import functools
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    # ``out=`` (keyword-only) is a buffer to write; attention_backward_arrays' ``out`` is an input.
+    writes_out = "out" in params and params["out"].kind == inspect.Parameter.KEYWORD_ONLY
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        jax = sys.modules.get("jax")
+        if jax is None or not any(isinstance(a, jax.Array) for a in (*args, *kwargs.values())):
+            return fn(*args, **kwargs)
+        descs = []
+
+        def take(x, name):
+            if isinstance(x, _jax_tracer_type(jax)):
+                raise TypeError(f"{name}: got a traced JAX array (inside jax.jit, grad or vmap); the neutral API "
+                                "runs on concrete arrays, use sagebwd_cp.jax.attention there")
+            if not isinstance(x, jax.Array):
+                return x
+            if name == "out" and writes_out:
+                raise ValueError("out: JAX arrays are immutable and cannot be written in place; pass out=None")
+            d = describe(x, name)
+            descs.append(d)
+            return d
+
+        args = [take(a, names[i] if i < len(names) else "array") for i, a in enumerate(args)]
+        kwargs = {n: take(a, n) for n, a in kwargs.items()}
+        result = fn(*args, **kwargs)
+        like, done = descs[0], {}
+
+        def give(x, dtype=None):
+            if x is None or is_jax_array(x):
+                return x
+            if id(x) not in done:
+                done[id(x)] = _to_jax(x, dtype or like.dtype, like)
+            return done[id(x)]
+
+        def give_all(r):
+            if isinstance(r, tuple):
+                return tuple(give_all(x) for x in r)
+            if isinstance(r, ArrayDesc) or not dataclasses.is_dataclass(r):
+                return give(r)
+            # A saved state: its arrays' descriptors now hold the JAX arrays (same memory).
+            return dataclasses.replace(r, **{
+                f.name: dataclasses.replace(d, obj=give(d.obj, d.dtype), framework="jax", keepalive=d.obj)
+                for f in dataclasses.fields(r) for d in [getattr(r, f.name)]
+                if isinstance(d, ArrayDesc) and not is_jax_array(d.obj)})
+
+        result = give_all(result)
+        if like.is_cuda:
+            _retain_until_done(descs, like.device_id)
+        return result
+
+    return call

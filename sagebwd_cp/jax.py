@@ -1,0 +1,205 @@
+"""JAX adapter for sagebwd_cp: ``import sagebwd_cp.jax``.
+
+``attention(q, k, v, causal=..., layout=..., softmax_scale=...)`` is a ``jax.custom_vjp`` whose
+forward and backward call the neutral API from inside the XLA program through
+``jax.experimental.buffer_callback``: XLA hands the callback its device buffers and its stream, the
+kernels run on that stream, reading the inputs where XLA keeps them and writing the output O in
+place (the saved LSE and μ_K and the gradients are copied device to device from the library's
+buffers into XLA's).  Nothing goes through the host, and it works under ``jax.jit``, ``jax.grad``
+and eager calls alike.  On the CPU backend the same callback runs the NumPy emulator.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError('sagebwd_cp.jax needs JAX: pip install "sagebwd_cp[jax]" (for GPUs, with the jax CUDA '
+                      'plugin, e.g. pip install "jax[cuda13]")') from exc
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError as exc:  # pragma: no cover - older jax
+    raise ImportError(f"sagebwd_cp.jax needs jax.experimental.buffer_callback, which jax {jax.__version__} lacks; "
+                      'upgrade it: pip install -U "sagebwd_cp[jax]"') from exc
+
+import numpy as np
+
+from .api import run_backward, run_forward
+from .arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
+from .numerics import k_mean_shape
+from .problem import check_granularity, make_problem
+
+__all__ = ["attention"]
+
+
+class _Options(NamedTuple):
+    causal: bool
+    softmax_scale: float | None
+    smooth_k: bool
+    smooth_q: bool
+    layout: str
+    granularity: str
+    deterministic: bool
+
+
+def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None,
+              smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False):
+    """SageBwd attention, differentiable with ``jax.grad`` and traceable by ``jax.jit``.
+
+    q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
+    ``jax.nn.dot_product_attention``); k, v: Hkv heads and Lk tokens, Hq a multiple of Hkv
+    (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
+    Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq); rows that see
+    no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
+    ``sagebwd_cp.attention_backward``.  Shapes, dtypes and options are checked when traced.
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    opts = _Options(bool(causal), None if softmax_scale is None else float(softmax_scale), bool(smooth_k),
+                    bool(smooth_q), layout, check_granularity(granularity), bool(deterministic))
+    _check(q, k, v, opts)
+    return _attention(q, k, v, opts)
+
+
+def _platform(x) -> str:
+    try:
+        return next(iter(x.devices())).platform  # a concrete array
+    except Exception:  # noqa: BLE001 - a tracer has no devices: the default backend compiles it
+        return jax.default_backend()
+
+
+def _check(q, k, v, opts: _Options) -> None:
+    """The library's own checks (make_problem), on stand-ins with the arrays' shapes and dtypes."""
+    device = "cpu" if _platform(q) == "cpu" else "cuda"
+
+    def stand_in(x):
+        shape = tuple(int(s) for s in x.shape)
+        return ArrayDesc(0, shape, contiguous_strides(shape), str(x.dtype), device, 0, None, "jax")
+
+    make_problem(stand_in(q), stand_in(k), stand_in(v), causal=opts.causal, softmax_scale=opts.softmax_scale,
+                 smooth_k=opts.smooth_k, smooth_q=opts.smooth_q, layout=opts.layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, opts):
+    return _forward(q, k, v, opts, False)[0]
+
+
+def _attention_fwd(q, k, v, opts):
+    out, *state = _forward(q, k, v, opts, True)  # state: lse2 (and μ_K with K-smoothing)
+    return out, (q, k, v, out, *state)
+
+
+def _attention_bwd(opts, residuals, dout):
+    return tuple(_backward(opts, *residuals, dout))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ------------------------------------------------------------------------------ the callbacks
+
+def _bhnd(shape, layout: str) -> tuple:
+    b, x, y, d = shape
+    return (b, x, y, d) if layout == "HND" else (b, y, x, d)
+
+
+def _forward(q, k, v, opts: _Options, training: bool):
+    b, hq, lq, d = _bhnd(q.shape, opts.layout)
+    hkv = _bhnd(k.shape, opts.layout)[1]
+    results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if training:
+        results.append(jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))  # base-2 LSE
+        if opts.smooth_k:
+            results.append(jax.ShapeDtypeStruct(k_mean_shape(b, hkv, d), jnp.float32))
+    return buffer_callback(_bound(_forward_callback, opts, training), tuple(results))(q, k, v)
+
+
+def _backward(opts: _Options, q, k, v, out, lse2, *rest):
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return buffer_callback(_bound(_backward_callback, opts, None), results)(q, k, v, out, lse2, *rest)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(fn, opts: _Options, training):
+    # The callable is a parameter of the primitive: the same one for the same options lets eager
+    # calls (compiled once per parameters) and jit caches hit.
+    return functools.partial(fn, opts=opts, training=training)
+
+
+_streams: dict = {}  # (XLA stream handle, device) -> its CuPy wrapper, made once
+
+
+class _OnStream:
+    """Makes XLA's stream CuPy's current one on the buffers' device: the library launches on, and
+    allocates its outputs and workspaces for, CuPy's current stream."""
+
+    def __init__(self, ctx, device_id: int):
+        import cupy
+
+        self.device = cupy.cuda.Device(device_id)
+        key = (ctx.stream, device_id)
+        self.stream = _streams.get(key)
+        if self.stream is None:
+            self.stream = _streams[key] = cupy.cuda.ExternalStream(*key)
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+        return self.stream.ptr
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _copy_into(buffer, array, stream: int) -> None:
+    """Device-to-device copy of a contiguous array of the library into an XLA buffer, on XLA's stream."""
+    import cupy
+
+    dst, src = describe(buffer, "result"), describe(array, "result")
+    nbytes = math.prod(dst.shape) * _ITEMSIZE[dst.dtype]
+    cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream)
+
+
+def _describe(buffers, names):
+    return [describe(x, n) if x is not None else None for x, n in zip(buffers, names)]
+
+
+def _forward_callback(ctx, results, q, k, v, *, opts: _Options, training: bool):
+    args = (opts.causal, opts.softmax_scale, opts.smooth_k, opts.smooth_q, opts.layout)
+    dev_type, dev = q.__dlpack_device__()
+    if dev_type != KDL_CUDA:  # the emulator, on host buffers
+        o, _, state = run_forward(*_describe((q, k, v), "qkv"), *args, None, training, False, False)
+        for buffer, array in zip(results, (o,) + (tuple(state) if training else ())):
+            np.asarray(buffer)[...] = array
+        return
+    with _OnStream(ctx, dev) as stream:  # described inside: the DLPack handshake reads the stream
+        out = describe(results[0], "out")  # the kernels write O in place
+        _, _, state = run_forward(*_describe((q, k, v), "qkv"), *args, out, training, False, False)
+        for buffer, array in zip(results[1:], state if training else ()):
+            _copy_into(buffer, array, stream)
+
+
+def _backward_callback(ctx, results, q, k, v, out, lse2, *rest, opts: _Options, training=None):
+    *k_mean, do = rest
+    buffers, names = (q, k, v, out, lse2, do, k_mean[0] if k_mean else None), ("q", "k", "v", "out", "lse2", "do",
+                                                                               "k_mean")
+    args = (opts.causal, opts.softmax_scale, opts.smooth_k, opts.smooth_q, opts.layout, opts.granularity,
+            opts.deterministic)
+    dev_type, dev = q.__dlpack_device__()
+    if dev_type != KDL_CUDA:
+        *arrays, km = _describe(buffers, names)
+        for buffer, g in zip(results, run_backward(*arrays, *args, k_mean=km)):
+            np.asarray(buffer)[...] = g
+        return
+    with _OnStream(ctx, dev) as stream:
+        *arrays, km = _describe(buffers, names)
+        for buffer, g in zip(results, run_backward(*arrays, *args, k_mean=km)):
+            _copy_into(buffer, g, stream)
