@@ -29,9 +29,13 @@ def _require_ptxas_report():
 def _one_spec_per_kernel_file(arch):
     """A specialization of every kernel file (and of both paths of sm_90's wgmma forward and
     backward), built without listing all_specs, which compiles the mma.sync backward to read its tiles."""
-    chosen = [specs.quantize_spec("float16"), specs.lse_spec("bfloat16"), specs.bias_spec("float16"),
-              specs.ceiling_spec(), specs.backward_rows_spec("bfloat16"), representative_spec(arch),
+    chosen = [specs.lse_spec("bfloat16"), specs.bias_spec("float16"), specs.ceiling_spec(),
+              specs.backward_rows_spec("bfloat16"), representative_spec(arch),
               specs.backward_spec(64, "float16", True, False, True, False, specs.BackwardTiles(2))]
+    if arch in ("sm_80", "sm_90"):
+        # quantize.cu takes ~9 s a compile, and registers fall the same way on sm_80, 86 and 89 (its
+        # spills have been seen on sm_80-89 or sm_90): the two families here, every arch in CI.
+        chosen.append(specs.quantize_spec("float16"))
     if arch in specs.WGMMA_ARCHS:
         chosen += [specs.forward_spec(64, "bfloat16", True, True, specs.ForwardTiles(4, 1, True, 64)),
                    specs.backward_spec(128, "bfloat16", False, False, True, True, specs.BackwardTiles(2, True, 2)),
@@ -222,7 +226,7 @@ def test_cli_compile_exits_one_on_spills(monkeypatch, capsys):
         return dataclasses.replace(compiled, reports=reports)
 
     monkeypatch.setattr(compiler, "compile_spec", spilling)
-    assert main(["compile", "--arch", "sm_90", "--jobs", "1", "--only", "quantize.*"]) == 1
+    assert main(["compile", "--arch", "sm_90", "--jobs", "1", "--only", "natural_lse.*"]) == 1
     assert "SPILLS" in capsys.readouterr().err
 
 
