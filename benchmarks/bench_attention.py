@@ -79,7 +79,7 @@ def bench_forward(d, n, causal, tiles_list, reps):
 
     import sagebwd_cp
     from sagebwd_cp import specs
-    from sagebwd_cp.forward import attend_launcher
+    from sagebwd_cp.pieces import attend_launcher
     from sagebwd_cp.problem import make_problem
 
     b, h = max(1, 16384 // n), 2048 // d

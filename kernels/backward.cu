@@ -21,6 +21,7 @@
 //   SB_STAGES  query-side buffers in flight (1 or 2)
 // Hopper runs backward_wgmma.cu (warpgroup products, 128-key CTAs) with the same numerics.
 #include "common.cuh"
+#include "params.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
 #include "cp_async.cuh"
@@ -45,34 +46,43 @@ constexpr int DS_PITCH = BKV + 16;
 // Tiles start on 128 bytes (the swizzle's XOR addressing).
 constexpr int TILE_ALIGN = 128;
 
-// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then dŜ and reductions.
-constexpr int K_OFF = 0;                        // K̂  [64 keys][DP] int8, swizzled
-constexpr int KT_OFF = K_OFF + BKV * DP;        // K̂ᵀ [DP][64 keys] int8, swizzled
-constexpr int V_OFF = KT_OFF + DP * BKV;        // V  [64 keys][DP] 16-bit, swizzled
-constexpr int STAGE0 = V_OFF + 2 * BKV * DP;
-constexpr int SQ = 0;                           // Q̂   [64 q][DP] int8
-constexpr int SQT = SQ + BQ * DP;               // Q̂ᵀ  [DP][64 q] int8, fragment token order
-constexpr int SDOT = SQT + DP * BQ;             // dÔᵀ [DP][64 q] int8, fragment token order
-constexpr int SDO = SDOT + DP * BQ;             // dO  [64 q][DP] 16-bit
-constexpr int SSTATS = SDO + 2 * BQ * DP;       // (LSE2, s_Q, δ, s_Qᵀ) [64] f32x4 (row_stats)
-constexpr int SSCALE = SSTATS + 16 * BQ;        // s_dO of the query block, K̂ᵀ's scale, 1 (below): f32
-constexpr int STAGE_BYTES = (SSCALE + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
-constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // dŜ [64 q][DS_PITCH] int8
 // Maxima exchanged between warps (f32): per key and query half for P and for Z, per key group
 // and query for Y (dQ's scales), per warp for the paper mode's tile maxima of P, Z and Y.
 constexpr int RED_P = 0, RED_DSK = RED_P + 2 * BKV, RED_DSQ = RED_DSK + 2 * BKV, RED_TILE = RED_DSQ + KEY_GROUPS * BQ;
 constexpr int RED_RS = RED_TILE + 3 * WARPS;  // Q-smoothing: colsum(dS) per key and query half
 constexpr int RED_FLOATS = RED_RS + 2 * BKV;
-constexpr int RED_OFF = DS_OFF + BQ * DS_PITCH;
-constexpr int QSCALE_OFF = RED_OFF + 4 * RED_FLOATS;      // dQ's Ŷ scale per query [64] f32
-constexpr int FRAG_OFF = QSCALE_OFF + 4 * BQ;             // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes] x 16 B
-constexpr int SMEM_BYTES = FRAG_OFF + 2 * WARPS * 32 * 16;
+// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then dŜ and reductions; swizzled
+// tiles start on TILE_ALIGN bytes.
+struct BackwardStage {
+    i8 q[BQ * DP];          // Q̂   [64 q][DP] int8
+    i8 qt[DP * BQ];         // Q̂ᵀ  [DP][64 q] int8, fragment token order
+    i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
+    u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit
+    float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ) (row_stats)
+    float scale[32];        // s_dO of the query block, K̂ᵀ's scale, 1 (below)
+};
+struct BackwardShared {
+    i8 k[BKV * DP];         // K̂  [64 keys][DP] int8, swizzled
+    i8 kt[DP * BKV];        // K̂ᵀ [DP][64 keys] int8, swizzled
+    u16 v[BKV * DP];        // V  [64 keys][DP] 16-bit, swizzled
+    BackwardStage stage[SB_STAGES];
+    i8 ds[BQ * DS_PITCH];   // dŜ [64 q][DS_PITCH] int8
+    float red[RED_FLOATS];
+    float qscale[BQ];       // dQ's Ŷ scale per query
+    uint4 frag[2 * WARPS * 32];  // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes]
+};
+constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared);
+constexpr int K_OFF = __builtin_offsetof(BackwardShared, k), KT_OFF = __builtin_offsetof(BackwardShared, kt);
+constexpr int V_OFF = __builtin_offsetof(BackwardShared, v), STAGE0 = __builtin_offsetof(BackwardShared, stage);
+constexpr int SQ = __builtin_offsetof(BackwardStage, q), SQT = __builtin_offsetof(BackwardStage, qt);
+constexpr int SDOT = __builtin_offsetof(BackwardStage, dot), SDO = __builtin_offsetof(BackwardStage, dout);
+constexpr int SSTATS = __builtin_offsetof(BackwardStage, stats), SSCALE = __builtin_offsetof(BackwardStage, scale);
+constexpr int STAGE_BYTES = sizeof(BackwardStage);
+constexpr int DS_OFF = __builtin_offsetof(BackwardShared, ds), RED_OFF = __builtin_offsetof(BackwardShared, red);
+constexpr int QSCALE_OFF = __builtin_offsetof(BackwardShared, qscale), FRAG_OFF = __builtin_offsetof(BackwardShared, frag);
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "swizzled tiles need aligned bases");
-#ifdef SB_SMEM_BYTES
-static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
-#endif
 
 // Offset of 16-byte chunk c of row r in a [64][DP] 16-bit tile: rows of 2·DP bytes (swizzle.cuh).
 SB_DEVICE int tile16_offset(int r, int c) {
@@ -181,9 +191,9 @@ SB_DEVICE void red_add2(float* p, float x, float y) {
 constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_backward(SB_BACKWARD_PARAMS) {
+attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
+    const BackwardParams a = SB_KERNEL_VIEW(BackwardParams, SB_BACKWARD_FIELDS);
     SB_REQUIRE_SM80();
-    const Args a = SB_BACKWARD_ARGS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -191,11 +201,10 @@ attention_backward(SB_BACKWARD_PARAMS) {
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
     const int j = HEADS_FIRST ? blockIdx.y : blockIdx.x, hk = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
-    const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
-    const int n_qb = a.Nq_pad / BQ;
-    const int shift = a.Lk - a.Lq;  // causal: query r sees key c iff c <= r + shift
+    const SeqInfo<BackwardParams> seq(a, b);
+    const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
 
-    const QueryBlocks qb = query_blocks(j * BKV, a.Lq, a.Lk);
+    const QueryBlocks qb = query_blocks(j * BKV, seq.len_q(), seq.len_k());
     const int i0 = qb.i0, n_i = qb.n_i;
     const int n_it = group * n_i;
 
@@ -205,27 +214,27 @@ attention_backward(SB_BACKWARD_PARAMS) {
     float* red = reinterpret_cast<float*>(smem + RED_OFF);
     float* qscale_s = reinterpret_cast<float*>(smem + QSCALE_OFF);
 
-    const int kvalid = min(BKV, a.Lk - j * BKV);
-    load_tile<DP, BKV, THREADS>(sK, a.k8 + (bhk * a.Nk_pad + j * BKV) * DP, DP);
-    load_tile<BKV, DP, THREADS>(sKt, a.k8t + bhk * DP * a.Nk_pad + j * BKV, a.Nk_pad);
-    load_tile16(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * BKV * a.vn, a.vn, kvalid, a.D);
+    const int kvalid = min(BKV, seq.len_k() - j * BKV);
+    load_tile<DP, BKV, THREADS>(sK, a.k8 + (seq.k_row0(hk) + j * BKV) * DP, DP);
+    load_tile<BKV, DP, THREADS>(sKt, a.k8t + seq.k_row0(hk) * DP + j * BKV, seq.nk_pad());
+    load_tile16(sV, a.v + seq.token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * BKV), a.vn, kvalid, a.D);
     // K̂ᵀ's scale, beside each stage's s_dO (read from there in the loop: no register held across it).
     if (tid < SB_STAGES) {
-        cp_async_4(base + STAGE0 + tid * STAGE_BYTES + SSCALE + 8, a.kt_scale + bhk * (a.Nk_pad / BKV) + j);
+        cp_async_4(base + STAGE0 + tid * STAGE_BYTES + SSCALE + 8, a.kt_scale + seq.k_block0(hk) + j);
         *reinterpret_cast<float*>(smem + STAGE0 + tid * STAGE_BYTES + SSCALE + 12) = 1.f;  // UNIT, below
     }
 
     // Query-side tiles of (query head h, query block i) into stage `slot`.
     auto load_stage = [&](int h, int i, int slot) {
-        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
+        const i64 row0 = seq.q_row0(h);
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
-        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (bhq * a.Nq_pad + i * BQ) * DP, DP);
-        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
-        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + bhq * DP * a.Nq_pad + i * BQ, a.Nq_pad);
-        load_tile16(st + SDO, a.dout + b * a.db + h * a.dh + static_cast<i64>(i) * BQ * a.dn, a.dn,
-                    min(BQ, a.Lq - i * BQ), a.D);
-        if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + bhq * a.Nq_pad + i * BQ + tid);
-        if (tid == BQ) cp_async_4(st + SSCALE, a.do_scale + bhq * n_qb + i);
+        load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (row0 + i * BQ) * DP, DP);
+        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + row0 * DP + i * BQ, seq.nq_pad());
+        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + row0 * DP + i * BQ, seq.nq_pad());
+        load_tile16(st + SDO, a.dout + seq.token(a.db, a.dh, a.dn, h, static_cast<i64>(i) * BQ), a.dn,
+                    min(BQ, seq.len_q() - i * BQ), a.D);
+        if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + row0 + i * BQ + tid);
+        if (tid == BQ) cp_async_4(st + SSCALE, a.do_scale + seq.q_block0(h) + i);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
     const int h_first = hk * group;
@@ -245,7 +254,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
 
     const int krow = kw * 16 + g;          // this thread's key rows in the tile: krow, krow + 8
     const int key_lo = j * BKV + krow;
-    const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
+    const float s_k[2] = {a.k_scale[seq.k_row0(hk) + key_lo], a.k_scale[seq.k_row0(hk) + key_lo + 8]};
     const int qcol0 = qh * QW;             // first query column of this warp
     const Lanes<DP> a_k = a_lanes<DP>(kw * 16, lane), b_q = b_lanes<DP>(lane);
     const Lanes<2 * DP> a_v = a_lanes<2 * DP>(kw * 16, lane), b_do = b_lanes<2 * DP>(lane);
@@ -259,7 +268,6 @@ attention_backward(SB_BACKWARD_PARAMS) {
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
-        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         cp_async_wait<0>();
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
         if (SB_STAGES > 1 && it + 1 < n_it) {
@@ -273,7 +281,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
         const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const int q0 = i * BQ;
-        const bool need_mask = q0 + BQ > a.Lq || (j + 1) * BKV > a.Lk || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
+        const bool need_mask = q0 + BQ > seq.len_q() || (j + 1) * BKV > seq.len_k() || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
 
         // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2).
         float p[NT_Q][4];
@@ -296,7 +304,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
             }
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
-                const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
+                const float* bp = a.bias + (seq.q_block0(h) + i) * seq.nk_pad();
                 bias_row[0] = bp[key_lo];
                 bias_row[1] = bp[key_lo + 8];
             }
@@ -314,7 +322,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
                         const int key = key_lo + 8 * half, q = q0 + col;
                         const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                         float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                        if (need_mask && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                        if (need_mask && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
                         p[n][2 * half + c] = e;
                     }
                 }
@@ -480,7 +488,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
         }
 
         // The query block's dQ counter, formed where it is used (kept live across dQ it would spill at d=64).
-        auto lock = [&] { return a.dq_lock + (static_cast<i64>(b) * a.Hq + h) * n_qb + i; };
+        auto lock = [&] { return a.dq_lock + seq.q_block0(h) + i; };
         if (SB_DETERMINISTIC && tid == 0) wait_turn(lock(), j);
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
         {
@@ -492,7 +500,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.
             const float r0 = red[RED_RS + krow] + red[RED_RS + BKV + krow];
             const float r1 = red[RED_RS + krow + 8] + red[RED_RS + BKV + krow + 8];
-            const float* mu = a.q_mean + (bhq * n_qb + i) * DP + qh * (DP / 2);
+            const float* mu = a.q_mean + (seq.q_block0(h) + i) * DP + qh * (DP / 2);
 #pragma unroll
             for (int n = 0; n < NT_D / 2; ++n) {
                 const float m0 = mu[n * 8 + 2 * t], m1 = mu[n * 8 + 2 * t + 1];
@@ -518,7 +526,7 @@ attention_backward(SB_BACKWARD_PARAMS) {
                 fq[0] = fq[1] = tile_y_psi.scale * s_kt;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + (bhq * a.Nq_pad + q0 + r_lo) * DP + 2 * t;
+            float* dq_lo = a.dq_acc + (seq.q_row0(h) + q0 + r_lo) * DP + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -556,9 +564,9 @@ attention_backward(SB_BACKWARD_PARAMS) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = key_lo + 8 * half;
-        if (key >= a.Lk) continue;
-        u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
-        u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
+        if (key >= seq.len_k()) continue;
+        u16* kr = a.dk + seq.token(a.kb, a.kh, a.kn, hk, key);
+        u16* vr = a.dv + seq.token(a.wb, a.wh, a.wn, hk, key);
 #pragma unroll
         for (int n = 0; n < NT_D / 2; ++n) {
             const int col = (qh * (NT_D / 2) + n) * 8 + 2 * t;

@@ -1,74 +1,20 @@
 // What the two backward kernels share (backward.cu: mma.sync, 64-key CTAs; backward_wgmma.cu:
-// sm_90a warpgroups, 128-key CTAs): the kernel arguments, the quantizer of dS and P inside the
+// sm_90a warpgroups, 128-key CTAs): the quantizer of dS and P inside the
 // kernel (numerics.quantize_tile), register-A fragment packing, the warp reductions, the per-score
 // steps of the softmax and dS, the deterministic turn and the causal query-block range.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
 #include "convert.cuh"
 #include "exp2.cuh"
 
 // Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
-#ifndef SB_DP
-#define SB_DP 128
-#endif
-#ifndef SB_BF16
-#define SB_BF16 0
-#endif
-#ifndef SB_CAUSAL
-#define SB_CAUSAL 0
-#endif
-#ifndef SB_BIAS
-#define SB_BIAS 0
-#endif
-#ifndef SB_FINE
-#define SB_FINE 1
-#endif
-#ifndef SB_DETERMINISTIC
-#define SB_DETERMINISTIC 0
-#endif
-#ifndef SB_STAGES
-#define SB_STAGES 2
-#endif
-
 // The grid's axes (launch.attention_grid): deterministic and causal, heads in x and key blocks in y, so
 // that every head's heaviest (first) key block starts before any head's next one, and turns pass along
 // CTAs that started together (+0-12%); the others keep a head's CTAs together, (key blocks, heads, batch),
 // where they share its query-side tiles in L2 (heads in x cost them 2-3% at 16K).
 constexpr bool HEADS_FIRST = SB_CAUSAL && SB_DETERMINISTIC;
-
-// The kernel's parameters (backward.py passes them in this order) and the struct they fill.
-#define SB_BACKWARD_PARAMS                                                                                         \
-    const i8 *q8_, const i8 *q8t_, const float *q_mean_, const i8 *k8_, const i8 *k8t_, const float *k_scale_,     \
-        const float *kt_scale_, const float *bias_, const u16 *v_, const u16 *dout_,       \
-        const i8 *dot8_, const float *do_scale_, const float4 *stats_, float *dq_acc_, int *dq_lock_, u16 *dk_,    \
-        u16 *dv_, i64 vb, i64 vh, i64 vn, i64 db, i64 dh, i64 dn, i64 kb, i64 kh, i64 kn, i64 wb, i64 wh, i64 wn,   \
-        int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad, int Nk_pad
-#define SB_BACKWARD_ARGS                                                                                          \
-    {q8_, q8t_, q_mean_, k8_, k8t_, k_scale_, kt_scale_, bias_, v_, dout_, dot8_, do_scale_, stats_,    \
-     dq_acc_, dq_lock_, dk_, dv_, vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn, Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad}
-
-struct Args {
-    const i8* q8;          // [B][Hq][Nq_pad][DP]
-    const i8* q8t;         // [B][Hq][DP][Nq_pad], fragment token order, coded per 64-query block
-    const float* q_mean;   // [B][Hq][Nq_pad/64][DP] (SB_BIAS)
-    const i8* k8;          // [B][Hkv][Nk_pad][DP]
-    const i8* k8t;         // [B][Hkv][DP][Nk_pad], coded per 64-key block
-    const float* k_scale;  // [B][Hkv][Nk_pad] (per token)
-    const float* kt_scale; // [B][Hkv][Nk_pad/64]: k8t's scales
-    const float* bias;     // [B][Hq][Nq_pad/64][Nk_pad] (SB_BIAS)
-    const u16* v;          // 16-bit V, strides vb, vh, vn; 16-byte aligned rows
-    const u16* dout;       // 16-bit dO, strides db, dh, dn; 16-byte aligned rows
-    const i8* dot8;        // [B][Hq][DP][Nq_pad], fragment token order
-    const float* do_scale; // [B][Hq][Nq_pad/64]
-    const float4* stats;   // [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ): s_Q the per-token Q̂ scale, s_Qᵀ q8t's of the
-                           // row's block; LSE2 = +inf, δ = 0 on padded rows
-    float* dq_acc;         // [B][Hq][Nq_pad][dq_row], zeroed (specs.BackwardTiles.dq_row)
-    int* dq_lock;          // [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC)
-    u16* dk;               // 16-bit outputs with strides
-    u16* dv;
-    i64 vb, vh, vn, db, dh, dn, kb, kh, kn, wb, wh, wn;  // k*: dK strides, w*: dV strides
-    int Hq, Hkv, Lq, Lk, D, Nq_pad, Nk_pad;
-};
 
 SB_DEVICE float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -147,7 +93,7 @@ SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret
 // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
 template <bool MASK, int N>
 SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const Args& a, int shift) {
+                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const SeqInfo<BackwardParams>& seq, int shift) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -160,7 +106,7 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
                 const int key = key_lo + 8 * half, q = q0 + col;
                 const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                 float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                if (MASK && !(key < a.Lk && q < a.Lq && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                if (MASK && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
                 p[n][2 * half + c] = e;
             }
         }
@@ -169,12 +115,12 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
 // them) branch around the per-score compares and selects.
 template <int N>
 SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const Args& a,
+                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const SeqInfo<BackwardParams>& seq,
                              int shift) {
     if (need_mask)
-        probabilities_of<true>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, a, shift);
+        probabilities_of<true>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, shift);
     else
-        probabilities_of<false>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, a, shift);
+        probabilities_of<false>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, shift);
 }
 
 // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.

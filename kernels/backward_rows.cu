@@ -4,11 +4,9 @@
 //
 // Compile-time: SB_BF16 (16-bit dtype bf16, else fp16).
 #include "common.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
 #include "convert.cuh"
-
-#ifndef SB_BF16
-#define SB_BF16 0
-#endif
 
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
 // dO and of O where rows are 16-byte aligned), 256 / LANES rows per CTA of 256 threads; grid (Nq_pad·LANES / 256, Hq, B).
@@ -16,17 +14,15 @@
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 template <int LANES>
-SB_DEVICE void row_stats_rows(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob,
-                              i64 oh, i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale,
-                              const float* __restrict__ qt_scale, int Hq, int Lq, int D, int Nq_pad, float4* __restrict__ stats) {
+SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     const int c0 = 8 * (threadIdx.x % LANES), row = blockIdx.x * (256 / LANES) + threadIdx.x / LANES;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const i64 bh = static_cast<i64>(b) * Hq + h;
+    const int h = blockIdx.y;
+    const SeqInfo<RowStatsParams> seq(p, blockIdx.z);
     float s = 0.f;
-    if (row < Lq && c0 < D) {
-        const u16* dr = dout + b * db + h * dh + row * dn + c0;
-        const u16* orow = out + b * ob + h * oh + row * on + c0;
-        if (D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
+    if (row < seq.len_q() && c0 < p.D) {
+        const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
+        const u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row) + c0;
+        if (p.D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
             const uint4 x = *reinterpret_cast<const uint4*>(dr), y = *reinterpret_cast<const uint4*>(orow);
             const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
@@ -34,45 +30,45 @@ SB_DEVICE void row_stats_rows(const u16* __restrict__ dout, i64 db, i64 dh, i64 
                 s = fmaf(to_f32<SB_BF16>(static_cast<u16>(xw[e >> 1] >> (16 * (e & 1)))),
                          to_f32<SB_BF16>(static_cast<u16>(yw[e >> 1] >> (16 * (e & 1)))), s);
         } else {
-            for (int e = 0; e < 8 && c0 + e < D; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
+            for (int e = 0; e < 8 && c0 + e < p.D; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
         }
     }
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (threadIdx.x % LANES == 0)
-        stats[bh * Nq_pad + row] = make_float4(row < Lq ? lse2[bh * Lq + row] : __int_as_float(0x7f800000),
-                                               q_scale[bh * Nq_pad + row], s,
-                                               qt_scale[bh * (Nq_pad / SB_BLOCK_Q) + row / SB_BLOCK_Q]);
+        p.stats[seq.q_row0(h) + row] = make_float4(row < seq.len_q() ? p.lse2[seq.lse_row0(h) + row] : __int_as_float(0x7f800000),
+                                                   p.q_scale[seq.q_row0(h) + row], s,
+                                                   p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-row_stats(const u16* __restrict__ dout, i64 db, i64 dh, i64 dn, const u16* __restrict__ out, i64 ob, i64 oh,
-          i64 on, const float* __restrict__ lse2, const float* __restrict__ q_scale, const float* __restrict__ qt_scale,
-          int Hq, int Lq, int D, int Nq_pad, float4* __restrict__ stats) {
+row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
+    const RowStatsParams p = SB_KERNEL_VIEW(RowStatsParams, SB_ROW_STATS_FIELDS);
     SB_REQUIRE_SM80();
     // D_pad is 64 or 128 (specs.padded_head_dim): every lane of a row loads 16 bytes of each.
-    if (D > 64)
-        row_stats_rows<16>(dout, db, dh, dn, out, ob, oh, on, lse2, q_scale, qt_scale, Hq, Lq, D, Nq_pad, stats);
+    if (p.D > 64)
+        row_stats_rows<16>(p);
     else
-        row_stats_rows<8>(dout, db, dh, dn, out, ob, oh, on, lse2, q_scale, qt_scale, Hq, Lq, D, Nq_pad, stats);
+        row_stats_rows<8>(p);
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per 8 columns (two
 // 16-byte loads, one 16-byte store where the row is 16-byte aligned: D is a multiple of 8, so dQ rows and the
 // accumulator's are); grid (ceil(Lq · D/8 / 256), Hq, B).
 extern "C" __global__ void __launch_bounds__(256)
-dq_convert(const float* __restrict__ dq_acc, int Hq, int Lq, int D, int dq_row, int Nq_pad, float scale,
-           u16* __restrict__ dq, i64 qb, i64 qh, i64 qn) {
+dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
+    const DqConvertParams p = SB_KERNEL_VIEW(DqConvertParams, SB_DQ_CONVERT_FIELDS);
     SB_REQUIRE_SM80();
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int idx = blockIdx.x * 256 + threadIdx.x, groups = D / 8;
-    if (idx >= Lq * groups) return;
+    const int h = blockIdx.y;
+    const SeqInfo<DqConvertParams> seq(p, blockIdx.z);
+    const int idx = blockIdx.x * 256 + threadIdx.x, groups = p.D / 8;
+    if (idx >= seq.len_q() * groups) return;
     const int row = idx / groups, col = 8 * (idx % groups);
-    const float4* src = reinterpret_cast<const float4*>(dq_acc + ((static_cast<i64>(b) * Hq + h) * Nq_pad + row) * dq_row + col);
+    const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (seq.q_row0(h) + row) * p.dq_row + col);
     const float4 lo = src[0], hi = src[1];
-    const uint4 w = make_uint4(pack2_f32<SB_BF16>(lo.x * scale, lo.y * scale), pack2_f32<SB_BF16>(lo.z * scale, lo.w * scale),
-                               pack2_f32<SB_BF16>(hi.x * scale, hi.y * scale), pack2_f32<SB_BF16>(hi.z * scale, hi.w * scale));
-    u16* dst = dq + b * qb + h * qh + row * qn + col;
+    const uint4 w = make_uint4(pack2_f32<SB_BF16>(lo.x * p.scale, lo.y * p.scale), pack2_f32<SB_BF16>(lo.z * p.scale, lo.w * p.scale),
+                               pack2_f32<SB_BF16>(hi.x * p.scale, hi.y * p.scale), pack2_f32<SB_BF16>(hi.z * p.scale, hi.w * p.scale));
+    u16* dst = p.dq + seq.token(p.qb, p.qh, p.qn, h, row) + col;
     if ((reinterpret_cast<size_t>(dst) & 15) == 0) {
         *reinterpret_cast<uint4*>(dst) = w;
     } else {  // 4-byte aligned: D and the strides are even
@@ -83,11 +79,12 @@ dq_convert(const float* __restrict__ dq_acc, int Hq, int Lq, int D, int dq_row, 
 
 // Packed [B][H][L][D] copy of a strided 16-bit array; grid (ceil(L · D / 256), H, B).
 extern "C" __global__ void __launch_bounds__(256)
-pack_rows(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int L, int D, u16* __restrict__ y) {
+pack_rows(SB_KERNEL_PARAMS(SB_PACK_ROWS_FIELDS)) {
+    const PackRowsParams p = SB_KERNEL_VIEW(PackRowsParams, SB_PACK_ROWS_FIELDS);
     SB_REQUIRE_SM80();
     const int h = blockIdx.y, b = blockIdx.z;
     const int idx = blockIdx.x * 256 + threadIdx.x;
-    if (idx >= L * D) return;
-    const int row = idx / D, col = idx % D;
-    y[(static_cast<i64>(b) * H + h) * L * D + idx] = x[b * sb + h * sh + row * sn + col];
+    if (idx >= p.L * p.D) return;
+    const int row = idx / p.D, col = idx % p.D;
+    p.y[(static_cast<i64>(b) * p.H + h) * p.L * p.D + idx] = p.x[b * p.sb + h * p.sh + row * p.sn + col];
 }

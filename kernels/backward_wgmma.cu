@@ -28,9 +28,6 @@
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
-#ifndef SB_GROUPS
-#define SB_GROUPS 2
-#endif
 constexpr int GROUPS = SB_GROUPS;    // warpgroups
 constexpr int CTA_KEYS = GROUPS * BKV;
 constexpr int THREADS = GROUPS * 128;
@@ -62,39 +59,49 @@ constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
 
-// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
-// Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
-constexpr int TILE_ALIGN = 1024;
-constexpr int K_OFF = 0;                         // K̂  [keys][DP] int8
-constexpr int KT_OFF = K_OFF + CTA_KEYS * DP;    // K̂ᵀ [key block][DP][128 keys] int8
-constexpr int V_OFF = KT_OFF + DP * 128 * KEY_BLOCKS;  // V  [keys][DP] 16-bit, 128-byte column blocks
-constexpr int STAGE0 = V_OFF + 2 * CTA_KEYS * DP;
-constexpr int SQ = 0;                            // Q̂   [64 q][DP] int8
-constexpr int SQT = SQ + BQ * DP;                // Q̂ᵀ  [DP][64 q] int8, fragment token order
-constexpr int SDOT = SQT + DP * BQ;              // dÔᵀ [DP][64 q] int8, fragment token order
-constexpr int SDO = SDOT + DP * BQ;              // dO  [64 q][DP] 16-bit, 128-byte column blocks
-constexpr int SSTATS = SDO + 2 * BQ * DP;        // (LSE2, s_Q, δ, s_Qᵀ) [64] f32x4
-constexpr int SBAR = SSTATS + 16 * BQ;           // the stage's mbarrier (its TMA loads' bytes)
-constexpr int STAGE_BYTES = (SBAR + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN;
-constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
-constexpr int DS_OFF = STAGE0 + SB_STAGES * STAGE_BYTES;  // Ŷ [key block][64 q][128 keys] int8
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
 // maxima of P, Z and Y per warp.
 constexpr int RED_Y = 0, RED_TILE = RED_Y + GROUPS * 4 * BQ, RED_FLOATS = RED_TILE + 3 * 4 * GROUPS;
-constexpr int RED_OFF = DS_OFF + BQ * 128 * KEY_BLOCKS;
-constexpr int YSCALE_OFF = RED_OFF + 4 * RED_FLOATS;  // Ŷ's scale per (key block, query) [GROUPS][64] f32
 constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded: a warp's
                                   // 8-byte stores hit every bank, and tile and rows are one range each
-constexpr int DQ_OFF = YSCALE_OFF + 4 * GROUPS * BQ;
-constexpr int DK_OFF = DQ_OFF + BQ * DQ_PITCH * 4;  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS] float4
-constexpr int SMEM_BYTES = DK_OFF + (DK_SMEM ? CHUNKS * NT_CH * THREADS * 16 : 0) + (TILE_ALIGN - 128);
+// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
+// Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
+constexpr int TILE_ALIGN = 1024;
+struct alignas(TILE_ALIGN) BackwardStage {
+    i8 q[BQ * DP];          // Q̂   [64 q][DP] int8
+    i8 qt[DP * BQ];         // Q̂ᵀ  [DP][64 q] int8, fragment token order
+    i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
+    u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
+    float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
+    unsigned long long bar[16];  // the stage's mbarrier (its TMA loads' bytes), in 128 bytes
+};
+struct BackwardShared {
+    i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8
+    i8 kt[KEY_BLOCKS][DP * 128];     // K̂ᵀ [key block][DP][128 keys] int8
+    u16 v[CTA_KEYS * DP];            // V  [keys][DP] 16-bit, 128-byte column blocks
+    BackwardStage stage[SB_STAGES];
+    alignas(TILE_ALIGN) i8 ds[KEY_BLOCKS][BQ * 128];  // Ŷ [key block][64 q][128 keys] int8
+    float red[RED_FLOATS];
+    float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
+    float dq[BQ * DQ_PITCH];         // the dQ partial's tile
+    float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
+};
+constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TILE_ALIGN - 128);
+constexpr int K_OFF = __builtin_offsetof(BackwardShared, k), KT_OFF = __builtin_offsetof(BackwardShared, kt);
+constexpr int V_OFF = __builtin_offsetof(BackwardShared, v), STAGE0 = __builtin_offsetof(BackwardShared, stage);
+constexpr int SQ = __builtin_offsetof(BackwardStage, q), SQT = __builtin_offsetof(BackwardStage, qt);
+constexpr int SDOT = __builtin_offsetof(BackwardStage, dot), SDO = __builtin_offsetof(BackwardStage, dout);
+constexpr int SSTATS = __builtin_offsetof(BackwardStage, stats), SBAR = __builtin_offsetof(BackwardStage, bar);
+constexpr int STAGE_BYTES = sizeof(BackwardStage);
+constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
+constexpr int DS_OFF = __builtin_offsetof(BackwardShared, ds), RED_OFF = __builtin_offsetof(BackwardShared, red);
+constexpr int YSCALE_OFF = __builtin_offsetof(BackwardShared, yscale), DQ_OFF = __builtin_offsetof(BackwardShared, dq);
+constexpr int DK_OFF = __builtin_offsetof(BackwardShared, dk);
+static_assert(STAGE0 == V_OFF + 2 * CTA_KEYS * DP, "the stages follow the per-CTA tiles without padding");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
 static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
-#ifdef SB_SMEM_BYTES
-static_assert(SMEM_BYTES == SB_SMEM_BYTES, "specs.BackwardTiles.shared_bytes must mirror this layout");
-#endif
 
 // Offset of 16-byte chunk c of row r in a [ROWS][DP] 16-bit tile stored as 128-byte column blocks.
 template <int ROWS>
@@ -141,14 +148,11 @@ SB_DEVICE void rows_finish(float (&acc)[NT_CH][4], int (&pr)[NT_CH][4], u32 (&a)
         for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), factor[c >> 1], acc[n][c]);
 }
 
-// The query-side tiles come by TMA (tensor maps from sagebwd_cp/tensor_map.py, made per call):
-//   tm_q    Q̂   bytes [B·Hq·Nq_pad][DP], box DP x 64 rows       tm_qt, tm_dot  Q̂ᵀ, dÔᵀ bytes [B·Hq·DP][Nq_pad], box 64 x DP
-//   tm_do   dO  16-bit [B][Hq][Lq][D] (its strides), box 64 x 64 x 1 x 1, zero past Lq and D
+// The query-side tiles come by TMA (tm_*: params.cuh SB_BACKWARD_MAPS, encoded per call by sagebwd_cp/tensor_map.py).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_qt,
-                   const __grid_constant__ TensorMap tm_dot, const __grid_constant__ TensorMap tm_do) {
+attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKWARD_MAPS)) {
+    const BackwardParams a = SB_KERNEL_VIEW(BackwardParams, SB_BACKWARD_FIELDS);
     SB_REQUIRE_SM80();
-    const Args a = SB_BACKWARD_ARGS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -156,11 +160,10 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
     const int j = HEADS_FIRST ? blockIdx.y : blockIdx.x, hk = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
-    const i64 bhk = static_cast<i64>(b) * a.Hkv + hk;
-    const int n_qb = a.Nq_pad / BQ;
-    const int shift = a.Lk - a.Lq;  // causal: query r sees key c iff c <= r + shift
+    const SeqInfo<BackwardParams> seq(a, b);
+    const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
 
-    const QueryBlocks qb = query_blocks(j * CTA_KEYS, a.Lq, a.Lk);
+    const QueryBlocks qb = query_blocks(j * CTA_KEYS, seq.len_q(), seq.len_k());
     const int i0 = qb.i0, n_i = qb.n_i;
     const int n_it = group * n_i;
 
@@ -170,30 +173,29 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     float* red = reinterpret_cast<float*>(smem + RED_OFF);
     float* yscale_s = reinterpret_cast<float*>(smem + YSCALE_OFF);
 
-    const int kvalid = min(CTA_KEYS, a.Lk - j * CTA_KEYS);
-    load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (bhk * a.Nk_pad + j * CTA_KEYS) * DP, DP);
+    const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
+    load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
         constexpr int LAST = CTA_KEYS - 128 * (KEY_BLOCKS - 1);  // keys of the last block
-        const i8* src = a.k8t + bhk * DP * a.Nk_pad + j * CTA_KEYS + 128 * kb2;
+        const i8* src = a.k8t + seq.k_row0(hk) * DP + j * CTA_KEYS + 128 * kb2;
         if (kb2 + 1 < KEY_BLOCKS)
-            load_tile<128, DP, THREADS, true>(sKt + kb2 * DP * 128, src, a.Nk_pad);
+            load_tile<128, DP, THREADS, true>(sKt + kb2 * DP * 128, src, seq.nk_pad());
         else
-            load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, a.Nk_pad);
+            load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, seq.nk_pad());
     }
-    load_tile16<CTA_KEYS>(sV, a.v + b * a.vb + hk * a.vh + static_cast<i64>(j) * CTA_KEYS * a.vn, a.vn, kvalid, a.D);
+    load_tile16<CTA_KEYS>(sV, a.v + seq.token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
     auto load_stage = [&](int h, int i, int slot) {
-        const int bhq = b * a.Hq + h;
         const u32 st = base + STAGE0 + slot * STAGE_BYTES, bar = st + SBAR;
         mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
-        tma_load_2d(st + SQ, tm_q, 0, bhq * a.Nq_pad + i * BQ, bar);
-        tma_load_2d(st + SQT, tm_qt, i * BQ, bhq * DP, bar);
-        tma_load_2d(st + SDOT, tm_dot, i * BQ, bhq * DP, bar);
+        tma_load_2d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, bar);
+        tma_load_2d(st + SQT, tm_qt, i * BQ, static_cast<int>(seq.q_slice(h)) * DP, bar);
+        tma_load_2d(st + SDOT, tm_dot, i * BQ, static_cast<int>(seq.q_slice(h)) * DP, bar);
 #pragma unroll
-        for (int cb = 0; cb < DP / 64; ++cb) tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, i * BQ, h, b, bar);
-        bulk_load(st + SSTATS, a.stats + static_cast<i64>(bhq) * a.Nq_pad + i * BQ, 16 * BQ, bar);
+        for (int cb = 0; cb < DP / 64; ++cb) tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, i * BQ, h, seq.b, bar);
+        bulk_load(st + SSTATS, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
     // Deterministic and causal, query blocks go last to first: every CTA starts on the same block,
@@ -239,7 +241,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     // This thread's first key; in the loop it is rebuilt from loop_tid(), as are the other
     // warpgroup-dependent values there.
     const int key_lo = j * CTA_KEYS + wg * BKV + krow;
-    const float s_k[2] = {a.k_scale[bhk * a.Nk_pad + key_lo], a.k_scale[bhk * a.Nk_pad + key_lo + 8]};
+    const float s_k[2] = {a.k_scale[seq.k_row0(hk) + key_lo], a.k_scale[seq.k_row0(hk) + key_lo + 8]};
     // Descriptor low words of K̂ᵀ and of Ŷ (the warpgroup's K̂ and V rows: per iteration, below).
     const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
     // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
@@ -304,7 +306,6 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
     };
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
-        const i64 bhq = static_cast<i64>(b) * a.Hq + h;
         __syncthreads();  // every warp is done with the stage that is loaded next and with the dQ tile
         if (tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
         if (it + 1 < n_it) advance(nh, ni);
@@ -312,12 +313,14 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
-        const float s_do = a.do_scale[bhq * n_qb + i];
+        const float s_do = a.do_scale[seq.q_block0(h) + i];
         mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
         const int ftid = loop_tid();
         const int key0 = j * CTA_KEYS + loop_wg() * BKV;  // the warpgroup's first key
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
+        // The lengths from the parameters, not through seq: the same values, but through seq ptxas spills 8
+        // bytes of the d=128 causal fine kernels at their 255 registers.
         const bool need_mask = q0 + BQ > a.Lq || key0 + BKV > a.Lk || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
 
         // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
@@ -345,11 +348,11 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), masked past the ends and above the diagonal.
             float bias_row[2] = {0.f, 0.f};
             if (SB_BIAS) {
-                const float* bp = a.bias + (bhq * n_qb + i) * a.Nk_pad;
+                const float* bp = a.bias + (seq.q_block0(h) + i) * seq.nk_pad();
                 bias_row[0] = bp[fkey_lo];
                 bias_row[1] = bp[fkey_lo + 8];
             }
-            probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, a, shift);
+            probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, seq, shift);
         }
 
         // P̂ᵀ per key (fine: inside the warp) or per 64x64 block (paper: over the warpgroup).
@@ -464,7 +467,7 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
                     ys = psi(m);
                 }
                 if (wv == 0)  // Ŷ's factor: its scale times K̂ᵀ's of the warpgroup's key block
-                    yscale_s[wg * BQ + 32 * x + yc] = ys.scale * a.kt_scale[bhk * (a.Nk_pad / BKV) + j * GROUPS + wg];
+                    yscale_s[wg * BQ + 32 * x + yc] = ys.scale * a.kt_scale[seq.k_block0(hk) + j * GROUPS + wg];
 #pragma unroll
                 for (int n = 4 * x; n < 4 * x + 4; ++n)
 #pragma unroll
@@ -579,12 +582,12 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
             }
             fence_proxy_async();  // the bulk reduction reads what these stores wrote
             // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
-            pending_row = bhq * a.Nq_pad + q0;
+            pending_row = seq.q_row0(h) + q0;
         }
 
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q.
-            const float* mu = a.q_mean + (bhq * n_qb + i) * DP;
+            const float* mu = a.q_mean + (seq.q_block0(h) + i) * DP;
             float4* own = nullptr;  // DK_SMEM: this thread's slot
             if constexpr (DK_SMEM) own = dk_slot(loop_tid());
 #pragma unroll
@@ -624,9 +627,9 @@ attention_backward(SB_BACKWARD_PARAMS, const __grid_constant__ TensorMap tm_q, c
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = j * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
-        if (key >= a.Lk) continue;
-        u16* kr = a.dk + b * a.kb + hk * a.kh + key * a.kn;
-        u16* vr = a.dv + b * a.wb + hk * a.wh + key * a.wn;
+        if (key >= seq.len_k()) continue;
+        u16* kr = a.dk + seq.token(a.kb, a.kh, a.kn, hk, key);
+        u16* vr = a.dv + seq.token(a.wb, a.wh, a.wn, hk, key);
 #pragma unroll
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll

@@ -15,6 +15,8 @@
 // (q, q_sb, q_sh, q_sn, q_prescale), as the pre-pass would (quantizer.cuh, bit for bit); with it, the
 // pre-pass's q8 and q_scale (the block means need every row of the block first).
 #include "common.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
 #include "wgmma.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
@@ -23,32 +25,6 @@
 #include "convert.cuh"
 #include "exp2.cuh"
 #include "quantizer.cuh"
-
-#ifndef SB_DP
-#define SB_DP 128
-#endif
-#ifndef SB_BF16
-#define SB_BF16 0
-#endif
-#ifndef SB_CAUSAL
-#define SB_CAUSAL 0
-#endif
-#ifndef SB_BIAS
-#define SB_BIAS 0
-#endif
-#ifndef SB_WARPS
-#define SB_WARPS 8
-#endif
-#ifndef SB_MT
-#define SB_MT 1
-#endif
-#ifndef SB_WGMMA
-#define SB_WGMMA 0
-#endif
-
-#ifndef SB_TILE_KEYS
-#define SB_TILE_KEYS SB_BLOCK_KV
-#endif
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
@@ -60,15 +36,28 @@ constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
 constexpr int NT_D = DP / 8;                  // n-tiles of O over the head dim
-constexpr int Q_BYTES = CTA_Q * DP;
-constexpr int K_BYTES = TILE * DP;
-constexpr int V_BYTES = DP * TILE;
-constexpr int KS_BYTES = 4 * TILE;            // the key tile's per-token K scales, f32
 constexpr bool WG = SB_WGMMA;
-// wgmma tiles start on their swizzle atom (1024 bytes covers both), so stages round up to it and
-// the dynamic base is aligned inside 1024 bytes of slack.
-constexpr int STAGE_BYTES = WG ? K_BYTES + V_BYTES + 1024 : K_BYTES + V_BYTES + KS_BYTES;
+// Shared memory: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's per-token K scales (f32).
+// wgmma tiles start on their swizzle atom (1024 bytes covers both), so a stage's scales take 1024
+// bytes (their padding) and the dynamic base is aligned inside 1024 bytes of slack.
+struct ForwardStage {
+    i8 k[TILE * DP];
+    i8 vt[DP * TILE];
+    float k_scale[WG ? 1024 / 4 : TILE];
+};
+struct ForwardShared {
+    i8 q[CTA_Q * DP];
+    ForwardStage stage[2];
+};
 constexpr int SMEM_SLACK = WG ? 1024 : 0;
+constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(ForwardShared) + SMEM_SLACK;
+constexpr int Q_BYTES = __builtin_offsetof(ForwardShared, stage);
+constexpr int K_BYTES = __builtin_offsetof(ForwardStage, vt);
+constexpr int V_BYTES = __builtin_offsetof(ForwardStage, k_scale) - K_BYTES;
+constexpr int KS_BYTES = 4 * TILE;            // the key tile's K scales
+constexpr int STAGE_BYTES = sizeof(ForwardStage);
+static_assert(!WG || (Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0),
+              "wgmma tiles start on 1024 bytes");
 static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
 static_assert(TILE == BKV || (WG && TILE == 2 * BKV), "128-key tiles on the wgmma path only");
 static_assert(!WG || KS_BYTES <= 1024, "the K scales live in a stage's 1024 bytes of padding");
@@ -81,9 +70,6 @@ constexpr float LAZY_LOG2 = 8.f;
 constexpr float M_NONE = -1e30f;              // m_ref before any key: exp2(M_NONE - x) = 0
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "V scale blocks of 64 keys: two 32-key k-steps of P̂V̂ each");
-#ifdef SB_SMEM_BYTES
-static_assert(Q_BYTES + 2 * STAGE_BYTES + SMEM_SLACK == SB_SMEM_BYTES, "specs.ForwardTiles.shared_bytes must mirror this layout");
-#endif
 
 // Lane offsets of ldmatrix.x4 B fragments for two n-tiles (rows 16·p.. of a k-contiguous tile):
 // matrices (n-tile 0: chunk 0, 1), (n-tile 1: chunk 0, 1).
@@ -152,12 +138,8 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
 // more and take one CTA fewer.
 constexpr int MIN_BLOCKS = !WG ? 1 : (TILE > BKV && DP > 64 ? 3 : 4) - (SB_BIAS ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
-                  const i8* __restrict__ k8, const float* __restrict__ k_scale,
-                  const i8* __restrict__ vt8, const float* __restrict__ v_scale,
-                  const float* __restrict__ bias, u16* __restrict__ out, i64 ob, i64 oh, i64 on,
-                  float* __restrict__ lse2, int Hq, int Hkv, int Lq, int Lk, int D, int Nq_pad,
-                  int Nk_pad, const u16* __restrict__ q, i64 q_sb, i64 q_sh, i64 q_sn, float q_prescale) {
+attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
+    const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
     SB_REQUIRE_SM80();
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -165,33 +147,33 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
     // Later query blocks have more work under the causal mask: they start first, every head's before
     // any head's next one (heads in x: launch.attention_grid).
     const int qb = SB_CAUSAL ? (gridDim.y - 1 - blockIdx.y) : blockIdx.x;
-    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
-    const int q0 = qb * CTA_Q;
-    const i64 bhq = static_cast<i64>(b) * Hq + h, bhk = static_cast<i64>(b) * Hkv + hk;
+    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
+    const SeqInfo<ForwardParams> seq(p, blockIdx.z);
+    const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
 
     const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
     const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
     const u32 q_desc = WG ? wgmma_desc_lo<DP>(sQ) : 0;  // Q̂ tile's descriptor (low word)
-    const i8* kg = k8 + bhk * Nk_pad * DP;
-    const i8* vg = vt8 + bhk * DP * Nk_pad;
-    const float* ksg = k_scale + bhk * Nk_pad;
+    const i8* kg = p.k8 + seq.k_row0(hk) * DP;
+    const i8* vg = p.vt8 + seq.k_row0(hk) * DP;
+    const float* ksg = p.k_scale + seq.k_row0(hk);
     // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
         load_tile<DP, TILE, THREADS, WG>(at, kg + static_cast<i64>(jj) * TILE * DP, DP);
-        load_tile<TILE, DP, THREADS, WG>(at + K_BYTES, vg + jj * TILE, Nk_pad);
+        load_tile<TILE, DP, THREADS, WG>(at + K_BYTES, vg + jj * TILE, seq.nk_pad());
         if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * TILE + 4 * threadIdx.x);
     };
 
-    int n_tiles = (Lk + TILE - 1) / TILE;
-    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + Lk - Lq) / TILE + 1));
-    if (SB_CAUSAL && q0 + CTA_Q - 1 + Lk - Lq < 0) n_tiles = 0;
+    int n_tiles = (seq.len_k() + TILE - 1) / TILE;
+    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + shift) / TILE + 1));
+    if (SB_CAUSAL && q0 + CTA_Q - 1 + shift < 0) n_tiles = 0;
 
-    if (SB_BIAS) load_tile<DP, CTA_Q, THREADS, WG>(sQ, q8 + (bhq * Nq_pad + q0) * DP, DP);
+    if (SB_BIAS) load_tile<DP, CTA_Q, THREADS, WG>(sQ, p.q8 + (seq.q_row0(h) + q0) * DP, DP);
     if (n_tiles > 0) load_stage(sKV, 0);
     cp_async_commit();
     float q_row_scale = 0.f;  // without Q-smoothing: the scale of the row this thread quantized
-    if (!SB_BIAS) q_row_scale = quantize_q_rows(sQ, q + b * q_sb + h * q_sh, q_sn, q0, Lq, D, q_prescale);
+    if (!SB_BIAS) q_row_scale = quantize_q_rows(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale);
     cp_async_wait<0>();
     if (WG) fence_proxy_async();  // cp.async and the Q̂ stores wrote what wgmma reads
     __syncthreads();
@@ -210,8 +192,8 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         // A zero row's scale 0 as the smallest subnormal instead: its scores are 0 either way, and a
         // fully masked tile's row max -inf times it must stay -inf (times 0 it is NaN).
         if (SB_BIAS) {
-            qs[mt][0] = q_scale[bhq * Nq_pad + q0 + r0 + g];
-            qs[mt][1] = q_scale[bhq * Nq_pad + q0 + r0 + g + 8];
+            qs[mt][0] = p.q_scale[seq.q_row0(h) + q0 + r0 + g];
+            qs[mt][1] = p.q_scale[seq.q_row0(h) + q0 + r0 + g + 8];
         } else {  // row r of the CTA was quantized by lanes 2r, 2r + 1 of its warp (quantize_q_rows)
             qs[mt][0] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g);
             qs[mt][1] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16);
@@ -281,12 +263,12 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         // for the other; O then adds (P̂V̂)·β·s_max/255.
         float pcoef[VBLOCKS], pv_scale;
         {
-            const float* vs = v_scale + bhk * (Nk_pad / BKV) + j * VBLOCKS;
+            const float* vs = p.v_scale + seq.k_block0(hk) + j * VBLOCKS;
             float sv[VBLOCKS], smax = vs[0];
 #pragma unroll
             for (int vb = 0; vb < VBLOCKS; ++vb) {
                 sv[vb] = vs[vb];
-                if (vb > 0 && (j * VBLOCKS + vb) * BKV < Lk) smax = fmaxf(smax, sv[vb]);
+                if (vb > 0 && (j * VBLOCKS + vb) * BKV < seq.len_k()) smax = fmaxf(smax, sv[vb]);
             }
             const float inv = rcp_approx(smax);  // the SFU's 1/s_max (numerics: within one ulp of IEEE)
 #pragma unroll
@@ -294,7 +276,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             pv_scale = smax * (1.f / PL);
         }
         const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
-        const bool need_mask = (j + 1) * TILE > Lk || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + Lk - Lq);
+        const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + shift);
 
         u32 pf[SB_MT][KSTEPS_P][4];  // P̂ as A fragments for the 32-key k-steps
         float pv_factor[SB_MT][2], alpha[SB_MT][2];
@@ -303,7 +285,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
         for (int mt = 0; mt < SB_MT; ++mt) {
             const int rbase = q0 + (warp * SB_MT + mt) * 16 + g;
             // The warp's 16 rows lie in one Q-smoothing block.
-            const float* bp = SB_BIAS ? bias + (bhq * (Nq_pad / SB_BLOCK_Q) + (rbase - g) / SB_BLOCK_Q) * Nk_pad + j * TILE
+            const float* bp = SB_BIAS ? p.bias + (seq.q_block0(h) + (rbase - g) / SB_BLOCK_Q) * seq.nk_pad() + j * TILE
                                       : nullptr;
             // u = Ŝ·s_K[key] (numerics: the key scale first, then the row's), in place of S; masked
             // entries -inf. Without the bias the row max is taken on u: s_Q > 0 commutes with it.
@@ -315,7 +297,7 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int half = c >> 1, key = j * TILE + n * 8 + 2 * t + (c & 1);
-                    const bool ok = !need_mask || (key < Lk && (!SB_CAUSAL || key <= rbase + 8 * half + Lk - Lq));
+                    const bool ok = !need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= rbase + 8 * half + shift));
                     const float x = static_cast<float>(s[mt][n][c]) * ((c & 1) ? ksn.y : ksn.x);
                     u[n][c] = ok ? (SB_BIAS ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)]) : x) : -__int_as_float(0x7f800000);
                     rmax[half] = fmaxf(rmax[half], u[n][c]);
@@ -448,17 +430,17 @@ attention_forward(const i8* __restrict__ q8, const float* __restrict__ q_scale,
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
             const float inv = l > 0.f ? 1.f / l : 0.f;
-            if (row < Lq) {
-                u16* orow = out + b * ob + h * oh + row * on;
+            if (row < seq.len_q()) {
+                u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row);
 #pragma unroll
                 for (int n = 0; n < NT_D; ++n) {
                     const int col = n * 8 + 2 * t;
-                    if (col < D)
+                    if (col < p.D)
                         *reinterpret_cast<u32*>(orow + col) =
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
-                if (lse2 && t == 0)
-                    lse2[fresh_batch_head<SB_CAUSAL>(Hq) * Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                if (p.lse2 && t == 0)
+                    p.lse2[fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

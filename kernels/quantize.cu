@@ -9,13 +9,11 @@
 //
 // Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO).
 #include "common.cuh"
+#include "params.cuh"
 #include "convert.cuh"
 #include "cp_async.cuh"
 #include "quantizer.cuh"
 
-#ifndef SB_BF16
-#define SB_BF16 0
-#endif
 #define QBLOCK 64
 #define QTHREADS_MAX 128  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
 #define SUM_THREADS 512   // token_sum
@@ -65,7 +63,7 @@ struct QuantizeShared {
 // t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
 //   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
-// raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: forward.py), chunk i of
+// raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: quantize.py CHUNKS_PER_THREAD), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
@@ -266,49 +264,33 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     }
 }
 
-// One tensor of a quantize_tensors launch: quantize_blocks' arguments, and its CTA count (N_pad / 64
-// blocks times H heads, two blocks a CTA: forward.py _quantize_ctas; 0 for an absent tensor).
-// Pointers first, then 8-byte, then 4-byte fields: no padding, so the host packs it field by field.
-struct QuantizeJob {
-    const u16* x;
-    const double* mean_sum;
-    float* mean_out;
-    float* block_mean_out;
-    i8* rows_out;
-    i8* t_out;
-    float* scale_out;
-    float* t_scale_out;
-    i64 sb, sh, sn;
-    int H, N, N_pad, flags;
-    float prescale;
-    int ctas;
-};
-static_assert(sizeof(QuantizeJob) == 8 * 8 + 3 * 8 + 6 * 4, "QuantizeJob: the host packs it without padding");
-
+// One tensor of a quantize_tensors launch is a QuantizeJob (params.cuh): quantize_blocks' arguments, and
+// its CTA count (N_pad / 64 blocks times H heads, two blocks a CTA: quantize.py _quantize_ctas).
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
 // runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA; sum_parts: the
 // parts of the job with mean_sum (token_sum's grid.x). Several CTAs
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
 extern "C" __global__ void __launch_bounds__(QTHREADS_MAX)
-quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad, int sum_parts) {
+quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
+    const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
     SB_REQUIRE_SM80();
     int cta = blockIdx.x;
-    const int which = cta < a.ctas ? 0 : (cta < a.ctas + b.ctas ? 1 : 2);
-    cta -= which == 0 ? 0 : (which == 1 ? a.ctas : a.ctas + b.ctas);
+    const int which = cta < p.a.ctas ? 0 : (cta < p.a.ctas + p.b.ctas ? 1 : 2);
+    cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
-#define SB_JOB(field) (which == 0 ? a.field : (which == 1 ? b.field : c.field))
+#define SB_JOB(field) (which == 0 ? p.a.field : (which == 1 ? p.b.field : p.c.field))
     __shared__ QuantizeShared sm;
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
-    sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+    sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
+        SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z)
     // One instantiation per head dim and per step the job needs (uniform across the CTA).
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
-    // A saved μ_K (the backward's K with the forward's mean; forward.py passes no prescale with it).
+    // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).
     if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
-        D_pad == 64 ? quantize_blocks<64, false, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true, true>(SB_JOB_ARGS);
-    } else if (D_pad == 64) {
+        p.D_pad == 64 ? quantize_blocks<64, false, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true, true>(SB_JOB_ARGS);
+    } else if (p.D_pad == 64) {
         if (shift) prescale ? quantize_blocks<64, true, true>(SB_JOB_ARGS) : quantize_blocks<64, false, true>(SB_JOB_ARGS);
         else prescale ? quantize_blocks<64, true, false>(SB_JOB_ARGS) : quantize_blocks<64, false, false>(SB_JOB_ARGS);
     } else {
@@ -327,26 +309,26 @@ quantize_tensors(QuantizeJob a, QuantizeJob b, QuantizeJob c, int D, int D_pad, 
 #define SUM_UNROLL 4
 // Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled.
 extern "C" __global__ void __launch_bounds__(SUM_THREADS, 3)
-token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D, int D_pad, int span,
-          double* __restrict__ sum_out) {
+token_sum(SB_KERNEL_PARAMS(SB_TOKEN_SUM_FIELDS)) {
+    const TokenSumParams p = SB_KERNEL_VIEW(TokenSumParams, SB_TOKEN_SUM_FIELDS);
     SB_REQUIRE_SM80();
     __shared__ double part[8][SUM_THREADS + 4];
-    const int n0 = blockIdx.x * span, h = blockIdx.y, b = blockIdx.z;
-    const u16* xs = x + b * sb + h * sh;
-    const int n1 = min(N, n0 + span);
+    const int n0 = blockIdx.x * p.span, h = blockIdx.y, b = blockIdx.z;
+    const u16* xs = p.x + b * p.sb + h * p.sh;
+    const int n1 = min(p.N, n0 + p.span);
     // Aligned rows: each thread sums 8 columns from 16-byte loads; else one column per thread.
-    const bool vec = D % 8 == 0 && sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
-    const int width = vec ? 8 : 1, groups = D_pad / width, slices = SUM_THREADS / groups;
+    const bool vec = p.D % 8 == 0 && p.sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
+    const int width = vec ? 8 : 1, groups = p.D_pad / width, slices = SUM_THREADS / groups;
     const int c0 = (threadIdx.x % groups) * width, slice = threadIdx.x / groups;
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (c0 < D) {
+    if (c0 < p.D) {
         if (vec) {
             for (int n = n0 + slice; n < n1; n += SUM_UNROLL * slices) {
                 uint4 w[SUM_UNROLL];
 #pragma unroll
                 for (int u = 0; u < SUM_UNROLL; ++u) {
                     w[u] = make_uint4(0, 0, 0, 0);
-                    if (n + u * slices < n1) w[u] = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n + u * slices) * sn + c0);
+                    if (n + u * slices < n1) w[u] = *reinterpret_cast<const uint4*>(xs + static_cast<i64>(n + u * slices) * p.sn + c0);
                 }
 #pragma unroll
                 for (int u = 0; u < SUM_UNROLL; ++u) {
@@ -357,7 +339,7 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
             }
         } else {
 #pragma unroll 8
-            for (int n = n0 + slice; n < n1; n += slices) s[0] += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * sn + c0]));
+            for (int n = n0 + slice; n < n1; n += slices) s[0] += static_cast<double>(to_f32<SB_BF16>(xs[static_cast<i64>(n) * p.sn + c0]));
         }
     }
     // The slices' sums of each column: value e of thread slice·groups + g is column g·width + e. Rows of
@@ -365,10 +347,10 @@ token_sum(const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N, int D
 #pragma unroll
     for (int e = 0; e < 8; ++e) part[e][threadIdx.x] = s[e];
     __syncthreads();
-    if (threadIdx.x < D) {
+    if (threadIdx.x < p.D) {
         const int g = threadIdx.x / width, e = threadIdx.x % width;
         double t = 0.0;
         for (int p = 0; p < slices; ++p) t += part[e][p * groups + g];
-        sum_out[((static_cast<i64>(b) * H + h) * gridDim.x + blockIdx.x) * D_pad + threadIdx.x] = t;
+        p.sum_out[((static_cast<i64>(b) * p.H + h) * gridDim.x + blockIdx.x) * p.D_pad + threadIdx.x] = t;
     }
 }

@@ -21,16 +21,6 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
 constexpr float CODE_ZERO = ROUND_MAGIC - 256.f;
 SB_DEVICE u32 int8_code(float x, float inv) { return __float_as_uint(fmaxf(add_rn(mul_rn(x, inv), ROUND_MAGIC), CODE_ZERO)); }
 
-// Half by half max of two packed 16-bit pairs that are not negative; a NaN half loses to the other
-// (max.f16x2 / max.bf16x2, as fmaxf).
-template <bool BF16>
-SB_DEVICE u32 max2(u32 a, u32 b) {
-    u32 r;
-    if (BF16) asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    else asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
 // max|x| over a chunk's 8 raw 16-bit values, as f32 (exact: max and |.| commute with the widening).
 SB_DEVICE float chunk_abs_max(uint4 r) {
     constexpr u32 ABS = 0x7fff7fffu;

@@ -18,6 +18,12 @@ typedef long long i64;
 #define SB_REQUIRE_SM80()
 #endif
 
+// A kernel file's dynamic shared memory, DYNAMIC_SHARED_BYTES (the size of its layout struct), is read
+// by the host without a device: NVRTC names this variable's instantiation for it by a mangled name that
+// spells the value (sagebwd_cp/compiler.py, KernelSpec.layout).
+template <unsigned long long BYTES>
+__device__ const char sb_dynamic_shared_bytes = 0;
+
 SB_DEVICE u32 smem_u32(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

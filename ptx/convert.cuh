@@ -21,6 +21,16 @@ SB_DEVICE u16 from_f32(float f) {
     return x;
 }
 
+// Half by half max of two packed 16-bit pairs that are not negative; a NaN half loses to the other
+// (max.f16x2 / max.bf16x2, as fmaxf).
+template <bool BF16>
+SB_DEVICE u32 max2(u32 a, u32 b) {
+    u32 r;
+    if (BF16) asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
 // cvt.rn.{f16x2,bf16x2}.f32: two f32 -> packed pair, `lo` in the low half.
 template <bool BF16>
 SB_DEVICE u32 pack2_f32(float lo, float hi) {

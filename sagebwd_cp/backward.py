@@ -3,12 +3,12 @@ quantize dO in one launch, gather (LSE2, δ) per query row, run the key-block-ow
 records these launches into the plan a call replays (plan.py)."""
 from __future__ import annotations
 
-from . import numerics, specs
+from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .forward import quantize_inputs
-from .launch import attention_grid, device_arch, f32, i32, i64, ptr, shared_memory_limit, tensor_map
-from .plan import LaunchPlan, PlanBuilder
+from .launch import attention_grid, device_arch, shared_memory_limit, tensor_map
+from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
+from .quantize import quantize_inputs
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
@@ -33,13 +33,15 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
     packed = plan.workspace(name, (prob.batch, heads, length, d), prob.dtype)
     sb, sh, sn = prob.bhnd_strides(desc)
     plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", ((length * d + 255) // 256, heads, prob.batch),
-                (256, 1, 1), [ptr(desc), i64(sb), i64(sh), i64(sn), i32(heads), i32(length), i32(d), ptr(packed)])
+                (256, 1, 1), params.args("PackRowsParams", x=desc, sb=sb, sh=sh, sn=sn, H=heads, L=length, D=d,
+                                            y=packed))
     return packed, (heads * length * d, length * d, d)
 
 
-def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> list:
-    """The tensor maps backward_wgmma.cu loads its query-side tiles with: Q̂ (64 rows of Dp bytes),
-    Q̂ᵀ and dÔᵀ (Dp rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D)."""
+def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
+    """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*): Q̂ (64
+    rows of Dp bytes), Q̂ᵀ and dÔᵀ (Dp rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero
+    past Lq and D)."""
     B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
     rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), (dp, numerics.BLOCK_Q), dp)
     cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), (numerics.BLOCK_Q, dp), 64)
@@ -50,7 +52,8 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> list:
         strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
         inner = strides[-1] * n
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), (64, numerics.BLOCK_Q, 1, 1), 128)
-    return [tensor_map(rows, qz.q8), tensor_map(cols, qz.q8t), tensor_map(cols, qz.dot8), tensor_map(grad, do_rows)]
+    return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(cols, qz.dot8),
+                tm_do=tensor_map(grad, do_rows))
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")
@@ -68,7 +71,9 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     rows = specs.backward_rows_spec(prob.dtype)
 
     dev = prob.q.device_id
-    tiles = specs.backward_tiles(dp, shared_memory_limit(dev), device_arch(dev), deterministic)
+    arch = device_arch(dev)
+    tiles, spec = specs.backward_kernel(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
+                                        specs.backward_tiles(dp, arch, deterministic), arch, shared_memory_limit(dev))
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 
@@ -77,8 +82,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     ob, oh, on = prob.bhnd_strides(out)
     # D_pad / 8 lanes a row, 256 threads a CTA (backward_rows.cu row_stats)
     plan.launch(rows, "row_stats", (nq * (dp // 8) // 256, Hq, B), (256, 1, 1),
-                [ptr(do), i64(db), i64(dh), i64(dn), ptr(out), i64(ob), i64(oh), i64(on), ptr(lse2), ptr(qz.q_scale),
-                 ptr(qz.qt_scale), i32(Hq), i32(Lq), i32(D), i32(nq), ptr(stats)])
+                params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
+                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, Lq=Lq, D=D, Nq_pad=nq, stats=stats))
 
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
@@ -93,22 +98,21 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
-    spec = specs.backward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
-                               tiles)
+    maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob)) if tiles.wgmma else []
     plan.launch(spec, "attention_backward", attention_grid(Lk, tiles.block_keys, Hk, B, prob.causal and deterministic, "k"),
                 (tiles.threads, 1, 1),
-                [ptr(qz.q8), ptr(qz.q8t), ptr(qz.q_mean), ptr(qz.k8), ptr(qz.k8t), ptr(qz.k_scale), ptr(qz.kt_scale),
-                 ptr(qz.bias), ptr(v_rows), ptr(do_rows), ptr(qz.dot8), ptr(qz.do_scale), ptr(stats),
-                 ptr(dq_acc), ptr(lock), ptr(dk), ptr(dv), i64(vb), i64(vh), i64(vn), i64(db), i64(dh), i64(dn),
-                 i64(kb), i64(kh), i64(kn), i64(wb), i64(wh), i64(wn), i32(Hq), i32(Hk), i32(Lq), i32(Lk), i32(D),
-                 i32(nq), i32(nk)] + (_query_tile_maps(qz, do_rows, (db, dh, dn), prob) if tiles.wgmma else []),
-                shared=tiles.shared_bytes(dp))
+                params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
+                               k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
+                               dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
+                               dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
+                               wn=wn, Hq=Hq, Hkv=Hk, Lq=Lq, Lk=Lk, D=D, Nq_pad=nq, Nk_pad=nk) + maps,
+                shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).
     plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
     plan.launch(rows, "dq_convert", ((Lq * (D // 8) + 255) // 256, Hq, B), (256, 1, 1),
-                [ptr(dq_acc), i32(Hq), i32(Lq), i32(D), i32(dq_row), i32(nq), f32(prob.softmax_scale), ptr(dq), i64(qb),
-                 i64(qh), i64(qn)])
+                params.args("DqConvertParams", dq_acc=dq_acc, Hq=Hq, Lq=Lq, D=D, dq_row=dq_row, Nq_pad=nq,
+                               scale=prob.softmax_scale, dq=dq, qb=qb, qh=qh, qn=qn))
     return plan.build(problem=prob)

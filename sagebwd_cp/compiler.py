@@ -73,6 +73,7 @@ class KernelSpec:
     filename: str
     defines: tuple  # ((name, value), ...), sorted
     entries: tuple  # extern "C" kernel names
+    layout: bool = False  # the file defines DYNAMIC_SHARED_BYTES, its kernels' shared layout (read back)
 
     def options(self, arch: str) -> tuple:
         defs = dict(numerics.compile_defines())
@@ -84,8 +85,8 @@ class KernelSpec:
         return tuple(flags)
 
 
-def make_spec(key: str, filename: str, entries, **defines) -> KernelSpec:
-    return KernelSpec(key, filename, tuple(sorted(defines.items())), tuple(entries))
+def make_spec(key: str, filename: str, entries, layout: bool = False, **defines) -> KernelSpec:
+    return KernelSpec(key, filename, tuple(sorted(defines.items())), tuple(entries), layout)
 
 
 def nvrtc_version() -> tuple:
@@ -97,7 +98,7 @@ def nvrtc_version() -> tuple:
 def cache_key(spec: KernelSpec, arch: str, source: str | None = None) -> str:
     src = flatten_source(spec.filename) if source is None else source
     h = hashlib.sha256()
-    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries)):
+    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries), repr(spec.layout)):
         h.update(part.encode())
         h.update(b"\1")
     return h.hexdigest()[:32]
@@ -149,6 +150,17 @@ def parse_ptxas_report(log: str) -> dict:
     return reports
 
 
+# The dynamic shared memory of a file's launches (its layout struct's size) is read back without a
+# device: NVRTC names the instantiation below by its mangled name, which spells the value.
+_LAYOUT_EXPRESSION = "&sb_dynamic_shared_bytes<DYNAMIC_SHARED_BYTES>"
+_LAYOUT_LOG = "sagebwd_cp dynamic shared bytes: "
+
+
+def _layout_bytes(log: str) -> int | None:
+    m = re.search(re.escape(_LAYOUT_LOG) + r"(\d+)", log)
+    return int(m.group(1)) if m else None
+
+
 @dataclasses.dataclass
 class CompiledKernel:
     spec: KernelSpec
@@ -157,6 +169,14 @@ class CompiledKernel:
     cubin_path: Path
     log: str
     reports: dict
+
+    @property
+    def shared_bytes(self) -> int:
+        """The dynamic shared memory a launch of this spec needs (``layout`` specs only)."""
+        value = _layout_bytes(self.log)
+        if value is None:
+            raise ValueError(f"{self.spec.key}: no shared layout was read back (KernelSpec.layout is not set)")
+        return value
 
 
 _memory_cache: dict = {}
@@ -194,12 +214,17 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
 
     prog = nvrtc.createProgram(source, f"{spec.key}.cu", [], [])
     try:
+        if spec.layout:
+            nvrtc.addNameExpression(prog, _LAYOUT_EXPRESSION)
         try:
             nvrtc.compileProgram(prog, list(spec.options(arch)))
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed on {spec.key} for {arch}: {exc}\n{log}") from None
         log = nvrtc.getProgramLog(prog)
+        if spec.layout:  # e.g. _Z23sb_dynamic_shared_bytesILy50176EE: the template argument is the size
+            size = re.search(r"IL[a-z](\d+)E", nvrtc.getLoweredName(prog, _LAYOUT_EXPRESSION)).group(1)
+            log += f"\n{_LAYOUT_LOG}{size}\n"
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -221,6 +246,11 @@ def device_arch(device_id: int) -> str:
 
 _modules: dict = {}
 _smem_opt_in: dict = {}  # (spec, entry, device) -> the dynamic shared memory the function may use
+
+
+def dynamic_shared_bytes(spec: KernelSpec, arch: str) -> int:
+    """The dynamic shared memory of ``spec``'s kernels on ``arch``, read from the compiled layout."""
+    return compile_spec(spec, arch).shared_bytes
 
 
 def get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int = 0):

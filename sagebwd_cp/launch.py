@@ -191,7 +191,7 @@ def attention_grid(tokens: int, block: int, heads: int, batch: int, heads_first:
     batch). The hardware starts CTAs x first, so there every head's first block starts before any head's
     second: under a causal mask, where a head's blocks differ in work and the kernels start the heaviest
     first, the CTAs that start last are the lightest and the grid ends without a tail of heavy CTAs (the
-    causal forward and the deterministic causal backward; benchmarks/NOTES.md, causal grids). The kernels
+    causal forward and the deterministic causal backward; docs/history/PERFORMANCE_LOG.md, causal grids). The kernels
     read block and head from the matching axes.
     ``tokens`` of ``arg`` make blocks of ``block``."""
     blocks = (tokens + block - 1) // block

@@ -22,10 +22,11 @@ import threading
 
 from . import compiler
 from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
-from .launch import PackedArgs, cuda
+from .launch import PackedArgs, cuda, device_arch, shared_memory_limit
 
 WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
 MAX_PLANS = 1024  # cached plans; the oldest is dropped past this (e.g. many distinct sequence lengths)
+KERNEL_LAYOUT = None  # launch(shared=...): the size of the kernel's own shared layout (KernelSpec.layout)
 
 _ITEMSIZE = {"int8": 1, "uint8": 1, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4, "float64": 8}
 
@@ -230,8 +231,17 @@ class PlanBuilder:
         self.outputs.append(out)
         return out
 
-    def launch(self, spec, entry: str, grid, block, args, shared: int = 0) -> None:
-        self.launches.append((spec, entry, tuple(grid), tuple(block), int(shared), list(args)))
+    def launch(self, spec, entry: str, grid, block, args, shared: int | None = 0) -> None:
+        """One launch; ``shared``: its dynamic shared memory in bytes, or KERNEL_LAYOUT."""
+        self.launches.append((spec, entry, tuple(grid), tuple(block), shared, list(args)))
+
+    def _layout_bytes(self, spec) -> int:
+        """The dynamic shared memory of ``spec``'s layout on this device, checked against its limit."""
+        arch = device_arch(self.device_id)
+        shared, limit = compiler.dynamic_shared_bytes(spec, arch), shared_memory_limit(self.device_id)
+        if shared > limit:
+            raise RuntimeError(f"{spec.key}: needs {shared} bytes of shared memory, the device ({arch}) allows {limit}")
+        return shared
 
     def _pointer_source(self, value, n_inputs: int):
         """(pointer-table index, byte offset) of a symbolic pointer."""
@@ -266,6 +276,8 @@ class PlanBuilder:
             slots = tuple((word, *source_of(value)) for word, value in packed.symbolic)
             maps = tuple((packed.base + off, layout.encoder(), *source_of(value))
                          for off, layout, value in packed.symbolic_maps)
+            if shared is KERNEL_LAYOUT:
+                shared = self._layout_bytes(spec)
             function = resolve(spec, entry, self.device_id, shared)
             steps.append(Step(spec, entry, function, grid, block, shared, packed, slots, maps))
         release = None

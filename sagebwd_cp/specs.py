@@ -5,7 +5,7 @@ import dataclasses
 import math
 import os
 
-from . import numerics
+from . import compiler, numerics
 from .compiler import KernelSpec, make_spec
 
 DTYPES = ("float16", "bfloat16")
@@ -25,8 +25,8 @@ def quantize_spec(dtype: str) -> KernelSpec:
                      SB_BF16=int(dtype == "bfloat16"))
 
 
-def bias_spec() -> KernelSpec:
-    return make_spec("smooth_q_bias", "smooth_q_bias.cu", ["smooth_q_bias"])
+def bias_spec(dtype: str) -> KernelSpec:
+    return make_spec(f"smooth_q_bias.{dtype}", "smooth_q_bias.cu", ["smooth_q_bias"], SB_BF16=int(dtype == "bfloat16"))
 
 
 def ceiling_spec() -> KernelSpec:
@@ -52,16 +52,8 @@ class ForwardTiles:
     def threads(self) -> int:
         return self.warps * 32
 
-    def shared_bytes(self, dp: int) -> int:
-        # kernels/forward.cu: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's K scales;
-        # wgmma: stages padded to 1024 bytes and 1024 bytes of slack to align the base.
-        block_kv = self.key_tile
-        if self.wgmma:
-            return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 1024) + 1024
-        return self.cta_q * dp + 2 * (block_kv * dp + dp * block_kv + 4 * block_kv)
 
-
-# Best measured on an H200 that spills on no arch (benchmarks/NOTES.md, forward v1).
+# Best measured on an H200 that spills on no arch (docs/history/PERFORMANCE_LOG.md, forward v1).
 FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1)}
 
 
@@ -85,30 +77,25 @@ def _env_choice(name: str, choices: tuple) -> int | None:
 
 def forward_key_tile() -> int:
     """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
-    benchmarks/NOTES.md, forward v4); SAGEBWD_FORWARD_KEY_TILE=64 selects the 64-key kernel."""
+    docs/history/PERFORMANCE_LOG.md, forward v4); SAGEBWD_FORWARD_KEY_TILE=64 selects the 64-key kernel."""
     forced = _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
     return 128 if forced is None else forced
 
 
-def forward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None) -> ForwardTiles:
-    """Tiles for the forward; the default fits 48 KiB of shared memory, smaller if a device has less."""
+def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
+    """Tiles for the forward (the plan checks that the kernel's shared layout fits the device)."""
     if use_wgmma(arch):
         return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
-    tiles = FORWARD_TILES[dp]
-    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
-        tiles = ForwardTiles(warps=4, m_tiles=1)
-        if tiles.shared_bytes(dp) > shared_limit:
-            raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
-    return tiles
+    return FORWARD_TILES[dp]
 
 
 def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles) -> KernelSpec:
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}"
            f"{f'.k{tiles.key_tile}' if tiles.key_tile != numerics.BLOCK_KV else ''}")
-    return make_spec(key, "forward.cu", ["attention_forward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
+    return make_spec(key, "forward.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
-                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile, SB_SMEM_BYTES=tiles.shared_bytes(dp))
+                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile)
 
 
 def backward_rows_spec(dtype: str) -> KernelSpec:
@@ -145,29 +132,12 @@ class BackwardTiles:
         """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""
         return dp + 8 if self.wgmma else dp
 
-    def shared_bytes(self, dp: int) -> int:
-        if self.wgmma:
-            # backward_wgmma.cu: K̂, K̂ᵀ, V of the CTA's keys (K̂ᵀ in blocks of 128 keys); per stage Q̂,
-            # Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, δ, s_Qᵀ) rows and the stage's mbarrier (its TMA loads), rounded
-            # up to 1024 bytes; Ŷ [128-key blocks][64][128]; the warpgroups' maxima; Ŷ's scales; the dQ
-            # partial's tile; dK's accumulators when 3 warpgroups hold them there; 896 bytes of slack.
-            g, key_blocks = self.groups, (self.groups + 1) // 2
-            stage = 320 * dp + 16 * 64 + 1024
-            dk = (dp // 32) * 4 * self.threads * 16 if g > 2 else 0
-            return (64 * g * dp + 128 * key_blocks * dp + 128 * g * dp + self.stages * stage + 64 * 128 * key_blocks
-                    + 4 * (g * 4 * 64 + 12 * g) + 4 * g * 64 + 64 * (dp + 8) * 4 + dk + 896)
-        # backward.cu: K̂, K̂ᵀ, V per CTA; Q̂, Q̂ᵀ, dÔᵀ, dO, (LSE2, s_Q, δ, s_Qᵀ) rows and the dÔ scale
-        # per stage; Ŷ (rows padded); the exchanged maxima and sums, dQ's per-query scales and the
-        # packed A fragments.
-        stage = 320 * dp + 16 * 64 + 128
-        return 256 * dp + self.stages * stage + 64 * 80 + 4 * (6 * 64 + 4 * 64 + 24) + 4 * 64 + 2 * 8 * 32 * 16
-
 
 def wgmma_groups(dp: int, deterministic: bool = False) -> int:
     """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
     the deterministic kernels (dK's accumulators in shared memory, 168 registers: 12 warps per SM,
     whose turn waits for dQ they hide; measured 10-15% faster), 2 for the others (which spend their
-    spare registers on work: 3 measured 11-17% slower, benchmarks/NOTES.md). SAGEBWD_BACKWARD_GROUPS=2
+    spare registers on work: 3 measured 11-17% slower, docs/history/PERFORMANCE_LOG.md, backward v13). SAGEBWD_BACKWARD_GROUPS=2
     or 3 forces either at head dim 64."""
     if dp != 64:
         return 2
@@ -177,17 +147,24 @@ def wgmma_groups(dp: int, deterministic: bool = False) -> int:
     return 3 if deterministic else 2
 
 
-def backward_tiles(dp: int, shared_limit: int | None = None, arch: str | None = None,
-                   deterministic: bool = False) -> BackwardTiles:
-    """Two stages where they fit, else one (e.g. sm_86/89 at head dim 128; the mma.sync kernel only);
-    the wgmma kernel on sm_90."""
+def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False) -> BackwardTiles:
+    """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
+    one where two do not fit the device's shared memory)."""
     wg = use_wgmma(arch)
-    tiles = BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic) if wg else 2)
-    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit and not tiles.wgmma:
-        tiles = BackwardTiles(stages=1)  # the wgmma kernel needs its two stages
-    if shared_limit is not None and tiles.shared_bytes(dp) > shared_limit:
-        raise RuntimeError(f"the device's shared memory ({shared_limit} bytes) is too small for head dim {dp}")
-    return tiles
+    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic) if wg else 2)
+
+
+def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
+                    tiles: BackwardTiles, arch: str, shared_limit: int) -> tuple:
+    """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
+    where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128).
+    backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
+    is compiled to measure it (the plan checks every launch's own layout against the device)."""
+    if not tiles.wgmma:
+        probe = backward_spec(dp, "float16", False, False, True, False, tiles)
+        if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
+            tiles = BackwardTiles(stages=1)
+    return tiles, backward_spec(dp, dtype, causal, bias, fine, deterministic, tiles)
 
 
 def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
@@ -196,10 +173,9 @@ def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, det
            f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
            f"{'.wgmma' if tiles.wgmma else ''}{f'.g{tiles.groups}' if tiles.wgmma and tiles.groups != 2 else ''}")
     groups = {"SB_GROUPS": tiles.groups} if tiles.wgmma else {}
-    return make_spec(key, tiles.filename, ["attention_backward"], SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
-                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
-                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma),
-                     SB_SMEM_BYTES=tiles.shared_bytes(dp), **groups)
+    return make_spec(key, tiles.filename, ["attention_backward"], layout=True, SB_DP=dp,
+                     SB_BF16=int(dtype == "bfloat16"), SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
+                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma), **groups)
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
@@ -208,22 +184,23 @@ ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90":
 
 
 def all_specs(arch: str | None = None) -> list:
-    """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90)."""
+    """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90).
+    The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
     limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
-    specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(), ceiling_spec()]
-    specs += [backward_rows_spec(dt) for dt in DTYPES]
+    specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(dt) for dt in DTYPES]
+    specs += [ceiling_spec()] + [backward_rows_spec(dt) for dt in DTYPES]
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
             for causal in (False, True):
                 for bias in (False, True):
-                    specs.append(forward_spec(dp, dt, causal, bias, forward_tiles(dp, limit)))
+                    specs.append(forward_spec(dp, dt, causal, bias, FORWARD_TILES[dp]))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile)))
                     for fine in (True, False):
                         for det in (False, True):
-                            specs.append(backward_spec(dp, dt, causal, bias, fine, det, backward_tiles(dp, limit)))
+                            specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit)[1])
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
                                                            BackwardTiles(2, True, wgmma_groups(dp, det))))

@@ -45,10 +45,9 @@ def poisoned_workspaces():
 def forward_key_tile(head_dim: int, device_id: int = 0) -> int:
     """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``)."""
     from sagebwd_cp import specs
-    from sagebwd_cp.launch import device_arch, shared_memory_limit
+    from sagebwd_cp.launch import device_arch
 
-    dp = specs.padded_head_dim(head_dim)
-    return specs.forward_tiles(dp, shared_memory_limit(device_id), device_arch(device_id)).key_tile
+    return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id)).key_tile
 
 
 def make_qkv(b, hq, hk, lq, lk, d, dtype, layout="HND", sigma=1.0, seed=0, strided=False):

@@ -197,7 +197,7 @@ def test_broken_kernel_raises_compile_error_with_nvrtc_log(tmp_path, monkeypatch
 
 def test_compile_spec_rejects_a_bad_arch():
     with pytest.raises(ValueError, match="arch"):
-        compiler.compile_spec(specs.bias_spec(), "compute_90")
+        compiler.compile_spec(specs.bias_spec("float16"), "compute_90")
 
 
 def test_cli_compile_exits_zero(capsys):
@@ -282,16 +282,15 @@ def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
 
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
-    hopper = specs.ARCH_SHARED_LIMIT["sm_90"]
-    assert specs.forward_tiles(128, hopper, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
-    assert specs.backward_tiles(128, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
-    assert specs.backward_tiles(64, hopper, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
+    assert specs.forward_tiles(128, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
+    assert specs.backward_tiles(128, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
+    assert specs.backward_tiles(64, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     for det in (False, True):  # 3 warpgroups for the deterministic kernels
-        assert specs.backward_tiles(64, hopper, "sm_90", det).groups == (3 if det else 2)
-        assert specs.backward_tiles(128, hopper, "sm_90", det).groups == 2
+        assert specs.backward_tiles(64, "sm_90", det).groups == (3 if det else 2)
+        assert specs.backward_tiles(128, "sm_90", det).groups == 2
     # The overrides: a listed value is taken, another is refused by name.
-    for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, hopper, "sm_90").key_tile),
-                                ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, hopper, "sm_90").groups)):
+    for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, "sm_90").key_tile),
+                                ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, "sm_90").groups)):
         monkeypatch.setenv(name, str(value))
         assert chosen() == value
         monkeypatch.setenv(name, "96")
@@ -299,12 +298,22 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
             chosen()
         monkeypatch.delenv(name)
     for arch in ("sm_80", "sm_86", "sm_89", None):
-        assert specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).key_tile == 64
-        assert not specs.forward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
-        assert not specs.backward_tiles(128, specs.ARCH_SHARED_LIMIT.get(arch), arch).wgmma
+        assert specs.forward_tiles(128, arch).key_tile == 64
+        assert not specs.forward_tiles(128, arch).wgmma
+        assert not specs.backward_tiles(128, arch).wgmma
     monkeypatch.setenv("SAGEBWD_WGMMA", "0")
-    assert not specs.forward_tiles(64, hopper, "sm_90").wgmma
-    assert not specs.backward_tiles(64, hopper, "sm_90").wgmma
+    assert not specs.forward_tiles(64, "sm_90").wgmma
+    assert not specs.backward_tiles(64, "sm_90").wgmma
+
+
+def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
+    """The stage count follows the compiled layout: two fit sm_80's and sm_90's shared memory at every
+    head dim, and sm_86's at head dim 64; at 128 there it is one."""
+    for arch, dp, stages in (("sm_80", 128, 2), ("sm_90", 128, 2), ("sm_86", 64, 2), ("sm_86", 128, 1), ("sm_89", 128, 1)):
+        tiles, spec = specs.backward_kernel(dp, "float16", False, False, True, False, specs.BackwardTiles(2), arch,
+                                            specs.ARCH_SHARED_LIMIT[arch])
+        assert tiles.stages == stages and dict(spec.defines)["SB_STAGES"] == stages
+        assert compiler.dynamic_shared_bytes(spec, arch) <= specs.ARCH_SHARED_LIMIT[arch]
 
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
@@ -320,27 +329,28 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     for arch in ("sm_80", "sm_86", "sm_89"):
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
     hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
-    # The layout mirror: stages rounded to 1024 bytes plus 1024 bytes of alignment slack.
-    assert specs.ForwardTiles(4, 1, wgmma=True).shared_bytes(128) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
-    # 128-key tiles: three CTAs (and the 1 KB each reserves) fill an SM's 228 KB.
-    assert specs.ForwardTiles(4, 1, True, 128).shared_bytes(128) == 64 * 128 + 2 * (2 * 128 * 128 + 1024) + 1024
-    assert 3 * (specs.ForwardTiles(4, 1, True, 128).shared_bytes(128) + 1024) <= 228 * 1024
-    # Backward (backward_wgmma.cu: 128-key CTAs): 128-key K̂, K̂ᵀ, V; stages rounded up to 1024 bytes; Ŷ
-    # [64][128]; the maxima and scales; the dQ partial's tile, whose padded rows dq_acc mirrors; 896
-    # bytes of slack. The kernel's static_assert checks the same sum when it compiles.
     plain, wg = specs.BackwardTiles(2), specs.BackwardTiles(2, wgmma=True)
     for dp in (64, 128):
-        assert wg.shared_bytes(dp) == (512 * dp + 2 * (320 * dp + 2048) + 64 * 128 + 4 * (512 + 24) + 4 * 128
-                                       + 64 * (dp + 8) * 4 + 896)
         assert wg.dq_row(dp) == dp + 8 and plain.dq_row(dp) == dp
     assert (wg.block_keys, plain.block_keys, wg.threads, plain.threads) == (128, 64, 256, 256)
     assert (wg.filename, plain.filename) == ("backward_wgmma.cu", "backward.cu")
-    # Three warpgroups (head dim 64): 192 keys, K̂ᵀ and Ŷ in two 128-key blocks (the second half
-    # used), and dK's accumulators (2 chunks x 4 float4 per thread) in shared memory; it must fit
-    # Hopper's opt-in limit, and the key-side buffers hold whole 192-key tiles.
+    # Three warpgroups (head dim 64): 192 keys; the key-side buffers hold whole 192-key tiles.
     g3 = specs.BackwardTiles(2, wgmma=True, groups=3)
     assert (g3.block_keys, g3.threads) == (192, 384)
-    assert g3.shared_bytes(64) == (192 * 64 + 256 * 64 + 384 * 64 + 2 * (320 * 64 + 2048) + 2 * 64 * 128
-                                   + 4 * (768 + 36) + 4 * 192 + 64 * 72 * 4 + 2 * 4 * 384 * 16 + 896)
-    assert g3.shared_bytes(64) <= hopper_limit
     assert (g3.key_pad, wg.key_pad, plain.key_pad) == (384, 128, 128)
+
+
+def test_shared_layouts_are_read_back_from_the_compiled_kernels():
+    """Each attention kernel's dynamic shared memory is its layout struct's size, read from the compile
+    (no mirrored formula): a wgmma forward stage is K̂, V̂ᵀ and 1024 bytes, the 128-key kernel's three
+    CTAs (and the 1 KB each reserves) fill an SM's 228 KB, and every wgmma backward fits Hopper."""
+    hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
+    fwd = lambda dp, tiles: compiler.dynamic_shared_bytes(specs.forward_spec(dp, "float16", True, False, tiles), "sm_90")
+    assert fwd(128, specs.ForwardTiles(4, 1, True, 64)) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
+    assert 3 * (fwd(128, specs.ForwardTiles(4, 1, True, 128)) + 1024) <= 228 * 1024
+    assert fwd(64, specs.ForwardTiles(4, 1)) == 64 * 64 + 2 * (2 * 64 * 64 + 4 * 64)  # mma.sync: no padding
+    for dp, groups in ((64, 2), (128, 2), (64, 3)):
+        spec = specs.backward_spec(dp, "float16", True, False, True, groups == 3, specs.BackwardTiles(2, True, groups))
+        assert compiler.dynamic_shared_bytes(spec, "sm_90") <= hopper_limit
+    with pytest.raises(ValueError, match="no shared layout"):
+        compiler.compile_spec(specs.lse_spec("float16"), "sm_90").shared_bytes

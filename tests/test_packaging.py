@@ -50,7 +50,7 @@ def test_wheel_ships_the_cuda_sources_and_the_adapter(wheel):
 SNIPPET = textwrap.dedent("""
     import json, sagebwd_cp
     from sagebwd_cp import compiler, specs
-    compiled = compiler.compile_spec(specs.bias_spec(), "sm_90", use_disk_cache=False)
+    compiled = compiler.compile_spec(specs.bias_spec("float16"), "sm_90", use_disk_cache=False)
     print(json.dumps({
         "module": sagebwd_cp.__file__,
         "sources": [str(d) for d in compiler.source_dirs()],

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import compiler, launch, numerics, plan, tensor_map
+from sagebwd_cp import compiler, launch, numerics, params, plan, tensor_map
 from sagebwd_cp.arrays import ArrayDesc
 from sagebwd_cp.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
 
@@ -99,10 +99,10 @@ def test_pointer_updates_land_at_their_offsets():
 
 
 def test_quantize_job_matches_the_kernel_struct():
-    """kernels/quantize.cu QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes and the CTA count: 112 bytes."""
-    from sagebwd_cp.forward import _NO_JOB
+    """params.cuh QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes and the CTA count: 112 bytes."""
+    from sagebwd_cp import params
 
-    p = PackedArgs([_NO_JOB])
+    p = PackedArgs([params.zeros("QuantizeJob")])
     assert p.sizes == [112] and p.argument_bytes(0) == bytes(112)
 
 
@@ -312,12 +312,12 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert job(1)[:8] == (v.ptr + shift, 0, 0, 0, 0, ws_ptr + names["vt8"].offset, ws_ptr + names["v_scale"].offset,
                               0)
         assert (job(0)[-1], job(1)[-1], job(2)[-1]) == (10 * 1 // 2, 10 * 1 // 2, 0)  # CTAs: blocks of 64 x heads / 2
-        fw = args["attention_forward"]
-        assert [u64(fw[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 11, 19)] == [0, 0] + [
-            ws_ptr + names[n].offset for n in ("k8", "k_scale", "vt8", "v_scale")] + [0, out_ptr,
-                                                                                       gpu.allocations[start + 1][0],
-                                                                                       q.ptr + shift]
-        assert struct.unpack("<f", fw[23])[0] == np.float32(numerics.qk_prescale(1 / 8))
+        fw = dict(zip([n for _, n in params.lists()["ForwardParams"]], args["attention_forward"]))
+        assert [u64(fw[n]) for n in ("q8", "q_scale", "bias", "out", "lse2", "q")] == [
+            0, 0, 0, out_ptr, gpu.allocations[start + 1][0], q.ptr + shift]
+        assert [u64(fw[n]) for n in ("k8", "k_scale", "vt8", "v_scale")] == [
+            ws_ptr + names[n].offset for n in ("k8", "k_scale", "vt8", "v_scale")]
+        assert struct.unpack("<f", fw["q_prescale"])[0] == np.float32(numerics.qk_prescale(1 / 8))
         snapshots.append({e: [b for b in a] for e, a in args.items()})
     # Between the two calls only pointer words changed: scalars are packed once.
     for entry in snapshots[0]:
@@ -367,7 +367,7 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
 def test_backward_reuses_the_forwards_key_mean(gpu):
     """With the saved state the backward quantizes K with the forward's μ_K (QUANT_MEAN_GIVEN; no
     token sums); from plain arrays without k_mean it sums K again, into a workspace μ_K."""
-    from sagebwd_cp.forward import MEAN_GIVEN, PER_TOKEN
+    from sagebwd_cp.quantize import MEAN_GIVEN, PER_TOKEN
 
     q, k, v = qkv(lq=100, lk=300)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
@@ -612,7 +612,7 @@ def test_byte_view_of_a_torch_buffer():
 def test_token_sum_parts_cover_every_token_once(batch, heads, n):
     """token_sum's parts tile the tokens (the last may be short, none empty), at most SUM_MAX_PARTS of
     them (the K job adds them all), each over at least SUM_MIN_SPAN tokens unless there is one."""
-    from sagebwd_cp.forward import SUM_MAX_PARTS, SUM_MIN_SPAN, token_sum_parts
+    from sagebwd_cp.quantize import SUM_MAX_PARTS, SUM_MIN_SPAN, token_sum_parts
 
     parts, span = token_sum_parts(batch, heads, n)
     assert 1 <= parts <= SUM_MAX_PARTS and (parts - 1) * span < n <= parts * span

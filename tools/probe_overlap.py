@@ -27,7 +27,8 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from sagebwd_cp.forward import attend_launcher, quantize_inputs
+    from sagebwd_cp.pieces import attend_launcher
+    from sagebwd_cp.quantize import quantize_inputs
     from sagebwd_cp.plan import PlanBuilder
     from sagebwd_cp.problem import make_problem
 

@@ -1,0 +1,181 @@
+"""Host side of ``kernels/quantize.cu``: the pre-pass that quantizes Q, K, V (forward) or Q, K, dO
+(backward) into every layout the attention kernels read, with their scales and K-smoothing's μ_K
+(numerics.py says what is computed).  ``quantize_inputs`` records its launches into a
+``PlanBuilder`` (plan.py), with workspace sub-buffers as symbolic pointers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import numerics, params, specs
+from .arrays import ArrayDesc
+from .plan import PlanBuilder
+from .problem import AttentionProblem
+
+SUM_THREADS = 512  # kernels/quantize.cu SUM_THREADS (token_sum)
+# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
+PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
+# token_sum's grid: at most SUM_CTAS CTAs in all where the (batch, head)s allow (three 512-thread CTAs an SM,
+# quantize.cu's launch bounds, on the 132 SMs of an H100/H200: one wave), each over at least SUM_MIN_SPAN
+# tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
+SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 396, 256, 16
+# quantize_tensors: D_pad threads a CTA, each with this many 16-byte chunks of dynamic shared memory.
+CHUNKS_PER_THREAD = 16
+
+
+def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
+    """(parts, span): token_sum's CTAs per (batch, head) and the tokens each sums."""
+    parts = max(1, min(SUM_MAX_PARTS, SUM_CTAS // (batch * heads), n // SUM_MIN_SPAN))
+    span = -(-n // parts)
+    return -(-n // span), span
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclasses.dataclass
+class Quantized:
+    """Q̂, K̂, V̂ (and dÔ for the backward) in every layout the kernels read, with their scales (see
+    numerics.py).  Buffers while a plan is recorded; ArrayDescs from ``pieces.quantize_inputs_gpu``."""
+
+    q8: ArrayDesc | None  # [B][Hq][Nq_pad][Dp]; None where the forward kernel quantizes Q (and q_scale)
+    q8t: ArrayDesc | None  # [B][Hq][Dp][Nq_pad], query order permuted for register-fed products (backward)
+    qt_scale: ArrayDesc | None  # [B][Hq][Nq_pad/64]: q8t's scale per 64-query block (backward)
+    q_scale: ArrayDesc | None  # [B][Hq][Nq_pad], per token
+    q_mean: ArrayDesc | None  # [B][Hq][Nq_pad/64][Dp] (Q-smoothing)
+    k8: ArrayDesc  # [B][Hkv][Nk_pad][Dp]
+    k8t: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad] (backward)
+    kt_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]: k8t's scale per 64-key block (backward)
+    k_scale: ArrayDesc  # [B][Hkv][Nk_pad], per token
+    k_mean: ArrayDesc | None  # [B][Hkv][D] μ_K (K-smoothing)
+    vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
+    v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
+    bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
+    nq_pad: int
+    nk_pad: int
+    dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
+    do_scale: ArrayDesc | None = None  # [B][Hq][Nq_pad/64]
+
+
+def _quantize_ctas(blocks: int) -> int:
+    """CTAs of quantize_tensors for ``blocks`` 64-token blocks: two a CTA (kernels/quantize.cu quantize_blocks;
+    N_pad is a multiple of 128, so a tensor has an even number)."""
+    assert blocks % 2 == 0, blocks
+    return blocks // 2
+
+
+def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, flags, scale, rows=None, t=None,
+                  t_scale=None, mean_sum=None, mean_out=None, block_mean=None):
+    """One tensor of a quantize_tensors launch (params.cuh QuantizeJob); with ``t_scale`` the
+    transposed copy ``t`` is coded per 64-token block, its scales there."""
+    sb, sh, sn = prob.bhnd_strides(src)
+    return params.struct("QuantizeJob", x=src, mean_sum=mean_sum, mean_out=mean_out, block_mean_out=block_mean,
+                         rows_out=rows, t_out=t, scale_out=scale, t_scale_out=t_scale, sb=sb, sh=sh, sn=sn, H=heads,
+                         N=n, N_pad=npad, flags=flags, prescale=prescale,
+                         ctas=_quantize_ctas(npad // numerics.BLOCK_Q * heads))
+
+
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
+    """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
+    parts behind the job with token sums."""
+    ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
+    jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
+    dp = prob.padded_head_dim
+    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
+                params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
+                               sum_parts=sum_parts),
+                shared=dp * CHUNKS_PER_THREAD * 16)
+
+
+def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
+                    key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True, k_mean=None,
+                    k_mean_given: bool = False) -> Quantized:
+    """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
+    quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
+    backward), dO is quantized in the same launch (see ``_grad_output_job``).  Key-side buffers
+    hold a multiple of ``key_pad`` tokens (the backward's: ``BackwardTiles.key_pad``).  Without
+    ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing).  With
+    K-smoothing, ``k_mean`` ([B][Hkv][D] float32, an Output or an input) is where μ_K goes (default:
+    a workspace buffer); with ``k_mean_given`` it already holds a saved forward's μ_K, so K's token
+    sums are not taken again and K̂ comes out exactly as that forward's."""
+    assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
+    B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
+    dp = prob.padded_head_dim
+    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, key_pad)
+    spec = specs.quantize_spec(prob.dtype)
+
+    assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
+    assert k_mean is not None or not k_mean_given
+    k_sum, parts = None, 0
+    if prob.smooth_k and not k_mean_given:
+        parts, span = token_sum_parts(B, Hk, Lk)
+        if k_mean is None:
+            k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
+        # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
+        k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
+        sb, sh, sn = prob.bhnd_strides(prob.k)
+        plan.launch(spec, "token_sum", (parts, Hk, B), (SUM_THREADS, 1, 1),
+                    params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
+                                   span=span, sum_out=k_sum))
+
+    # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
+    q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
+    jobs = []
+    if quantize_q:
+        q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
+        if backward:
+            q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8")
+            qt_scale = plan.workspace("qt_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
+        q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
+        q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
+        jobs.append(_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale),
+                                  PERMUTE_T | PER_TOKEN, q_scale, rows=q8, t=q8t, t_scale=qt_scale, block_mean=q_mean))
+
+    k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
+    k8t = None
+    if backward:
+        k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8")
+        kt_scale = plan.workspace("kt_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
+    k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
+    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0), k_scale,
+                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=k_sum, mean_out=k_mean))
+
+    vt8 = v_scale = None
+    if not backward:
+        vt8 = plan.workspace("vt8", (B, Hk, dp, nk), "int8")
+        v_scale = plan.workspace("v_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
+        jobs.append(_quantize_job(prob, prob.v, Hk, Lk, nk, 1.0, PERMUTE_T, v_scale, t=vt8))
+    dot8 = do_scale = None
+    if do is not None:
+        dot8, do_scale, job = _grad_output_job(plan, prob, do)
+        jobs.append(job)
+    _launch_quantize(plan, prob, jobs, parts)
+
+    bias = None
+    if prob.smooth_q:
+        bias = plan.workspace("bias", (B, Hq, nq // numerics.BLOCK_Q, nk), "float32")
+        sb, sh, sn = prob.bhnd_strides(prob.k)
+        plan.launch(specs.bias_spec(prob.dtype), "smooth_q_bias", ((nk + 127) // 128, nq // numerics.BLOCK_Q, B * Hq),
+                    (128, 1, 1),
+                    params.args("SmoothQBiasParams", k=prob.k, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=Hk, Lk=Lk, D=D,
+                                   D_pad=dp, Nq_pad=nq, Nk_pad=nk, q_mean=q_mean, k_mean=k_mean, bias=bias))
+    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,
+                     dot8, do_scale)
+
+
+def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
+    """dÔ for dV = P̂ᵀdÔ: ψ per 64 rows of dO, stored transposed ([B][Hq][Dp][Nq_pad]) in the
+    fragment token order of register-fed products, with scales [B][Hq][Nq_pad/64]."""
+    B, Hq, Lq, dp = prob.batch, prob.heads_q, prob.len_q, prob.padded_head_dim
+    nq = _round_up(Lq, specs.TOKEN_PAD)
+    dot8 = plan.workspace("dot8", (B, Hq, dp, nq), "int8")
+    scale = plan.workspace("do_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
+    return dot8, scale, _quantize_job(prob, do, Hq, Lq, nq, 1.0, PERMUTE_T, scale, t=dot8)
+
+
+def quantize_grad_output(plan: PlanBuilder, prob: AttentionProblem, do):
+    """(dÔᵀ, scales) for ``do`` alone, in a launch of its own (the backward quantizes dO in its Q, K launch)."""
+    dot8, scale, job = _grad_output_job(plan, prob, do)
+    _launch_quantize(plan, prob, [job])
+    return dot8, scale
