@@ -72,14 +72,17 @@ struct BackwardShared {
     uint4 frag[2 * WARPS * 32];  // packed A fragments [P̂ᵀ, dŜᵀ][WARPS][32 lanes]
 };
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared);
-constexpr int K_OFF = __builtin_offsetof(BackwardShared, k), KT_OFF = __builtin_offsetof(BackwardShared, kt);
-constexpr int V_OFF = __builtin_offsetof(BackwardShared, v), STAGE0 = __builtin_offsetof(BackwardShared, stage);
-constexpr int SQ = __builtin_offsetof(BackwardStage, q), SQT = __builtin_offsetof(BackwardStage, qt);
-constexpr int SDOT = __builtin_offsetof(BackwardStage, dot), SDO = __builtin_offsetof(BackwardStage, dout);
-constexpr int SSTATS = __builtin_offsetof(BackwardStage, stats), SSCALE = __builtin_offsetof(BackwardStage, scale);
+// Members follow one another without padding (asserted), so an offset is the size of what precedes it.
+constexpr int K_OFF = 0, KT_OFF = K_OFF + sizeof(BackwardShared::k), V_OFF = KT_OFF + sizeof(BackwardShared::kt);
+constexpr int STAGE0 = V_OFF + sizeof(BackwardShared::v);
+constexpr int SQ = 0, SQT = SQ + sizeof(BackwardStage::q), SDOT = SQT + sizeof(BackwardStage::qt);
+constexpr int SDO = SDOT + sizeof(BackwardStage::dot), SSTATS = SDO + sizeof(BackwardStage::dout);
+constexpr int SSCALE = SSTATS + sizeof(BackwardStage::stats);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
-constexpr int DS_OFF = __builtin_offsetof(BackwardShared, ds), RED_OFF = __builtin_offsetof(BackwardShared, red);
-constexpr int QSCALE_OFF = __builtin_offsetof(BackwardShared, qscale), FRAG_OFF = __builtin_offsetof(BackwardShared, frag);
+constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF + sizeof(BackwardShared::ds);
+constexpr int QSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), FRAG_OFF = QSCALE_OFF + sizeof(BackwardShared::qscale);
+static_assert(STAGE_BYTES == SSCALE + sizeof(BackwardStage::scale) &&
+              sizeof(BackwardShared) == FRAG_OFF + sizeof(BackwardShared::frag), "no padding in the layout");
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 tiles");
 static_assert(STAGE_BYTES % TILE_ALIGN == 0 && STAGE0 % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "swizzled tiles need aligned bases");

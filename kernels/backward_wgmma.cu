@@ -67,37 +67,41 @@ constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTile
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
 // Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
 constexpr int TILE_ALIGN = 1024;
-struct alignas(TILE_ALIGN) BackwardStage {
+constexpr int STAGE_TILES = 320 * DP + 16 * BQ;  // a stage's tiles and rows, all loaded by TMA
+struct BackwardStage {
     i8 q[BQ * DP];          // Q̂   [64 q][DP] int8
     i8 qt[DP * BQ];         // Q̂ᵀ  [DP][64 q] int8, fragment token order
     i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
     u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
     unsigned long long bar[16];  // the stage's mbarrier (its TMA loads' bytes), in 128 bytes
+    char pad[(STAGE_TILES + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN - STAGE_TILES - 128];  // to TILE_ALIGN
 };
 struct BackwardShared {
     i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8
     i8 kt[KEY_BLOCKS][DP * 128];     // K̂ᵀ [key block][DP][128 keys] int8
     u16 v[CTA_KEYS * DP];            // V  [keys][DP] 16-bit, 128-byte column blocks
     BackwardStage stage[SB_STAGES];
-    alignas(TILE_ALIGN) i8 ds[KEY_BLOCKS][BQ * 128];  // Ŷ [key block][64 q][128 keys] int8
+    i8 ds[KEY_BLOCKS][BQ * 128];     // Ŷ [key block][64 q][128 keys] int8
     float red[RED_FLOATS];
     float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
     float dq[BQ * DQ_PITCH];         // the dQ partial's tile
     float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
 };
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TILE_ALIGN - 128);
-constexpr int K_OFF = __builtin_offsetof(BackwardShared, k), KT_OFF = __builtin_offsetof(BackwardShared, kt);
-constexpr int V_OFF = __builtin_offsetof(BackwardShared, v), STAGE0 = __builtin_offsetof(BackwardShared, stage);
-constexpr int SQ = __builtin_offsetof(BackwardStage, q), SQT = __builtin_offsetof(BackwardStage, qt);
-constexpr int SDOT = __builtin_offsetof(BackwardStage, dot), SDO = __builtin_offsetof(BackwardStage, dout);
-constexpr int SSTATS = __builtin_offsetof(BackwardStage, stats), SBAR = __builtin_offsetof(BackwardStage, bar);
+// Members follow one another without padding (asserted), so an offset is the size of what precedes it.
+constexpr int K_OFF = 0, KT_OFF = K_OFF + sizeof(BackwardShared::k), V_OFF = KT_OFF + sizeof(BackwardShared::kt);
+constexpr int STAGE0 = V_OFF + sizeof(BackwardShared::v);
+constexpr int SQ = 0, SQT = SQ + sizeof(BackwardStage::q), SDOT = SQT + sizeof(BackwardStage::qt);
+constexpr int SDO = SDOT + sizeof(BackwardStage::dot), SSTATS = SDO + sizeof(BackwardStage::dout);
+constexpr int SBAR = SSTATS + sizeof(BackwardStage::stats);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
 constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
-constexpr int DS_OFF = __builtin_offsetof(BackwardShared, ds), RED_OFF = __builtin_offsetof(BackwardShared, red);
-constexpr int YSCALE_OFF = __builtin_offsetof(BackwardShared, yscale), DQ_OFF = __builtin_offsetof(BackwardShared, dq);
-constexpr int DK_OFF = __builtin_offsetof(BackwardShared, dk);
-static_assert(STAGE0 == V_OFF + 2 * CTA_KEYS * DP, "the stages follow the per-CTA tiles without padding");
+constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF + sizeof(BackwardShared::ds);
+constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), DQ_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
+constexpr int DK_OFF = DQ_OFF + sizeof(BackwardShared::dq);
+static_assert(SBAR == STAGE_TILES && STAGE_BYTES == SBAR + sizeof(BackwardStage::bar) + sizeof(BackwardStage::pad) &&
+              sizeof(BackwardShared) == DK_OFF + sizeof(BackwardShared::dk), "no padding in the layout");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");

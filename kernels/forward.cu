@@ -51,11 +51,14 @@ struct ForwardShared {
 };
 constexpr int SMEM_SLACK = WG ? 1024 : 0;
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(ForwardShared) + SMEM_SLACK;
-constexpr int Q_BYTES = __builtin_offsetof(ForwardShared, stage);
-constexpr int K_BYTES = __builtin_offsetof(ForwardStage, vt);
-constexpr int V_BYTES = __builtin_offsetof(ForwardStage, k_scale) - K_BYTES;
+// Members follow one another without padding (asserted), so an offset is the size of what precedes it.
+constexpr int Q_BYTES = sizeof(ForwardShared::q);
+constexpr int K_BYTES = sizeof(ForwardStage::k);
+constexpr int V_BYTES = sizeof(ForwardStage::vt);
 constexpr int KS_BYTES = 4 * TILE;            // the key tile's K scales
 constexpr int STAGE_BYTES = sizeof(ForwardStage);
+static_assert(STAGE_BYTES == K_BYTES + V_BYTES + sizeof(ForwardStage::k_scale) &&
+              sizeof(ForwardShared) == Q_BYTES + 2 * STAGE_BYTES, "no padding in the layout");
 static_assert(!WG || (Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0),
               "wgmma tiles start on 1024 bytes");
 static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
