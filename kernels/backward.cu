@@ -271,6 +271,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
+        // (batch, query head) taken here and used by dQ's adds below: the row taken there (seq.q_row0)
+        // costs the d=64 two-CTA kernels spills at their 128-register cap.
+        const i64 bhq = seq.q_slice(h);
         cp_async_wait<0>();
         __syncthreads();  // stage `it` is in; every warp is done with the stage it will overwrite
         if (SB_STAGES > 1 && it + 1 < n_it) {
@@ -529,7 +532,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                 fq[0] = fq[1] = tile_y_psi.scale * s_kt;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + (seq.q_row0(h) + q0 + r_lo) * DP + 2 * t;
+            float* dq_lo = a.dq_acc + (bhq * seq.nq_pad() + q0 + r_lo) * DP + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
