@@ -28,12 +28,8 @@ def _require_ptxas_report():
 
 def _one_spec_per_kernel_file(arch):
     """A specialization of every kernel file (and of both paths of sm_90's wgmma forward and
-    backward), built without listing all_specs, which compiles the mma.sync backward to read its tiles."""
-    try:
-        bias = specs.bias_spec("float16")
-    except TypeError:  # smooth_q_bias.cu before it took the dtype
-        bias = specs.bias_spec()
-    chosen = [specs.lse_spec("bfloat16"), bias, specs.ceiling_spec(),
+    backward), built without listing all_specs, which compiles a mma.sync backward to read its tiles."""
+    chosen = [specs.lse_spec("bfloat16"), specs.bias_spec("float16"), specs.ceiling_spec(),
               specs.backward_rows_spec("bfloat16"), representative_spec(arch),
               specs.backward_spec(64, "float16", True, False, True, False, specs.BackwardTiles(2))]
     if arch in ("sm_80", "sm_90"):
