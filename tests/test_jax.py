@@ -4,6 +4,7 @@
 Each group skips, with the reason, where JAX, its CPU backend or a GPU is missing."""
 import functools
 import importlib
+import os
 import sys
 
 import numpy as np
@@ -20,6 +21,11 @@ def test_import_without_jax_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "sagebwd_cp.jax", raising=False)
     with pytest.raises(ImportError, match=r'sagebwd_cp.jax needs JAX: pip install "sagebwd_cp\[jax\]"'):
         importlib.import_module("sagebwd_cp.jax")
+
+
+# JAX takes 75% of the GPU at its first use unless told otherwise: the torch and CuPy tests of the same
+# session (or parallel workers) would then run out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.lru_cache(maxsize=None)
