@@ -2,8 +2,9 @@
 
 fp16, 16K tokens per batch, hidden 2048 (heads = 2048 / head_dim), N = 1K..16K.  TOPS use the
 FLOP convention 4·B·H·N²·d for the forward (half when causal), 2.5x that for the backward and
-3.5x for forward+backward (docs/ALGORITHM.md).  Also measures the INT8 and fp16
-mma.sync ceilings in the same run.  Prints a compact table last; ``--json PATH`` writes records.
+3.5x for forward+backward (docs/ALGORITHM.md).  Also measures the INT8 and fp16 tensor-core
+ceilings in the same run (mma.sync, and on Hopper wgmma from shared memory); "%limit" is ours against
+the INT8 one the kernels can reach there.  Prints a compact table last; ``--json PATH`` writes records.
 
     python benchmarks/bench_attention.py [--seqlens 4096 16384] [--head-dims 64 128] [--tiles 8x1 4x2]
 """
@@ -49,27 +50,55 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def measure_ceilings():
-    import cupy
+# Tensor-core ceilings: (kernel, key in the results, operations a product, warps a product, blocks an SM).
+MMA_CEILINGS = (("int8_mma_ceiling", "int8_mma_tops", 2 * 16 * 8 * 32, 1, 8),
+                ("fp16_mma_ceiling", "fp16_mma_tflops", 2 * 16 * 8 * 16, 1, 8))
+WGMMA_CEILINGS = (("int8_wgmma_ceiling", "int8_wgmma_tops", 2 * 64 * 128 * 32, 4, 2),
+                  ("fp16_wgmma_ceiling", "fp16_wgmma_tflops", 2 * 64 * 128 * 16, 4, 2))
+PRODUCTS_AN_ITERATION = {"mma": 8, "wgmma": 8}  # kernels/ceiling.cu CHAINS and WG_GROUP
+
+
+def measure_ceilings() -> dict:
+    """Tensor-core ceilings measured now, in TOPS / TFLOPS: mma.sync chains (every arch) and, where the
+    Hopper kernels run, warpgroup products from shared memory (kernels/ceiling.cu)."""
     import torch
 
     from sagebwd_cp import specs
-    from sagebwd_cp.launch import i32, ptr
+    from sagebwd_cp.launch import device_arch, i32, ptr
     from sagebwd_cp.plan import launch_now
 
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    blocks, threads, iters = sms * 8, 256, 4096
-    out = torch.empty(blocks * threads, dtype=torch.int32, device="cuda")
+    threads, iters = 256, 4096
+    kinds = [("mma", specs.ceiling_spec(), MMA_CEILINGS)]
+    if specs.use_wgmma(device_arch(dev)):
+        kinds.append(("wgmma", specs.ceiling_spec(wgmma=True), WGMMA_CEILINGS))
     res = {}
-    for entry, flops_per_mma in (("int8_mma_ceiling", 2 * 16 * 8 * 32), ("fp16_mma_ceiling", 2 * 16 * 8 * 16)):
-        def run():
-            launch_now(specs.ceiling_spec(), entry, dev, torch.cuda.current_stream().cuda_stream, (blocks, 1, 1),
-                       (threads, 1, 1), [ptr(out.data_ptr()), i32(iters)])
-        ms = timed(run, reps=5)
-        mmas = blocks * (threads // 32) * iters * 8
-        res[entry] = mmas * flops_per_mma / (ms * 1e-3) / 1e12
-    return res["int8_mma_ceiling"], res["fp16_mma_ceiling"]
+    for kind, spec, ceilings in kinds:
+        for entry, key, ops, warps, per_sm in ceilings:
+            blocks = sms * per_sm
+            out = torch.empty(blocks * threads, dtype=torch.int32, device="cuda")
+
+            def run():
+                launch_now(spec, entry, dev, torch.cuda.current_stream().cuda_stream, (blocks, 1, 1),
+                           (threads, 1, 1), [ptr(out.data_ptr()), i32(iters)])
+            ms = timed(run, reps=5)
+            products = blocks * (threads // 32 // warps) * iters * PRODUCTS_AN_ITERATION[kind]
+            res[key] = products * ops / (ms * 1e-3) / 1e12
+    return res
+
+
+def int8_limit(ceilings: dict) -> tuple:
+    """(TOPS, name) of the INT8 ceiling the "% of limit" columns use: wgmma's where it was measured."""
+    if "int8_wgmma_tops" in ceilings:
+        return ceilings["int8_wgmma_tops"], "INT8 wgmma"
+    return ceilings["int8_mma_tops"], "INT8 mma.sync"
+
+
+def describe_ceilings(ceilings: dict) -> str:
+    names = {"int8_mma_tops": "INT8 mma.sync {:.0f} TOPS", "fp16_mma_tflops": "fp16 mma.sync {:.0f} TFLOPS",
+             "int8_wgmma_tops": "INT8 wgmma {:.0f} TOPS", "fp16_wgmma_tflops": "fp16 wgmma {:.0f} TFLOPS"}
+    return ", ".join(names[k].format(v) for k, v in ceilings.items())
 
 
 def bench_forward(d, n, causal, tiles_list, reps):
@@ -191,7 +220,8 @@ def main(argv=None):
     from sagebwd_cp import specs
 
     extra = [specs.ForwardTiles(*map(int, t.split("x"))) for t in args.tiles]
-    i8, f16 = measure_ceilings()
+    ceilings = measure_ceilings()
+    i8, limit_name = int8_limit(ceilings)
     dev = torch.cuda.get_device_name()
     records, lines = [], []
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
@@ -218,9 +248,9 @@ def main(argv=None):
                                  f"{ratio('sdpa-flash')} {ratio('sdpa-cudnn')} {100 * t / i8:5.1f}%{mem}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev, "int8_mma_tops": i8, "fp16_mma_tflops": f16, "records": records}, f, indent=1)
-    print(f"\n{dev}: INT8 mma.sync ceiling {i8:.0f} TOPS, fp16 mma.sync {f16:.0f} TFLOPS (measured now)")
-    print("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN  %int8  peak(fwd+bwd)")
+            json.dump({"device": dev, **ceilings, "records": records}, f, indent=1)
+    print(f"\n{dev}: ceilings {describe_ceilings(ceilings)} (measured now); %limit: of {limit_name}")
+    print("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN %limit  peak(fwd+bwd)")
     print("\n".join(lines))
     return 0
 

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report_common  # noqa: E402
-from bench_attention import measure_ceilings, timed  # noqa: E402
+from bench_attention import describe_ceilings, measure_ceilings, timed  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 HEAD_DIMS = (64, 128)
@@ -226,8 +226,8 @@ def main(argv=None) -> int:
 
     device = report_common.cuda_device_name()
     start = time.time()
-    int8_tops, f16_tflops = measure_ceilings()
-    report_common.log(f"{device}: INT8 mma.sync {int8_tops:.0f} TOPS, 16-bit mma.sync {f16_tflops:.0f} TFLOPS")
+    ceilings = measure_ceilings()
+    report_common.log(f"{device}: ceilings {describe_ceilings(ceilings)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     from tqdm import tqdm
 
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     bar.close()
     elapsed = time.time() - start
     meta = report_common.metadata(
-        device, ceilings={"int8_mma_tops": int8_tops, "fp16_mma_tflops": f16_tflops},
+        device, ceilings=ceilings,
         sweep={"tokens_per_batch": report_common.TOKENS_PER_BATCH, "hidden": report_common.HIDDEN,
                "layout": "HND", "timing": "median of CUDA-event times after warm-up",
                "reps": timing, "granularities": args.granularities},

@@ -121,6 +121,19 @@ SB_DEVICE void wgmma_f16_ss(float (&d)[8][4], u64 a, u64 b, int accumulate) {
                      : SB_WG_ACC32("+f", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// D (64x128 f32) += A (64x16 fp16 or bf16, descriptor) · B (128 x 16, descriptor), both K-major.
+template <bool BF16>
+SB_DEVICE void wgmma_f16_ss(float (&d)[16][4], u64 a, u64 b, int accumulate) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SB_WG_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC64("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SB_WG_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC64("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // After a wgmma_wait: every accumulator register is read only from here on.
 template <int N>
 SB_DEVICE void wgmma_hold_all(int (&d)[N][4]) {

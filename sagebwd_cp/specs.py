@@ -29,7 +29,10 @@ def bias_spec(dtype: str) -> KernelSpec:
     return make_spec(f"smooth_q_bias.{dtype}", "smooth_q_bias.cu", ["smooth_q_bias"], SB_BF16=int(dtype == "bfloat16"))
 
 
-def ceiling_spec() -> KernelSpec:
+def ceiling_spec(wgmma: bool = False) -> KernelSpec:
+    """Tensor-core ceilings: mma.sync chains, or (sm_90a) warpgroup products from shared memory."""
+    if wgmma:
+        return make_spec("ceiling.wgmma", "ceiling.cu", ["int8_wgmma_ceiling", "fp16_wgmma_ceiling"], SB_WGMMA=1)
     return make_spec("ceiling", "ceiling.cu", ["int8_mma_ceiling", "fp16_mma_ceiling"])
 
 
@@ -189,7 +192,8 @@ def all_specs(arch: str | None = None) -> list:
     arch = arch or "sm_90"
     limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
     specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(dt) for dt in DTYPES]
-    specs += [ceiling_spec()] + [backward_rows_spec(dt) for dt in DTYPES]
+    specs += [ceiling_spec()] + ([ceiling_spec(wgmma=True)] if arch in WGMMA_ARCHS else [])
+    specs += [backward_rows_spec(dt) for dt in DTYPES]
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
             for causal in (False, True):

@@ -37,7 +37,8 @@ def _one_spec_per_kernel_file(arch):
         # spills have been seen on sm_80-89 or sm_90): the two families here, every arch in CI.
         chosen.append(specs.quantize_spec("float16"))
     if arch in specs.WGMMA_ARCHS:
-        chosen += [specs.forward_spec(64, "bfloat16", True, True, specs.ForwardTiles(4, 1, True, 64)),
+        chosen += [specs.ceiling_spec(wgmma=True),
+                   specs.forward_spec(64, "bfloat16", True, True, specs.ForwardTiles(4, 1, True, 64)),
                    specs.backward_spec(128, "bfloat16", False, False, True, True, specs.BackwardTiles(2, True, 2)),
                    specs.backward_spec(64, "float16", True, False, False, True, specs.BackwardTiles(2, True, 3))]
     return chosen

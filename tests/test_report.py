@@ -122,6 +122,16 @@ def test_speed_tables_hold_the_right_ratios():
     assert "sdpa-efficient bwd: RuntimeError: no kernel" in md
 
 
+def test_percent_columns_use_the_wgmma_ceilings_where_measured():
+    data = speed_data()
+    data["metadata"]["ceilings"].update(int8_wgmma_tops=1500.0, fp16_wgmma_tflops=750.0)
+    md = render_report.speed_markdown(data)
+    assert "INT8 mma.sync 1200 TOPS" in md and "INT8 wgmma 1500 TOPS" in md and "16-bit wgmma 750 TFLOPS" in md
+    fwd = md.split("## forward, float16")[1].split("##")[0]
+    # ours 150 / 1500 = 10.0%; FA2 300 / 750 = 40.0%
+    assert _row(fwd, "| 128 | no | 16K |").endswith("| 10.0 | 40.0 |")
+
+
 def test_forward_tables_show_the_kernel_without_its_pre_pass(tmp_path):
     """The kernel-only record adds two columns to the forward tables (its TOPS and the pre-pass share
     of our forward's time) and is no impl of its own: no ratios, bars or headline."""
