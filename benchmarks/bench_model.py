@@ -1,0 +1,172 @@
+"""Training step time of a Llama-style decoder from ``transformers``, with PyTorch's SDPA and with
+sagebwd_cp attention, in one run: where a user feels the attention kernels.
+
+The model: ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), hidden 1024, 8 layers, GQA 4:1, head dim 128
+(8 query heads) or 64 (16), a byte vocabulary (256); bfloat16 autocast over float32 weights, AdamW.
+The corpus is the Python standard library's source read byte by byte (no download), 16K tokens a
+step (batch = 16384 / context). Both runs start from the same weights and see the same batches.
+
+For each context and head dim it reports the median step time of each implementation and their
+ratio, the share of the step spent in attention kernels (from the profiler's CUDA kernel times;
+for SDPA the kernel names show which backend torch picked), and the mean loss of the last steps.
+
+    python benchmarks/bench_model.py [--contexts 2048 8192 32768] [--head-dims 128 64] [--steps 30]
+        [--warmup 5] [--json out.json]
+
+Needs a CUDA GPU, PyTorch and transformers (``pip install transformers``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+HIDDEN, LAYERS, TOKENS_PER_STEP, GQA = 1024, 8, 16384, 4
+# CUDA kernels that belong to attention: ours (the pre-pass, the attention kernels, the row kernels)
+# and SDPA's backends (FlashAttention, cuDNN, memory-efficient).
+OUR_KERNELS = re.compile(r"attention_forward|attention_backward|quantize_tensors|token_sum|row_stats|dq_convert|"
+                         r"natural_lse|pack_rows|smooth_q_bias")
+SDPA_KERNELS = re.compile(r"flash|fmha|cudnn|sdpa|attention|cutlassF|cutlassB", re.IGNORECASE)
+
+
+def sagebwd_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface over sagebwd_cp: query (B, Hq, N, D), key and value
+    (B, Hkv, N, D); returns (B, N, Hq, D). Causal only: a mask or dropout it cannot honour is an error."""
+    import sagebwd_cp.torch as sage
+
+    if attention_mask is not None:
+        raise ValueError("sagebwd attention: expected no attention_mask (a causal batch without padding), "
+                         f"got a mask of shape {tuple(attention_mask.shape)}")
+    if dropout:
+        raise ValueError(f"sagebwd attention: dropout is not supported, got {dropout}")
+    out = sage.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True,
+                         layout="NHD", softmax_scale=scaling)
+    return out, None
+
+
+def build_model(head_dim: int, context: int, attn: str, seed: int):
+    import torch
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register("sagebwd", sagebwd_attention)
+    heads = HIDDEN // head_dim
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2816, num_hidden_layers=LAYERS,
+                         num_attention_heads=heads, num_key_value_heads=heads // GQA, head_dim=head_dim,
+                         max_position_embeddings=context, tie_word_embeddings=False, attn_implementation=attn)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def batches(context: int, steps: int, seed: int, device):
+    """``steps`` (inputs, labels) pairs of byte tokens from the standard library's source."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from train_tiny import read_stdlib_bytes
+
+    data = torch.frombuffer(bytearray(read_stdlib_bytes(64 << 20)), dtype=torch.uint8).long()
+    batch = max(1, TOKENS_PER_STEP // context)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - context - 1, (batch,), generator=g)
+        rows = torch.stack([data[s:s + context + 1] for s in starts.tolist()]).to(device)
+        yield rows[:, :-1], rows[:, 1:]
+
+
+def train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed: int) -> dict:
+    """Median step time (ms), attention's share of the kernel time, the attention kernels' names and
+    the losses of one implementation."""
+    import torch
+    import torch.nn.functional as F
+
+    device = torch.device("cuda")
+    model = build_model(head_dim, context, attn, seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    times, losses, profile = [], [], None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for step, (x, y) in enumerate(batches(context, warmup + steps + 1, seed, device)):
+        last = step == warmup + steps  # one more step, under the profiler
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if last else None
+        if prof is not None:
+            prof.__enter__()
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            profile = prof
+            break
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        if step >= warmup:
+            times.append(start.elapsed_time(end))
+    pattern = OUR_KERNELS if attn == "sagebwd" else SDPA_KERNELS
+    kernel_us, attention_us, names = 0.0, 0.0, {}
+    for event in profile.key_averages():
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        if us <= 0:
+            continue
+        kernel_us += us
+        if pattern.search(event.key):
+            attention_us += us
+            names[event.key] = names.get(event.key, 0.0) + us
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"step_ms": statistics.median(times), "attention_share": attention_us / kernel_us if kernel_us else None,
+            "attention_kernels": sorted(names, key=names.get, reverse=True)[:4], "losses": losses}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[64, 128])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps: expected at least 1 (and --warmup at least 0), got {args.steps} and {args.warmup}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_model.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name()
+    tail = min(10, args.steps)
+    rows, records = [], []
+    for d in args.head_dims:
+        for context in args.contexts:
+            res = {attn: train(d, context, attn, args.steps, args.warmup, args.seed) for attn in ("sdpa", "sagebwd")}
+            sdpa, ours = res["sdpa"], res["sagebwd"]
+            loss = {k: statistics.mean(v["losses"][-tail:]) for k, v in res.items()}
+            records.append({"head_dim": d, "context": context, "steps": args.steps, **{
+                f"{k}_{f}": v[f] for k, v in res.items() for f in ("step_ms", "attention_share", "attention_kernels")},
+                **{f"{k}_loss": v for k, v in loss.items()}})
+            share = lambda r: "-" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
+            rows.append(f"{d:>3} {context:>6} {sdpa['step_ms']:9.1f} {ours['step_ms']:9.1f} "
+                        f"{ours['step_ms'] / sdpa['step_ms']:7.3f} {share(sdpa):>6} {share(ours):>6} "
+                        f"{loss['sdpa']:8.4f} {loss['sagebwd']:8.4f}  {', '.join(sdpa['attention_kernels'][:2])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "records": records}, f, indent=1)
+    print(f"\n{device}: Llama-style decoder, hidden {HIDDEN}, {LAYERS} layers, GQA {GQA}:1, {TOKENS_PER_STEP} tokens "
+          f"a step, bfloat16 autocast, AdamW; median of {args.steps} steps after {args.warmup}; loss: mean of the "
+          f"last {tail}")
+    print("  d    ctx   sdpa ms   ours ms  ours/sdpa  attn% sdpa/ours  loss sdpa  ours  SDPA's attention kernels")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
