@@ -229,6 +229,23 @@ def test_a_cached_plan_keeps_no_array_alive(gpu):
     assert ref() is None and len(plan._plans) == 1
 
 
+def test_caches_stay_bounded_under_a_stream_of_sequence_lengths(gpu, monkeypatch):
+    """Training with varied sequence lengths makes a new plan per length: the plan cache keeps at most
+    MAX_PLANS of them (the oldest go), and the compiled kernels do not grow with the lengths (a
+    specialization does not depend on them)."""
+    monkeypatch.setattr(plan, "MAX_PLANS", 8)
+    resolved = set()
+    monkeypatch.setattr(compiler, "get_function_pointer",
+                        lambda spec, entry, device_id, shared=0: resolved.add((spec.key, entry)) or 1)
+    for n in range(100, 140):
+        q, k, v = qkv(lq=n, lk=n)
+        sagebwd_cp.attention(q, k, v, causal=True)
+        assert len(plan._plans) <= 8
+    assert len(plan._plans) == 8
+    assert {entry for _, entry in resolved} == {"token_sum", "quantize_tensors", "attention_forward"}
+    assert len(resolved) == 3  # one kernel each, whatever the length
+
+
 @pytest.mark.parametrize("change", ["strides", "options", "alignment", "dtype", "out"])
 def test_a_different_key_builds_a_different_plan(gpu, change):
     q, k, v = qkv()
