@@ -5,6 +5,7 @@
 - ``flash_attn_func(...)``: drop-in for FlashAttention's ``flash_attn_func`` (NHD);
 - ``SageAttention``: the same as an ``nn.Module``;
 - ``SageAttentionFunction``: the ``torch.autograd.Function`` of eager calls, every option an argument;
+- ``register_transformers(name="sagebwd")``: ``attn_implementation="sagebwd"`` for ``transformers`` models;
 - the operators ``torch.ops.sagebwd_cp.attention``, ``.attention_forward`` and
   ``.attention_backward`` (``torch.library.custom_op``, with fake implementations and autograd),
   which ``torch.compile`` traces with no graph break.
@@ -21,6 +22,7 @@ except ImportError as exc:  # name the extra rather than leave a bare "No module
 from ._ops import attention_backward_op, attention_forward_op, attention_op  # noqa: E402
 from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention  # noqa: E402
 from .modules import SageAttention  # noqa: E402
+from .transformers import register_transformers  # noqa: E402
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttention", "SageAttentionFunction",
-           "attention_op", "attention_forward_op", "attention_backward_op"]
+           "attention_op", "attention_forward_op", "attention_backward_op", "register_transformers"]

@@ -1,0 +1,72 @@
+"""sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama with
+attn_implementation="sagebwd" against "sdpa" (logits and gradients), and every batch it cannot
+express (padding, packed sequences, sliding windows) refused with a clear error."""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import sagebwd_cp.torch as sage  # noqa: E402
+
+
+def _model(attn, family="llama", **extra):
+    import transformers
+
+    sage.register_transformers()
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                        attn_implementation=attn, **extra)
+    torch.manual_seed(0)
+    return model_cls(config)
+
+
+def _tokens(batch=2, n=96):
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(1))
+
+
+def _rel(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_logits_and_gradients_match_sdpa(mask):
+    """No mask, or an all-ones padding mask (nothing padded): causal attention, as SDPA computes it."""
+    x = _tokens()
+    kwargs = {"attention_mask": torch.ones_like(x)} if mask else {}
+    res = {}
+    for attn in ("sdpa", "sagebwd"):
+        model = _model(attn)
+        logits = model(input_ids=x, **kwargs).logits
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach(), model.model.layers[0].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.06
+    wrong = _model("sagebwd")(input_ids=x.flip(1)).logits.detach()  # the check can tell models apart
+    assert _rel(wrong, ref) > 0.1
+
+
+def test_a_padded_batch_is_refused():
+    x = _tokens()
+    mask = torch.ones_like(x)
+    mask[0, :10] = 0  # left padding
+    with pytest.raises(ValueError, match="attention mask.*sdpa"):
+        _model("sagebwd")(input_ids=x, attention_mask=mask)
+
+
+def test_packed_sequences_are_refused():
+    x = _tokens(batch=1)
+    position_ids = torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0)  # two sequences in one row
+    with pytest.raises(ValueError, match="sagebwd_cp attention"):
+        _model("sagebwd")(input_ids=x, position_ids=position_ids, use_cache=False)
+
+
+def test_a_sliding_window_is_refused():
+    with pytest.raises(ValueError, match="sagebwd_cp attention"):
+        _model("sagebwd", family="mistral", sliding_window=32)(input_ids=_tokens())
+
+
+def test_the_name_must_be_a_string():
+    with pytest.raises(TypeError, match="name"):
+        sage.register_transformers(name=3)
