@@ -6,6 +6,7 @@ The model: ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), hidden 1024, 8 layers, 
 The corpus is the Python standard library's source read byte by byte (no download), 16K tokens a
 step (batch = 16384 / context). Both runs start from the same weights and see the same batches.
 
+sagebwd_cp enters through ``sagebwd_cp.torch.register_transformers`` (``attn_implementation="sagebwd"``).
 For each context and head dim it reports the median step time of each implementation and their
 ratio, the share of the step spent in attention kernels (from the profiler's CUDA kernel times;
 for SDPA the kernel names show which backend torch picked), and the mean loss of the last steps.
@@ -32,26 +33,13 @@ OUR_KERNELS = re.compile(r"attention_forward|attention_backward|quantize_tensors
 SDPA_KERNELS = re.compile(r"flash|fmha|cudnn|sdpa|attention|cutlassF|cutlassB", re.IGNORECASE)
 
 
-def sagebwd_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention interface over sagebwd_cp: query (B, Hq, N, D), key and value
-    (B, Hkv, N, D); returns (B, N, Hq, D). Causal only: a mask or dropout it cannot honour is an error."""
-    import sagebwd_cp.torch as sage
-
-    if attention_mask is not None:
-        raise ValueError("sagebwd attention: expected no attention_mask (a causal batch without padding), "
-                         f"got a mask of shape {tuple(attention_mask.shape)}")
-    if dropout:
-        raise ValueError(f"sagebwd attention: dropout is not supported, got {dropout}")
-    out = sage.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True,
-                         layout="NHD", softmax_scale=scaling)
-    return out, None
-
-
 def build_model(head_dim: int, context: int, attn: str, seed: int):
     import torch
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    AttentionInterface.register("sagebwd", sagebwd_attention)
+    import sagebwd_cp.torch as sage
+
+    sage.register_transformers("sagebwd")
     heads = HIDDEN // head_dim
     config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2816, num_hidden_layers=LAYERS,
                          num_attention_heads=heads, num_key_value_heads=heads // GQA, head_dim=head_dim,
