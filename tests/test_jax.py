@@ -46,24 +46,21 @@ def _missing(platform: str):
     return None
 
 
-@pytest.fixture
-def jax_cpu():
-    reason = _missing("cpu")
-    if reason:
-        pytest.skip(reason)
-    import jax
+def _jax_on(platform: str):
+    """A fixture giving the jax module where JAX runs on ``platform``, else skipping with the reason."""
+    @pytest.fixture
+    def fixture():
+        reason = _missing(platform)
+        if reason:
+            pytest.skip(reason)
+        import jax
 
-    return jax
+        return jax
+
+    return fixture
 
 
-@pytest.fixture
-def jax_gpu():
-    reason = _missing("gpu")
-    if reason:
-        pytest.skip(reason)
-    import jax
-
-    return jax
+jax_cpu, jax_gpu = _jax_on("cpu"), _jax_on("gpu")
 
 
 def _qkv(jax, shape_q, shape_kv, dtype, seed, device):
