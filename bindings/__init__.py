@@ -3,11 +3,12 @@
 - ``attention(q, k, v, causal=..., layout="HND" | "NHD", ...)``: differentiable SageBwd attention;
 - ``scaled_dot_product_attention(...)``: drop-in for ``torch.nn.functional.scaled_dot_product_attention``;
 - ``flash_attn_func(...)``: drop-in for FlashAttention's ``flash_attn_func`` (NHD);
+- ``flash_attn_varlen_func(...)``: drop-in for FlashAttention's ``flash_attn_varlen_func`` (packed batches);
 - ``SageAttention``: the same as an ``nn.Module``;
 - ``SageAttentionFunction``: the ``torch.autograd.Function`` of eager calls, every option an argument;
 - ``register_transformers(name="sagebwd")``: ``attn_implementation="sagebwd"`` for ``transformers`` models;
-- the operators ``torch.ops.sagebwd_cp.attention``, ``.attention_forward`` and
-  ``.attention_backward`` (``torch.library.custom_op``, with fake implementations and autograd),
+- the operators ``torch.ops.sagebwd_cp.attention``, ``.attention_forward``,
+  ``.attention_backward``, ``.varlen_forward`` and ``.varlen_backward`` (``torch.library.custom_op``, with fake implementations and autograd),
   which ``torch.compile`` traces with no graph break.
 
 CUDA tensors run the INT8 kernels on torch's current stream, with outputs from torch's caching
@@ -23,6 +24,8 @@ from ._ops import attention_backward_op, attention_forward_op, attention_op  # n
 from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention  # noqa: E402
 from .modules import SageAttention  # noqa: E402
 from .transformers import register_transformers  # noqa: E402
+from .varlen import flash_attn_varlen_func  # noqa: E402
 
-__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttention", "SageAttentionFunction",
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func", "SageAttention",
+           "SageAttentionFunction",
            "attention_op", "attention_forward_op", "attention_backward_op", "register_transformers"]

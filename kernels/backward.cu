@@ -204,8 +204,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
     const int j = HEADS_FIRST ? blockIdx.y : blockIdx.x, hk = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
-    const SeqInfo<BackwardParams> seq(a, b);
+    const BackwardSeq seq(a, b);
     const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
+    if (SB_VARLEN && j * BKV >= seq.len_k()) return;  // packed: the grid covers the longest sequence
 
     const QueryBlocks qb = query_blocks(j * BKV, seq.len_q(), seq.len_k());
     const int i0 = qb.i0, n_i = qb.n_i;
@@ -219,8 +220,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
 
     const int kvalid = min(BKV, seq.len_k() - j * BKV);
     load_tile<DP, BKV, THREADS>(sK, a.k8 + (seq.k_row0(hk) + j * BKV) * DP, DP);
-    load_tile<BKV, DP, THREADS>(sKt, a.k8t + seq.k_row0(hk) * DP + j * BKV, seq.nk_pad());
-    load_tile16(sV, a.v + seq.token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * BKV), a.vn, kvalid, a.D);
+    load_tile<BKV, DP, THREADS>(sKt, a.k8t + seq.kt_base(hk, DP) + j * BKV, seq.nk_pad());
+    load_tile16(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * BKV), a.vn, kvalid, a.D);
     // K̂ᵀ's scale, beside each stage's s_dO (read from there in the loop: no register held across it).
     if (tid < SB_STAGES) {
         cp_async_4(base + STAGE0 + tid * STAGE_BYTES + SSCALE + 8, a.kt_scale + seq.k_block0(hk) + j);
@@ -232,8 +233,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         const i64 row0 = seq.q_row0(h);
         const u32 st = base + STAGE0 + slot * STAGE_BYTES;
         load_tile<DP, BQ, THREADS>(st + SQ, a.q8 + (row0 + i * BQ) * DP, DP);
-        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + row0 * DP + i * BQ, seq.nq_pad());
-        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + row0 * DP + i * BQ, seq.nq_pad());
+        load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + seq.qt_base(h, DP) + i * BQ, seq.nq_pad());
+        load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + seq.qt_base(h, DP) + i * BQ, seq.nq_pad());
         load_tile16(st + SDO, a.dout + seq.token(a.db, a.dh, a.dn, h, static_cast<i64>(i) * BQ), a.dn,
                     min(BQ, seq.len_q() - i * BQ), a.D);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + row0 + i * BQ + tid);
@@ -532,7 +533,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                 fq[0] = fq[1] = tile_y_psi.scale * s_kt;
             }
             // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + (bhq * seq.nq_pad() + q0 + r_lo) * DP + 2 * t;
+            float* dq_lo = a.dq_acc + ((SB_VARLEN ? seq.q_row0(h) : bhq * seq.nq_pad()) + q0 + r_lo) * DP + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -571,8 +572,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     for (int half = 0; half < 2; ++half) {
         const int key = key_lo + 8 * half;
         if (key >= seq.len_k()) continue;
-        u16* kr = a.dk + seq.token(a.kb, a.kh, a.kn, hk, key);
-        u16* vr = a.dv + seq.token(a.wb, a.wh, a.wn, hk, key);
+        u16* kr = a.dk + seq.key_token(a.kb, a.kh, a.kn, hk, key);
+        u16* vr = a.dv + seq.key_token(a.wb, a.wh, a.wn, hk, key);
 #pragma unroll
         for (int n = 0; n < NT_D / 2; ++n) {
             const int col = (qh * (NT_D / 2) + n) * 8 + 2 * t;

@@ -16,6 +16,13 @@
 // where they share its query-side tiles in L2 (heads in x cost them 2-3% at 16K).
 constexpr bool HEADS_FIRST = SB_CAUSAL && SB_DETERMINISTIC;
 
+// A packed batch's key-side INT8 rows per sequence are a multiple of this: whole CTAs of keys (64 for
+// backward.cu, SB_GROUPS·64 for backward_wgmma.cu) and of 128 (specs.BackwardTiles.key_pad).
+constexpr int sb_gcd(int x, int y) { return y ? sb_gcd(y, x % y) : x; }
+constexpr int BACKWARD_CTA_KEYS = SB_WGMMA ? SB_GROUPS * SB_BLOCK_KV : SB_BLOCK_KV;
+constexpr int BACKWARD_KEY_PAD = BACKWARD_CTA_KEYS / sb_gcd(BACKWARD_CTA_KEYS, SB_VARLEN_PAD) * SB_VARLEN_PAD;
+using BackwardSeq = SeqInfo<BackwardParams, BACKWARD_KEY_PAD, SB_WGMMA>;
+
 SB_DEVICE float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -93,7 +100,7 @@ SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret
 // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
 template <bool MASK, int N>
 SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const SeqInfo<BackwardParams>& seq, int shift) {
+                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const BackwardSeq& seq, int shift) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -115,7 +122,7 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
 // them) branch around the per-score compares and selects.
 template <int N>
 SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const SeqInfo<BackwardParams>& seq,
+                             const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const BackwardSeq& seq,
                              int shift) {
     if (need_mask)
         probabilities_of<true>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, shift);

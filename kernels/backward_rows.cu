@@ -9,7 +9,7 @@
 #include "convert.cuh"
 
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
-// dO and of O where rows are 16-byte aligned), 256 / LANES rows per CTA of 256 threads; grid (Nq_pad·LANES / 256, Hq, B).
+// dO and of O where rows are 16-byte aligned), 256 / LANES rows per CTA of 256 threads; grid (Nq_pad·LANES / 256, Hq, B), packed: the longest sequence's padded rows.
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
@@ -18,6 +18,8 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     const int c0 = 8 * (threadIdx.x % LANES), row = blockIdx.x * (256 / LANES) + threadIdx.x / LANES;
     const int h = blockIdx.y;
     const SeqInfo<RowStatsParams> seq(p, blockIdx.z);
+    // Packed: rows up to the sequence's padded end (whole CTAs, 128 a multiple of their 16 or 32 rows).
+    if (SB_VARLEN && row >= (seq.len_q() + SB_VARLEN_PAD - 1) / SB_VARLEN_PAD * SB_VARLEN_PAD) return;
     float s = 0.f;
     if (row < seq.len_q() && c0 < p.D) {
         const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;

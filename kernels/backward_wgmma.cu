@@ -164,8 +164,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
     const int j = HEADS_FIRST ? blockIdx.y : blockIdx.x, hk = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z;
     const int group = a.Hq / a.Hkv;
-    const SeqInfo<BackwardParams> seq(a, b);
+    const BackwardSeq seq(a, b);
     const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
+    static_assert(CTA_KEYS == BACKWARD_CTA_KEYS, "backward_common.cuh's key count");
+    if (SB_VARLEN && j * CTA_KEYS >= seq.len_k()) return;  // packed: the grid covers the longest sequence
 
     const QueryBlocks qb = query_blocks(j * CTA_KEYS, seq.len_q(), seq.len_k());
     const int i0 = qb.i0, n_i = qb.n_i;
@@ -182,23 +184,26 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
         constexpr int LAST = CTA_KEYS - 128 * (KEY_BLOCKS - 1);  // keys of the last block
-        const i8* src = a.k8t + seq.k_row0(hk) * DP + j * CTA_KEYS + 128 * kb2;
+        const i8* src = a.k8t + seq.kt_base(hk, DP) + j * CTA_KEYS + 128 * kb2;
         if (kb2 + 1 < KEY_BLOCKS)
             load_tile<128, DP, THREADS, true>(sKt + kb2 * DP * 128, src, seq.nk_pad());
         else
             load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, seq.nk_pad());
     }
-    load_tile16<CTA_KEYS>(sV, a.v + seq.token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
+    load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
 
     // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
     auto load_stage = [&](int h, int i, int slot) {
         const u32 st = base + STAGE0 + slot * STAGE_BYTES, bar = st + SBAR;
         mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
         tma_load_2d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, bar);
-        tma_load_2d(st + SQT, tm_qt, i * BQ, static_cast<int>(seq.q_slice(h)) * DP, bar);
-        tma_load_2d(st + SDOT, tm_dot, i * BQ, static_cast<int>(seq.q_slice(h)) * DP, bar);
+        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, static_cast<int>(seq.qt_row0(h, DP)), bar);
+        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, static_cast<int>(seq.qt_row0(h, DP)), bar);
 #pragma unroll
-        for (int cb = 0; cb < DP / 64; ++cb) tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, i * BQ, h, seq.b, bar);
+        // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
+        // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
+        for (int cb = 0; cb < DP / 64; ++cb)
+            tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, seq.q_start() + i * BQ, h, SB_VARLEN ? 0 : seq.b, bar);
         bulk_load(st + SSTATS, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk (query head of the group, query block): `it` is (h, i), the next load (nh, ni).
@@ -325,7 +330,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
         // The lengths from the parameters, not through seq: the same values, but through seq ptxas spills 8
         // bytes of the d=128 causal fine kernels at their 255 registers.
-        const bool need_mask = q0 + BQ > a.Lq || key0 + BKV > a.Lk || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
+        const bool need_mask = q0 + BQ > (SB_VARLEN ? seq.len_q() : a.Lq) || key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
 
         // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
         float p[NT_Q][4], ds[NT_Q][4];
@@ -632,8 +637,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     for (int half = 0; half < 2; ++half) {
         const int key = j * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
         if (key >= seq.len_k()) continue;
-        u16* kr = a.dk + seq.token(a.kb, a.kh, a.kn, hk, key);
-        u16* vr = a.dv + seq.token(a.wb, a.wh, a.wn, hk, key);
+        u16* kr = a.dk + seq.key_token(a.kb, a.kh, a.kn, hk, key);
+        u16* vr = a.dv + seq.key_token(a.wb, a.wh, a.wn, hk, key);
 #pragma unroll
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll

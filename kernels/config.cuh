@@ -40,3 +40,6 @@
 #ifndef SB_GROUPS
 #define SB_GROUPS 2          // wgmma backward: warpgroups per CTA
 #endif
+#ifndef SB_VARLEN
+#define SB_VARLEN 0          // packed batches: sequence b's tokens are rows cu_q[b].. of [total][H][D] arrays (seqinfo.cuh)
+#endif

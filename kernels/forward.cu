@@ -139,7 +139,9 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
 // measured 1% slower); 128-key tiles hold twice the S accumulator: 4 CTAs at d=64, 3 at d=128 (168
 // registers; three CTAs' 76800 bytes fill the SM's shared memory). The Q-smoothing variants hold
 // more and take one CTA fewer.
-constexpr int MIN_BLOCKS = !WG ? 1 : (TILE > BKV && DP > 64 ? 3 : 4) - (SB_BIAS ? 1 : 0);
+// Packed batches' 128-key d=64 kernels hold the sequence's bounds too and take three CTAs (168 registers;
+// the dense kernel measured the same at three and four).
+constexpr int MIN_BLOCKS = !WG ? 1 : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
@@ -153,13 +155,14 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
     const SeqInfo<ForwardParams> seq(p, blockIdx.z);
     const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
+    if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
 
     const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
     const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
     const u32 q_desc = WG ? wgmma_desc_lo<DP>(sQ) : 0;  // Q̂ tile's descriptor (low word)
     const i8* kg = p.k8 + seq.k_row0(hk) * DP;
-    const i8* vg = p.vt8 + seq.k_row0(hk) * DP;
+    const i8* vg = p.vt8 + seq.kt_base(hk, DP);
     const float* ksg = p.k_scale + seq.k_row0(hk);
     // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
@@ -443,7 +446,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (p.lse2 && t == 0)
-                    p.lse2[fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq) + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
             }
         }
     }

@@ -31,6 +31,9 @@
 // Names a parameter list that has no struct view, for the host.
 #define SB_PARAM_LIST(name, fields)
 
+// cu_q, cu_k: packed batches (SB_VARLEN, seqinfo.cuh): [B+1] int32 first tokens of each sequence
+// (cu_seqlens), the last the total; null for dense batches. Lq, Lk are then the totals.
+
 // forward.cu attention_forward
 #define SB_FORWARD_FIELDS(F0, F) \
     F0(const i8* __restrict__, q8)            /* [B][Hq][Nq_pad][DP], Q-smoothing only (else the kernel codes Q) */ \
@@ -45,7 +48,8 @@
     F(const u16* __restrict__, q)             /* 16-bit Q, strides q_sb, q_sh, q_sn, unit stride along d */ \
     F(i64, ob) F(i64, oh) F(i64, on) F(i64, q_sb) F(i64, q_sh) F(i64, q_sn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
-    F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */
+    F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */ \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
 
 // backward.cu and backward_wgmma.cu attention_backward
@@ -70,7 +74,8 @@ SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
     F(u16*, dv) \
     F(i64, vb) F(i64, vh) F(i64, vn) F(i64, db) F(i64, dh) F(i64, dn) \
     F(i64, kb) F(i64, kh) F(i64, kn) F(i64, wb) F(i64, wh) F(i64, wn) \
-    F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad)
+    F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 
 // backward_wgmma.cu attention_backward, after BackwardParams: the TMA maps of the query-side tiles
@@ -89,7 +94,10 @@ SB_PARAM_LIST(BackwardMaps, SB_BACKWARD_MAPS)
     F(i64, sb) F(i64, sh) F(i64, sn) \
     F(int, H) F(int, N) F(int, N_pad) F(int, flags) \
     F(float, prescale) \
-    F(int, ctas)                              /* CTAs of this job: two 64-token blocks each; 0 for an absent tensor */
+    F(int, ctas)                              /* CTAs of this job: two 64-token blocks each; 0 for an absent tensor */ \
+    F(const int*, cu)                         /* packed batches (SB_VARLEN): [B+1] first tokens, else null */ \
+    F(int, seq_pad)                           /* packed: a sequence's rows are a multiple of this (seqinfo.cuh varlen_row0) */ \
+    F(int, seq_rows)                          /* packed: rows a sequence's CTAs cover (the longest's, padded) */
 SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
 
 // quantize.cu quantize_tensors: jobs a, b, c run on consecutive CTAs.
@@ -104,7 +112,8 @@ SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
     F0(const u16*, x) F(i64, sb) F(i64, sh) F(i64, sn) \
     F(int, H) F(int, N) F(int, D) F(int, D_pad) \
     F(int, span)                              /* tokens per part */ \
-    F(double*, sum_out)                       /* [B][H][parts][D_pad] */
+    F(double*, sum_out)                       /* [B][H][parts][D_pad] */ \
+    F(const int*, cu)                         /* packed batches: [B+1] first tokens (N the longest), else null */
 SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
 
 // backward_rows.cu row_stats
@@ -113,14 +122,16 @@ SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
     F(const u16*, out) F(i64, ob) F(i64, oh) F(i64, on) \
     F(const float*, lse2) F(const float*, q_scale) F(const float*, qt_scale) \
     F(int, Hq) F(int, Lq) F(int, D) F(int, Nq_pad) \
-    F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ) */
+    F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ) */ \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(RowStatsParams, SB_ROW_STATS_FIELDS)
 
 // backward_rows.cu dq_convert
 #define SB_DQ_CONVERT_FIELDS(F0, F) \
     F0(const float*, dq_acc) F(int, Hq) F(int, Lq) F(int, D) F(int, dq_row) F(int, Nq_pad) \
     F(float, scale)                           /* the softmax scale c */ \
-    F(u16*, dq) F(i64, qb) F(i64, qh) F(i64, qn)
+    F(u16*, dq) F(i64, qb) F(i64, qh) F(i64, qn) \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(DqConvertParams, SB_DQ_CONVERT_FIELDS)
 
 // backward_rows.cu pack_rows
@@ -135,7 +146,8 @@ SB_STRUCT(PackRowsParams, SB_PACK_ROWS_FIELDS)
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, D) \
     F(float, softmax_scale) \
     F(const float*, k_mean)                   /* [B][Hkv][D] μ_K, or null */ \
-    F(const float*, lse2) F(float*, lse)
+    F(const float*, lse2) F(float*, lse) \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(NaturalLseParams, SB_NATURAL_LSE_FIELDS)
 
 // smooth_q_bias.cu smooth_q_bias

@@ -13,6 +13,7 @@
 #include "convert.cuh"
 #include "cp_async.cuh"
 #include "quantizer.cuh"
+#include "seqinfo.cuh"
 
 #define QBLOCK 64
 #define QTHREADS_MAX 128  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
@@ -72,16 +73,31 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
-                               float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b) {
+                               float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b,
+                               const int* __restrict__ cu, int seq_pad, int seq_rows) {
     constexpr int L = DPAD / 8, TPB = 4 * L, WARPS_PER_BLOCK = TPB / 32;
     static_assert(TPB % 32 == 0, "a block is whole warps");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = tid % TPB / L, c0 = 8 * (tid % L);
-    const int blocks = N_pad / QBLOCK, fb = 2 * cta + tid / TPB;
+    const int blocks = (SB_VARLEN ? seq_rows : N_pad) / QBLOCK, fb = 2 * cta + tid / TPB;
     const int h = fb / blocks, blk = fb % blocks;
     const i64 bh = static_cast<i64>(b) * H + h;
-    const int tok0 = blk * QBLOCK + grp * GROUP;  // the thread's first token
+    // The (batch, head)'s first row in the row-major buffers and scales, its first element (column 0) in
+    // the transposed one, and its 16-bit rows: [B][H][N_pad] rows, or packed (seqinfo.cuh) [1][H][N_pad]
+    // rows with this sequence's from varlen_row0 and its tokens from cu[b] of [total][H][D].
+    i64 row0 = bh * N_pad, t0 = bh * DPAD * N_pad;
     const u16* xs = x + b * sb + h * sh;
+    if (SB_VARLEN) {
+        const int start = cu[b];
+        N = cu[b + 1] - start;
+        // The CTA's two blocks (one head, 128 rows) lie both inside or both past the sequence's padded rows.
+        if (blk * QBLOCK >= (N + seq_pad - 1) / seq_pad * seq_pad) return;
+        const i64 first = varlen_row0(start, b, seq_pad);
+        row0 = h * static_cast<i64>(N_pad) + first;
+        t0 = h * static_cast<i64>(DPAD) * N_pad + first;
+        xs = x + static_cast<i64>(start) * sn + h * sh;
+    }
+    const int tok0 = blk * QBLOCK + grp * GROUP;  // the thread's first token
 
     // What each column subtracts after the prescale: μ (K-smoothing) or the block's mean (Q-smoothing,
     // below); a job has at most one of them, and x - 0 is x, so one branch-free formula serves all.
@@ -157,7 +173,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             shift[e] = c0 + e < D && nvalid > 0 ? static_cast<float>(s[e] / static_cast<double>(nvalid)) : 0.f;
-            if (grp == 0) block_mean_out[(bh * blocks + blk) * DPAD + c0 + e] = shift[e];
+            if (grp == 0) block_mean_out[(row0 / QBLOCK + blk) * DPAD + c0 + e] = shift[e];
         }
     }
 
@@ -212,11 +228,11 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     float t_inv = 0.f;  // with t_scale_out: the transposed codes' inverse scale
     float own_inv[OWN], block_inv = 0.f;
     if (per_token) {
-        if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + bh * blocks + blk : nullptr);
+        if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + row0 / QBLOCK + blk : nullptr);
 #pragma unroll
-        for (int x = 0; x < OWN; ++x) own_inv[x] = psi_inverse(own_max[x], scale_out + bh * N_pad + tok0 + (lane % L) * OWN + x);
+        for (int x = 0; x < OWN; ++x) own_inv[x] = psi_inverse(own_max[x], scale_out + row0 + tok0 + (lane % L) * OWN + x);
     } else {
-        block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + bh * blocks + blk : nullptr);
+        block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + row0 / QBLOCK + blk : nullptr);
     }
 
     // Codes, a row an iteration: the rows are stored as they are coded, and with t_out the codes t_out takes
@@ -231,7 +247,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         float v[8];
         row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
         const uint2 c = chunk_codes(v, row_inv);
-        if (rows_out) *reinterpret_cast<uint2*>(rows_out + (bh * N_pad + tok0 + i) * DPAD + c0) = c;
+        if (rows_out) *reinterpret_cast<uint2*>(rows_out + (row0 + tok0 + i) * DPAD + c0) = c;
         if (t_out) *reinterpret_cast<uint2*>(&raw[i * DPAD + tid]) = t_scale_out ? chunk_codes(v, i < rows_in ? t_inv : 0.f) : c;
     }
     if (t_out) {
@@ -260,7 +276,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
             }
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-            *reinterpret_cast<uint4*>(t_out + (bh * DPAD + c0 + e) * N_pad + tok0) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
+            *reinterpret_cast<uint4*>(t_out + t0 + static_cast<i64>(c0 + e) * N_pad + tok0) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
     }
 }
 
@@ -284,7 +300,7 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
-        SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z)
+        SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
     // One instantiation per head dim and per step the job needs (uniform across the CTA).
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).
@@ -314,8 +330,9 @@ token_sum(SB_KERNEL_PARAMS(SB_TOKEN_SUM_FIELDS)) {
     SB_REQUIRE_SM80();
     __shared__ double part[8][SUM_THREADS + 4];
     const int n0 = blockIdx.x * p.span, h = blockIdx.y, b = blockIdx.z;
-    const u16* xs = p.x + b * p.sb + h * p.sh;
-    const int n1 = min(p.N, n0 + p.span);
+    // Packed (SB_VARLEN): sequence b's tokens from cu[b]; its parts past its length store zeros.
+    const u16* xs = SB_VARLEN ? p.x + static_cast<i64>(p.cu[b]) * p.sn + h * p.sh : p.x + b * p.sb + h * p.sh;
+    const int n1 = min(SB_VARLEN ? p.cu[b + 1] - p.cu[b] : p.N, n0 + p.span);
     // Aligned rows: each thread sums 8 columns from 16-byte loads; else one column per thread.
     const bool vec = p.D % 8 == 0 && p.sn % 8 == 0 && (reinterpret_cast<size_t>(xs) & 15) == 0;
     const int width = vec ? 8 : 1, groups = p.D_pad / width, slices = SUM_THREADS / groups;

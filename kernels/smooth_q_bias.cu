@@ -18,7 +18,7 @@ smooth_q_bias(SB_KERNEL_PARAMS(SB_SMOOTH_Q_BIAS_FIELDS)) {
     const float* mq = p.q_mean + (seq.q_block0(h) + qblk) * p.D_pad;
     float acc = 0.f;
     if (key < seq.len_k()) {
-        const u16* kr = p.k + seq.token(p.sb, p.sh, p.sn, hk, key);
+        const u16* kr = p.k + seq.key_token(p.sb, p.sh, p.sn, hk, key);
         const float* mk = p.k_mean ? p.k_mean + seq.k_slice(hk) * p.D : nullptr;
         for (int c = 0; c < p.D; ++c) {
             const float kv = to_f32<SB_BF16>(kr[c]);

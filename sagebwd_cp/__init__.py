@@ -1,15 +1,18 @@
 """sagebwd_cp: trainable INT8 attention (SageBwd).
 
-``attention`` for inference, ``attention_forward`` / ``attention_backward`` for training, on any
+``attention`` for inference, ``attention_forward`` / ``attention_backward`` for training (the
+``attention_varlen*`` functions for packed batches), on any
 DLPack array (CuPy, PyTorch, JAX; NumPy arrays run the emulator).  ``import sagebwd_cp.torch`` for
 the PyTorch adapter.
 """
 from .api import (AttentionSaved, attention, attention_backward, attention_backward_arrays, attention_forward,
-                  k_mean_shape, lse2_shape)
+                  attention_varlen, attention_varlen_backward_arrays, attention_varlen_forward, k_mean_shape,
+                  lse2_shape)
 from .arrays import ArrayDesc, describe, set_allocator
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "lse2_shape",
+__all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "attention_varlen",
+           "attention_varlen_forward", "attention_varlen_backward_arrays", "lse2_shape",
            "k_mean_shape",
            "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "__version__"]

@@ -11,12 +11,13 @@ import dataclasses
 
 import numpy as np
 
-from . import emulator
+from . import emulator, varlen as packed
 from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
 from .plan import cached_plan, remember_plan
-from .problem import AttentionProblem, check_granularity, check_options, check_output, make_problem
+from .problem import (AttentionProblem, check_granularity, check_options, check_output, make_problem,
+                      make_varlen_problem)
 
 
 DEFAULT_GRANULARITY = "fine"
@@ -61,9 +62,24 @@ def _signatures(arrays):
     return ptrs, tuple(keys)
 
 
-def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved):
+def _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen) -> AttentionProblem:
+    if varlen is None:
+        return make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                            smooth_q=smooth_q, layout=layout)
+    return make_varlen_problem(q, k, v, *varlen, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                               smooth_q=smooth_q)
+
+
+def _with_offsets(arrays: tuple, varlen) -> tuple:
+    """The arrays a plan takes, a packed batch's offsets last (forward.varlen_inputs)."""
+    return arrays if varlen is None else arrays + tuple(varlen[:2])
+
+
+def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved,
+                varlen=None):
     """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the pair
     (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.
+    ``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, or None.
 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
@@ -74,22 +90,21 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         causal, softmax_scale, smooth_k, smooth_q, return_lse = check_options(
             causal, softmax_scale, smooth_k, smooth_q, return_lse=return_lse)
     options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
-               bool(return_lse))
-    sig = _signatures((q, k, v) if out is None else (q, k, v, out))
+               bool(return_lse), None if varlen is None else tuple(varlen[2:]))
+    sig = _signatures(_with_offsets((q, k, v) if out is None else (q, k, v, out), varlen))
     key = None
     if sig is not None:
         key = (options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
-            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved)
-    prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                        layout=layout)
+            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved, varlen)
+    prob = _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen)
     if not prob.on_gpu:
         return _host_forward(prob, out, training, return_lse, want_saved)
     from .forward import forward_plan
 
     out_desc = check_output(out, prob) if out is not None else None
-    descs = [d for d in (prob.q, prob.k, prob.v, out_desc) if d is not None]
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, prob.cu_q, prob.cu_k) if d is not None]
     plan = None
     if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
         key = (options, _signatures(descs)[1])
@@ -97,10 +112,10 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     if plan is None:
         plan = forward_plan(prob, out_desc, training, return_lse)
         remember_plan(key, plan)
-    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved)
+    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved, varlen)
 
 
-def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
+def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, varlen=None):
     objs, _ = plan.run(ptrs)
     # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing), lse
     allocated = iter(objs)
@@ -111,6 +126,9 @@ def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
     if training and want_saved:
         # The plan's problem has the first call's descriptors: describe this call's arrays.
         prob = dataclasses.replace(plan.problem, q=describe(q, "q"), k=describe(k, "k"), v=describe(v, "v"))
+        if varlen is not None:
+            prob = dataclasses.replace(prob, cu_q=describe(varlen[0], "cu_seqlens_q"),
+                                       cu_k=describe(varlen[1], "cu_seqlens_k"))
         out_desc = describe(o, "out")
         out_desc.dtype = prob.dtype  # CuPy holds bfloat16 outputs as uint16
         return o, lse, AttentionSaved(prob, out_desc, describe(lse2, "lse2"),
@@ -118,21 +136,34 @@ def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
     return o, lse, ((lse2, k_mean) if training else None)
 
 
+def _host_offsets(prob: AttentionProblem) -> tuple:
+    return host_numpy(prob.cu_q, "cu_seqlens_q"), host_numpy(prob.cu_k, "cu_seqlens_k")
+
+
 def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
     layout = prob.layout
     od = check_output(out, prob) if out is not None else None
-    qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
-    o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
-                                             smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
-                                             dtype=_emulator_dtype(prob.dtype))
-    o = _to_layout(o, layout, prob.q, prob.dtype)
+    dtype = _emulator_dtype(prob.dtype)
+    if prob.varlen:
+        qh, kh, vh = (np.asarray(host_numpy(d, n), dtype=np.float32) for d, n in
+                      ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
+        o, lse, lse2_host, k_mean_host = packed.emulate_forward(
+            qh, kh, vh, _host_offsets(prob), causal=prob.causal, softmax_scale=prob.softmax_scale,
+            smooth_k=prob.smooth_k, dtype=dtype)
+        o = host_result(o, prob.q, prob.dtype)
+    else:
+        qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
+        o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
+                                                 smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype)
+        o = _to_layout(o, layout, prob.q, prob.dtype)
+        lse2_host, k_mean_host = state["lse2"][:, :, :prob.len_q], state["inputs"]["k_mean"]
     if od is not None:
         copy_into(od, o)
         o = od.obj
     saved = None
     if training:
-        lse2 = host_result(state["lse2"][:, :, :prob.len_q], prob.q, "float32")
-        k_mean = host_result(state["inputs"]["k_mean"], prob.q, "float32") if prob.smooth_k else None
+        lse2 = host_result(lse2_host, prob.q, "float32")
+        k_mean = host_result(k_mean_host, prob.q, "float32") if prob.smooth_k else None
         if want_saved:
             saved = AttentionSaved(prob, describe(o, "out"), describe(lse2, "lse2"),
                                    describe(k_mean, "k_mean") if k_mean is not None else None)
@@ -175,8 +206,9 @@ def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULA
     if not isinstance(saved, AttentionSaved):
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
     p = saved.problem
+    varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
     return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, p.causal, p.softmax_scale, p.smooth_k, p.smooth_q,
-                        p.layout, granularity, deterministic, p, saved.k_mean)
+                        p.layout, granularity, deterministic, p, saved.k_mean, varlen)
 
 
 @jax_boundary
@@ -190,6 +222,50 @@ def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_s
     pass over K; without it μ_K is computed again."""
     return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
                         deterministic, k_mean=k_mean)
+
+
+_VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn_varlen_func`` convention:
+    q (total_q, Hq, D), k and v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1]
+    of q and cu_seqlens_k[b].. of k, v (int32 offsets of batch + 1 entries, on q's device); max_seqlen_q
+    and max_seqlen_k (Python ints) at least the longest sequence's lengths: they size the grids, and on
+    a GPU the offsets are not read back (no synchronization; a smaller max would leave tokens out).
+    Each sequence is attended alone: its own quantization blocks and μ_K, causal masks bottom-right
+    aligned within it.  The LSE is (Hq, total_q).  No Q-smoothing."""
+
+
+@jax_boundary
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, smooth_k=True, out=None, return_lse=False):
+    """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, False, return_lse, False,
+                            varlen)
+    return (o, lse) if return_lse else o
+
+
+@jax_boundary
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                             softmax_scale=None, smooth_k=True, out=None, return_lse=False):
+    """Training forward over a packed batch: ``(out, saved)`` (or ``(out, lse, saved)``); the backward
+    is ``attention_backward(saved, do)``."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, True, return_lse, True,
+                                varlen)
+    return (o, lse, saved) if return_lse else (o, saved)
+
+
+@jax_boundary
+def attention_varlen_backward_arrays(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     *, causal=False, softmax_scale=None, smooth_k=True,
+                                     granularity=DEFAULT_GRANULARITY, deterministic=False, k_mean=None):
+    """``attention_backward_arrays`` for a packed batch: ``lse2`` (Hq, total_q), ``k_mean`` (batch, Hkv, D)."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, False, "THD", granularity,
+                        deterministic, k_mean=k_mean, varlen=varlen)
+
+
+for _f in (attention_varlen, attention_varlen_forward, attention_varlen_backward_arrays):
+    _f.__doc__ += "\n\n    " + _VARLEN_DOC
 
 
 def lse2_shape(batch: int, heads_q: int, len_q: int) -> tuple:
@@ -217,11 +293,11 @@ def _check_k_mean(k_mean: ArrayDesc, prob: AttentionProblem) -> None:
 
 
 def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
-    _check_float32_array(lse2, "lse2", lse2_shape(prob.batch, prob.heads_q, prob.len_q), prob)
+    _check_float32_array(lse2, "lse2", prob.lse_shape(), prob)
 
 
 def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                 prob: AttentionProblem | None = None, k_mean=None):
+                 prob: AttentionProblem | None = None, k_mean=None, varlen=None):
     """(dq, dk, dv).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
@@ -231,8 +307,8 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
             causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     given = k_mean is not None
     options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
-               bool(deterministic), given)
-    sig = _signatures((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do))
+               bool(deterministic), given, None if varlen is None else tuple(varlen[2:]))
+    sig = _signatures(_with_offsets((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do), varlen))
     key = None
     if sig is not None:
         key = (options, sig[1])
@@ -240,8 +316,7 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
         if plan is not None:
             return tuple(plan.run(sig[0])[0])
     if prob is None:
-        prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                            smooth_q=smooth_q, layout=layout)
+        prob = _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen)
         out, lse2 = check_output(out, prob), describe(lse2, "lse2")
         k_mean = describe(k_mean, "k_mean") if given else None
     check_granularity(granularity)
@@ -252,7 +327,8 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
     if prob.on_gpu:
         from .backward import backward_plan
 
-        descs = (prob.q, prob.k, prob.v, out, lse2, dd) + ((k_mean,) if given else ())
+        descs = (prob.q, prob.k, prob.v, out, lse2, dd) + ((k_mean,) if given else ()) + (
+            (prob.cu_q, prob.cu_k) if prob.varlen else ())
         plan = None
         if key is None:  # arrays without a cheap signature: key the plan by their descriptors
             key = (options, _signatures(descs)[1])
@@ -261,6 +337,15 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
             plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
+    if prob.varlen:
+        arrays = (np.asarray(host_numpy(d, n), dtype=np.float32) for d, n in
+                  ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"), (dd, "do")))
+        qh, kh, vh, oh, doh = arrays
+        grads = packed.emulate_backward(qh, kh, vh, oh, host_numpy(lse2, "lse2"), doh, _host_offsets(prob),
+                                        causal=prob.causal, softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k,
+                                        dtype=_emulator_dtype(prob.dtype), granularity=granularity,
+                                        k_mean=host_numpy(k_mean, "k_mean") if given else None)
+        return tuple(host_result(g, prob.q, prob.dtype) for g in grads)
     state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
                                       ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"))),
                                     host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,

@@ -8,6 +8,7 @@ from .arrays import ArrayDesc
 from .launch import attention_grid, device_arch, shared_memory_limit, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
+from .forward import varlen_inputs
 from .quantize import quantize_inputs
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
@@ -20,22 +21,26 @@ def _cp_async_ready(desc: ArrayDesc, prob: AttentionProblem) -> bool:
 
 def _tma_ready(desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int) -> bool:
     """A TMA tensor map also needs positive strides (where the extent is above 1)."""
-    extents = (prob.batch, heads, length)
+    extents = (1, heads, prob.total_q) if prob.varlen else (prob.batch, heads, length)
     return _cp_async_ready(desc, prob) and all(s > 0 for s, n in zip(prob.bhnd_strides(desc), extents) if n > 1)
 
 
 def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int,
                   tma: bool = False):
-    """(array, (batch, head, token) strides): the array itself, or a packed [B][H][L][D] copy."""
+    """(array, (batch, head, token) strides): the array itself, or a packed [B][H][L][D] copy (a
+    packed batch's [total][H][D] as one [1][H][total][D] sequence: its token stride stays the row's)."""
     if _tma_ready(desc, prob, heads, length) if tma else _cp_async_ready(desc, prob):
         return desc, prob.bhnd_strides(desc)
     d = prob.head_dim
-    packed = plan.workspace(name, (prob.batch, heads, length, d), prob.dtype)
+    batch = prob.batch
+    if prob.varlen:
+        batch, length = 1, desc.shape[0]
+    packed = plan.workspace(name, (batch, heads, length, d), prob.dtype)
     sb, sh, sn = prob.bhnd_strides(desc)
-    plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", ((length * d + 255) // 256, heads, prob.batch),
+    plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", ((length * d + 255) // 256, heads, batch),
                 (256, 1, 1), params.args("PackRowsParams", x=desc, sb=sb, sh=sh, sn=sn, H=heads, L=length, D=d,
                                             y=packed))
-    return packed, (heads * length * d, length * d, d)
+    return packed, (0 if prob.varlen else heads * length * d, length * d, d)
 
 
 def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
@@ -43,6 +48,8 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
     rows of Dp bytes), Q̂ᵀ and dÔᵀ (Dp rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero
     past Lq and D)."""
     B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
+    if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
+        B, Lq = 1, prob.total_q
     rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), (dp, numerics.BLOCK_Q), dp)
     cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), (numerics.BLOCK_Q, dp), 64)
     # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
@@ -56,7 +63,7 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
                 tm_do=tensor_map(grad, do_rows))
 
 
-BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")
+BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets
 
 
 def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: ArrayDesc, granularity: str,
@@ -65,36 +72,43 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     given: K's token sums are then not taken again), outputs dq, dk, dv (new arrays in q's layout
     and dtype)."""
     inputs = list(zip(BACKWARD_INPUTS, (prob.q, prob.k, prob.v, out, lse2, do)))
-    plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + ([("k_mean", k_mean)] if k_mean else []))
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework,
+                       inputs + ([("k_mean", k_mean)] if k_mean else []) + varlen_inputs(prob))
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
-    rows = specs.backward_rows_spec(prob.dtype)
+    rows = specs.backward_rows_spec(prob.dtype, prob.varlen)
+    S = 1 if prob.varlen else B  # [S][Hq][Nq_pad] rows (quantize.py)
+    lengths = prob.kernel_lengths()
+    q_lengths = {n: v for n, v in lengths.items() if n != "Lk"}
 
     dev = prob.q.device_id
     arch = device_arch(dev)
     tiles, spec = specs.backward_kernel(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
-                                        specs.backward_tiles(dp, arch, deterministic), arch, shared_memory_limit(dev))
+                                        specs.backward_tiles(dp, arch, deterministic), arch, shared_memory_limit(dev),
+                                        prob.varlen)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 
-    stats = plan.workspace("stats", (B, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
+    stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
     # D_pad / 8 lanes a row, 256 threads a CTA (backward_rows.cu row_stats)
-    plan.launch(rows, "row_stats", (nq * (dp // 8) // 256, Hq, B), (256, 1, 1),
+    stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
+    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // 256, Hq, B), (256, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
-                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, Lq=Lq, D=D, Nq_pad=nq, stats=stats))
+                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
+                               **q_lengths))
 
     dq_row = tiles.dq_row(dp)
-    dq_acc = plan.workspace("dq_acc", (B, Hq, nq, dq_row), "float32", zeroed=True)
-    lock = plan.workspace("lock", (B, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
+    dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32", zeroed=True)
+    lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
     do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq, tma=tiles.wgmma)
 
-    dq = plan.output("dq", prob.shape(Hq, Lq), prob.dtype)
-    dk = plan.output("dk", prob.shape(Hk, Lk), prob.dtype)
-    dv = plan.output("dv", prob.shape(Hk, Lk), prob.dtype)
+    dq = plan.output("dq", prob.query_shape(), prob.dtype)
+    dk = plan.output("dk", prob.key_shape(), prob.dtype)
+    dv = plan.output("dv", prob.key_shape(), prob.dtype)
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
@@ -105,7 +119,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
                                dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
-                               wn=wn, Hq=Hq, Hkv=Hk, Lq=Lq, Lk=Lk, D=D, Nq_pad=nq, Nk_pad=nk) + maps,
+                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, **lengths) + maps,
                 shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).
@@ -113,6 +127,6 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     qb, qh, qn = prob.bhnd_strides(dq)
     plan.launch(rows, "dq_convert", ((Lq * (D // 8) + 255) // 256, Hq, B), (256, 1, 1),
-                params.args("DqConvertParams", dq_acc=dq_acc, Hq=Hq, Lq=Lq, D=D, dq_row=dq_row, Nq_pad=nq,
-                               scale=prob.softmax_scale, dq=dq, qb=qb, qh=qh, qn=qn))
+                params.args("DqConvertParams", dq_acc=dq_acc, Hq=Hq, D=D, dq_row=dq_row, Nq_pad=nq,
+                               scale=prob.softmax_scale, dq=dq, qb=qb, qh=qh, qn=qn, **q_lengths))
     return plan.build(problem=prob)

@@ -14,10 +14,15 @@ from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
 
 
+def varlen_inputs(prob: AttentionProblem) -> list:
+    """A packed batch's offsets, per-call inputs of its plans after the arrays."""
+    return [("cu_seqlens_q", prob.cu_q), ("cu_seqlens_k", prob.cu_k)] if prob.varlen else []
+
+
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
     tiles = specs.forward_tiles(dp, device_arch(dev))
-    spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles)
+    spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch, prob.causal, "q")
@@ -26,22 +31,24 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
                 params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
                                vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
                                ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
-                               Lq=prob.len_q, Lk=prob.len_k, D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
-                               q_prescale=numerics.qk_prescale(prob.softmax_scale)),
+                               D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
+                               q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_lengths()),
                 shared=KERNEL_LAYOUT)
 
 
 def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, lse) -> None:
-    """lse: [B][Hq][Lq] float32 natural-log LSE, K-smoothing's shift added back."""
+    """lse: float32 natural-log LSE (prob.lse_shape()), K-smoothing's shift added back."""
     sb, sh, sn = prob.bhnd_strides(prob.q)
-    plan.launch(specs.lse_spec(prob.dtype), "natural_lse", ((prob.len_q + 127) // 128, prob.heads_q, prob.batch),
-                (128, 1, 1),
+    lengths = prob.kernel_lengths()
+    del lengths["Lk"]
+    plan.launch(specs.lse_spec(prob.dtype, prob.varlen), "natural_lse",
+                ((prob.len_q + 127) // 128, prob.heads_q, prob.batch), (128, 1, 1),
                 params.args("NaturalLseParams", q=prob.q, sb=sb, sh=sh, sn=sn, Hq=prob.heads_q, Hkv=prob.heads_kv,
-                               Lq=prob.len_q, D=prob.head_dim, softmax_scale=prob.softmax_scale, k_mean=qz.k_mean,
-                               lse2=lse2, lse=lse))
+                               D=prob.head_dim, softmax_scale=prob.softmax_scale, k_mean=qz.k_mean,
+                               lse2=lse2, lse=lse, **lengths))
 
 
-FORWARD_INPUTS = ("q", "k", "v", "out")
+FORWARD_INPUTS = ("q", "k", "v", "out")  # then cu_seqlens_q, cu_seqlens_k for packed batches
 
 
 def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool) -> LaunchPlan:
@@ -49,10 +56,10 @@ def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, 
     this order, those of "out", "lse2" (training), "k_mean" (training with K-smoothing: μ_K, which
     the backward reuses) and "lse" (return_lse) that are allocated."""
     inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
-    plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs)
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + varlen_inputs(prob))
     if out is None:
-        out = plan.output("out", prob.shape(prob.heads_q, prob.len_q), prob.dtype)
-    lse_shape = (prob.batch, prob.heads_q, prob.len_q)
+        out = plan.output("out", prob.query_shape(), prob.dtype)
+    lse_shape = prob.lse_shape()
     lse2 = k_mean = None
     if training:
         lse2 = plan.output("lse2", lse_shape, "float32")

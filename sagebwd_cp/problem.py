@@ -11,9 +11,9 @@ import numbers
 import numpy as np
 
 from . import specs
-from .arrays import ArrayDesc, describe
+from .arrays import ArrayDesc, describe, host_numpy
 
-LAYOUTS = ("HND", "NHD")
+LAYOUTS = ("HND", "NHD")  # and "THD": packed batches (make_varlen_problem)
 GRANULARITIES = ("fine", "paper")
 KERNEL_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
@@ -38,19 +38,56 @@ class AttentionProblem:
     smooth_k: bool
     smooth_q: bool
     on_gpu: bool
+    # Packed batches (layout "THD"): [B + 1] int32 first tokens of each sequence, the last the total
+    # (FlashAttention's cu_seqlens); len_q and len_k are then the longest sequence's lengths.
+    cu_q: ArrayDesc | None = None
+    cu_k: ArrayDesc | None = None
 
     @property
     def padded_head_dim(self) -> int:
         return specs.padded_head_dim(self.head_dim)
 
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    @property
+    def total_q(self) -> int:
+        """Query tokens of the whole batch."""
+        return self.q.shape[0] if self.varlen else self.batch * self.len_q
+
+    @property
+    def total_k(self) -> int:
+        return self.k.shape[0] if self.varlen else self.batch * self.len_k
+
     def bhnd_strides(self, desc: ArrayDesc) -> tuple:
-        """(batch, head, token) strides in elements for the array's layout."""
+        """(batch, head, token) strides in elements for the array's layout (packed: no batch stride)."""
+        if self.layout == "THD":
+            sn, sh, _ = desc.strides
+            return (0, sh, sn)
         sb, s1, s2, _ = desc.strides
         return (sb, s1, s2) if self.layout == "HND" else (sb, s2, s1)
 
     def shape(self, heads: int, length: int) -> tuple:
         b, d = self.batch, self.head_dim
         return (b, heads, length, d) if self.layout == "HND" else (b, length, heads, d)
+
+    def query_shape(self) -> tuple:
+        """The shape of q, the output and dq."""
+        return (self.total_q, self.heads_q, self.head_dim) if self.varlen else self.shape(self.heads_q, self.len_q)
+
+    def key_shape(self) -> tuple:
+        """The shape of k, v, dk and dv."""
+        return (self.total_k, self.heads_kv, self.head_dim) if self.varlen else self.shape(self.heads_kv, self.len_k)
+
+    def lse_shape(self) -> tuple:
+        """The LSE's shape: (batch, heads_q, len_q), or (heads_q, total_q) for packed batches."""
+        return (self.heads_q, self.total_q) if self.varlen else (self.batch, self.heads_q, self.len_q)
+
+    def kernel_lengths(self) -> dict:
+        """The kernels' Lq, Lk (token totals for packed batches) and cu_q, cu_k fields."""
+        return dict(Lq=self.total_q if self.varlen else self.len_q, Lk=self.total_k if self.varlen else self.len_k,
+                    cu_q=self.cu_q, cu_k=self.cu_k)
 
 
 def check_layout(layout) -> str:
@@ -141,15 +178,80 @@ def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, sm
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:
     """A caller-provided output buffer must match q's shape, dtype and device exactly."""
     od = describe(out, name)
-    expected = prob.shape(prob.heads_q, prob.len_q)
+    expected = prob.query_shape()
     if tuple(od.shape) != expected:
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(od.shape)}")
     if od.dtype != prob.dtype:
         raise TypeError(f"{name}: expected dtype {prob.dtype}, got {od.dtype}")
     if (od.device_type, od.device_id) != (prob.q.device_type, prob.q.device_id):
         raise ValueError(f"{name}: expected an array on {prob.q.device_type}:{prob.q.device_id}, got {od.device_type}:{od.device_id}")
-    if od.strides[3] != 1:
+    if od.strides[-1] != 1:
         raise ValueError(f"{name}: expected a contiguous last dimension, got strides {od.strides}")
-    if prob.on_gpu and (od.ptr % 4 or any(s % 2 for s in od.strides[:3])):
+    if prob.on_gpu and (od.ptr % 4 or any(s % 2 for s in od.strides[:-1])):
         raise ValueError(f"{name}: expected 4-byte aligned rows (even strides), got strides {od.strides}")
     return od
+
+
+def _check_max_seqlen(value, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a Python int (the longest sequence's length), got "
+                        f"{type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected at least 1, got {value}")
+    return int(value)
+
+
+def _check_cu_seqlens(cu, name: str, like: ArrayDesc) -> ArrayDesc:
+    d = describe(cu, name)
+    if d.ndim != 1 or d.dtype != "int32":
+        raise TypeError(f"{name}: expected a rank-1 int32 array of batch + 1 offsets, got a rank-{d.ndim} {d.dtype} array")
+    if d.shape[0] < 2:
+        raise ValueError(f"{name}: expected at least 2 entries (one sequence), got {d.shape[0]}: an empty batch")
+    if d.shape[0] > 1 and d.strides[0] != 1:
+        raise ValueError(f"{name}: expected a contiguous array, got stride {d.strides[0]}")
+    if (d.device_type, d.device_id) != (like.device_type, like.device_id):
+        raise ValueError(f"{name}: expected an array on {like.device_type}:{like.device_id} (q's device), "
+                         f"got {d.device_type}:{d.device_id}")
+    return d
+
+
+def _check_host_offsets(d: ArrayDesc, name: str, total: int, max_seqlen: int, max_name: str) -> None:
+    """Host offsets are read and checked; on a GPU they are not (no synchronization in the hot path)."""
+    cu = np.asarray(host_numpy(d, name), dtype=np.int64)
+    lengths = np.diff(cu)
+    if cu[0] != 0 or (lengths < 0).any():
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0, got {cu.tolist()[:16]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: expected the last offset to be the token count {total}, got {int(cu[-1])}")
+    if lengths.max() > max_seqlen:
+        raise ValueError(f"{max_name}: expected at least the longest sequence ({int(lengths.max())} tokens), "
+                         f"got {max_seqlen}")
+
+
+def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                        softmax_scale=None, smooth_k=True, smooth_q=False) -> AttentionProblem:
+    """A packed batch (FlashAttention's varlen convention): q (total_q, heads_q, head_dim), k and v
+    (total_k, heads_kv, head_dim); sequence b is tokens cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
+    cu_seqlens_k[b].. of k and v; max_seqlen_* at least the longest (it sizes the grids; on a GPU it is
+    not checked, as the offsets are not read back)."""
+    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
+    if smooth_q:
+        raise ValueError("smooth_q: packed batches (cu_seqlens) take smooth_q=False")
+    qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
+    for name, d in (("q", qd), ("k", kd), ("v", vd)):
+        if d.ndim != 3:
+            raise ValueError(f"{name}: expected a rank-3 array (total_tokens, heads, head_dim) for packed "
+                             f"sequences, got shape {d.shape}")
+    # The dense checks on (1, tokens, heads, dim) views of the same arrays: devices, dtypes, heads, head dim.
+    views = [dataclasses.replace(d, shape=(1,) + tuple(d.shape), strides=(0,) + tuple(d.strides)) for d in (qd, kd, vd)]
+    dense = make_problem(*views, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="NHD")
+    cq, ck = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", qd), _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", qd)
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected one batch size, got {cq.shape[0] - 1} and {ck.shape[0] - 1} "
+                         "sequences")
+    max_q, max_k = _check_max_seqlen(max_seqlen_q, "max_seqlen_q"), _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if not dense.on_gpu:
+        _check_host_offsets(cq, "cu_seqlens_q", qd.shape[0], max_q, "max_seqlen_q")
+        _check_host_offsets(ck, "cu_seqlens_k", kd.shape[0], max_k, "max_seqlen_k")
+    return dataclasses.replace(dense, q=qd, k=kd, v=vd, layout="THD", batch=cq.shape[0] - 1, len_q=max_q,
+                               len_k=max_k, cu_q=cq, cu_k=ck)

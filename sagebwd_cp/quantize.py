@@ -34,6 +34,14 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def padded_rows(prob: AttentionProblem, side: str, pad: int) -> int:
+    """Token rows a head takes in the INT8 buffers of ``side`` ("q" or "k"), a multiple of ``pad``:
+    the padded length, or for packed batches room for every sequence from its own row
+    (kernels/seqinfo.cuh varlen_row0: round_up(total, pad) + batch·pad)."""
+    length, total = (prob.len_q, prob.total_q) if side == "q" else (prob.len_k, prob.total_k)
+    return _round_up(total, pad) + prob.batch * pad if prob.varlen else _round_up(length, pad)
+
+
 @dataclasses.dataclass
 class Quantized:
     """Q̂, K̂, V̂ (and dÔ for the backward) in every layout the kernels read, with their scales (see
@@ -52,7 +60,7 @@ class Quantized:
     vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
     v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
-    nq_pad: int
+    nq_pad: int  # token rows a head (padded_rows)
     nk_pad: int
     dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
     do_scale: ArrayDesc | None = None  # [B][Hq][Nq_pad/64]
@@ -65,15 +73,19 @@ def _quantize_ctas(blocks: int) -> int:
     return blocks // 2
 
 
-def _quantize_job(prob: AttentionProblem, src, heads, n, npad, prescale, flags, scale, rows=None, t=None,
-                  t_scale=None, mean_sum=None, mean_out=None, block_mean=None):
-    """One tensor of a quantize_tensors launch (params.cuh QuantizeJob); with ``t_scale`` the
-    transposed copy ``t`` is coded per 64-token block, its scales there."""
+def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flags, scale, rows=None, t=None,
+                  t_scale=None, mean_sum=None, mean_out=None, block_mean=None, pad=specs.TOKEN_PAD):
+    """One tensor of a quantize_tensors launch (params.cuh QuantizeJob) on the query (``side`` "q") or
+    key side; with ``t_scale`` the transposed copy ``t`` is coded per 64-token block, its scales there.
+    Packed batches: each sequence's CTAs cover the longest one's rows padded to ``pad``."""
     sb, sh, sn = prob.bhnd_strides(src)
+    n, cu = (prob.len_q, prob.cu_q) if side == "q" else (prob.len_k, prob.cu_k)
+    seq_rows = _round_up(n, pad) if prob.varlen else 0
     return params.struct("QuantizeJob", x=src, mean_sum=mean_sum, mean_out=mean_out, block_mean_out=block_mean,
                          rows_out=rows, t_out=t, scale_out=scale, t_scale_out=t_scale, sb=sb, sh=sh, sn=sn, H=heads,
                          N=n, N_pad=npad, flags=flags, prescale=prescale,
-                         ctas=_quantize_ctas(npad // numerics.BLOCK_Q * heads))
+                         ctas=_quantize_ctas((seq_rows or npad) // numerics.BLOCK_Q * heads), cu=cu,
+                         seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
 
 def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
@@ -82,7 +94,7 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
-    plan.launch(specs.quantize_spec(prob.dtype), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
+    plan.launch(specs.quantize_spec(prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
                                sum_parts=sum_parts),
                 shared=dp * CHUNKS_PER_THREAD * 16)
@@ -102,8 +114,9 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
-    nq, nk = _round_up(Lq, specs.TOKEN_PAD), _round_up(Lk, key_pad)
-    spec = specs.quantize_spec(prob.dtype)
+    nq, nk = padded_rows(prob, "q", specs.TOKEN_PAD), padded_rows(prob, "k", key_pad)
+    S = 1 if prob.varlen else B  # [S][H][N_pad] INT8 buffers: a packed batch's sequences share a head's rows
+    spec = specs.quantize_spec(prob.dtype, prob.varlen)
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given
@@ -117,35 +130,35 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         sb, sh, sn = prob.bhnd_strides(prob.k)
         plan.launch(spec, "token_sum", (parts, Hk, B), (SUM_THREADS, 1, 1),
                     params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
-                                   span=span, sum_out=k_sum))
+                                   span=span, sum_out=k_sum, cu=prob.cu_k))
 
     # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
     q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
     jobs = []
     if quantize_q:
-        q8 = plan.workspace("q8", (B, Hq, nq, dp), "int8")
+        q8 = plan.workspace("q8", (S, Hq, nq, dp), "int8")
         if backward:
-            q8t = plan.workspace("q8t", (B, Hq, dp, nq), "int8")
-            qt_scale = plan.workspace("qt_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
-        q_scale = plan.workspace("q_scale", (B, Hq, nq), "float32")
+            q8t = plan.workspace("q8t", (S, Hq, dp, nq), "int8")
+            qt_scale = plan.workspace("qt_scale", (S, Hq, nq // numerics.BLOCK_Q), "float32")
+        q_scale = plan.workspace("q_scale", (S, Hq, nq), "float32")
         q_mean = plan.workspace("q_mean", (B, Hq, nq // numerics.BLOCK_Q, dp), "float32") if prob.smooth_q else None
-        jobs.append(_quantize_job(prob, prob.q, Hq, Lq, nq, numerics.qk_prescale(prob.softmax_scale),
+        jobs.append(_quantize_job(prob, prob.q, "q", Hq, nq, numerics.qk_prescale(prob.softmax_scale),
                                   PERMUTE_T | PER_TOKEN, q_scale, rows=q8, t=q8t, t_scale=qt_scale, block_mean=q_mean))
 
-    k8 = plan.workspace("k8", (B, Hk, nk, dp), "int8")
+    k8 = plan.workspace("k8", (S, Hk, nk, dp), "int8")
     k8t = None
     if backward:
-        k8t = plan.workspace("k8t", (B, Hk, dp, nk), "int8")
-        kt_scale = plan.workspace("kt_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
-    k_scale = plan.workspace("k_scale", (B, Hk, nk), "float32")
-    jobs.append(_quantize_job(prob, prob.k, Hk, Lk, nk, 1.0, PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0), k_scale,
-                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=k_sum, mean_out=k_mean))
+        k8t = plan.workspace("k8t", (S, Hk, dp, nk), "int8")
+        kt_scale = plan.workspace("kt_scale", (S, Hk, nk // numerics.BLOCK_KV), "float32")
+    k_scale = plan.workspace("k_scale", (S, Hk, nk), "float32")
+    jobs.append(_quantize_job(prob, prob.k, "k", Hk, nk, 1.0, PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0), k_scale,
+                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=k_sum, mean_out=k_mean, pad=key_pad))
 
     vt8 = v_scale = None
     if not backward:
-        vt8 = plan.workspace("vt8", (B, Hk, dp, nk), "int8")
-        v_scale = plan.workspace("v_scale", (B, Hk, nk // numerics.BLOCK_KV), "float32")
-        jobs.append(_quantize_job(prob, prob.v, Hk, Lk, nk, 1.0, PERMUTE_T, v_scale, t=vt8))
+        vt8 = plan.workspace("vt8", (S, Hk, dp, nk), "int8")
+        v_scale = plan.workspace("v_scale", (S, Hk, nk // numerics.BLOCK_KV), "float32")
+        jobs.append(_quantize_job(prob, prob.v, "k", Hk, nk, 1.0, PERMUTE_T, v_scale, t=vt8, pad=key_pad))
     dot8 = do_scale = None
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
@@ -167,11 +180,11 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
     """dÔ for dV = P̂ᵀdÔ: ψ per 64 rows of dO, stored transposed ([B][Hq][Dp][Nq_pad]) in the
     fragment token order of register-fed products, with scales [B][Hq][Nq_pad/64]."""
-    B, Hq, Lq, dp = prob.batch, prob.heads_q, prob.len_q, prob.padded_head_dim
-    nq = _round_up(Lq, specs.TOKEN_PAD)
-    dot8 = plan.workspace("dot8", (B, Hq, dp, nq), "int8")
-    scale = plan.workspace("do_scale", (B, Hq, nq // numerics.BLOCK_Q), "float32")
-    return dot8, scale, _quantize_job(prob, do, Hq, Lq, nq, 1.0, PERMUTE_T, scale, t=dot8)
+    S, Hq, dp = 1 if prob.varlen else prob.batch, prob.heads_q, prob.padded_head_dim
+    nq = padded_rows(prob, "q", specs.TOKEN_PAD)
+    dot8 = plan.workspace("dot8", (S, Hq, dp, nq), "int8")
+    scale = plan.workspace("do_scale", (S, Hq, nq // numerics.BLOCK_Q), "float32")
+    return dot8, scale, _quantize_job(prob, do, "q", Hq, nq, 1.0, PERMUTE_T, scale, t=dot8)
 
 
 def quantize_grad_output(plan: PlanBuilder, prob: AttentionProblem, do):

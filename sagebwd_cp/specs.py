@@ -20,9 +20,15 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim: expected at most {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def quantize_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"quantize.{dtype}", "quantize.cu", ["quantize_tensors", "token_sum"],
-                     SB_BF16=int(dtype == "bfloat16"))
+def _varlen(varlen: bool) -> tuple:
+    """(key suffix, defines) of a packed-batch specialization (kernels/seqinfo.cuh SB_VARLEN)."""
+    return (".varlen", {"SB_VARLEN": 1}) if varlen else ("", {})
+
+
+def quantize_spec(dtype: str, varlen: bool = False) -> KernelSpec:
+    suffix, defines = _varlen(varlen)
+    return make_spec(f"quantize.{dtype}{suffix}", "quantize.cu", ["quantize_tensors", "token_sum"],
+                     SB_BF16=int(dtype == "bfloat16"), **defines)
 
 
 def bias_spec(dtype: str) -> KernelSpec:
@@ -36,8 +42,10 @@ def ceiling_spec(wgmma: bool = False) -> KernelSpec:
     return make_spec("ceiling", "ceiling.cu", ["int8_mma_ceiling", "fp16_mma_ceiling"])
 
 
-def lse_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"natural_lse.{dtype}", "lse.cu", ["natural_lse"], SB_BF16=int(dtype == "bfloat16"))
+def lse_spec(dtype: str, varlen: bool = False) -> KernelSpec:
+    suffix, defines = _varlen(varlen)
+    return make_spec(f"natural_lse.{dtype}{suffix}", "lse.cu", ["natural_lse"], SB_BF16=int(dtype == "bfloat16"),
+                     **defines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,18 +100,21 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     return FORWARD_TILES[dp]
 
 
-def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles) -> KernelSpec:
+def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
+    assert not (bias and varlen), "Q-smoothing takes dense batches"
+    suffix, defines = _varlen(varlen)
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}"
-           f"{f'.k{tiles.key_tile}' if tiles.key_tile != numerics.BLOCK_KV else ''}")
+           f"{f'.k{tiles.key_tile}' if tiles.key_tile != numerics.BLOCK_KV else ''}{suffix}")
     return make_spec(key, "forward.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
                      SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
-                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile)
+                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile, **defines)
 
 
-def backward_rows_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"backward_rows.{dtype}", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"],
-                     SB_BF16=int(dtype == "bfloat16"))
+def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
+    suffix, defines = _varlen(varlen)
+    return make_spec(f"backward_rows.{dtype}{suffix}", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"],
+                     SB_BF16=int(dtype == "bfloat16"), **defines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +169,7 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
 
 
 def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                    tiles: BackwardTiles, arch: str, shared_limit: int) -> tuple:
+                    tiles: BackwardTiles, arch: str, shared_limit: int, varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128).
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
@@ -167,18 +178,21 @@ def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, d
         probe = backward_spec(dp, "float16", False, False, True, False, tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
             tiles = BackwardTiles(stages=1)
-    return tiles, backward_spec(dp, dtype, causal, bias, fine, deterministic, tiles)
+    return tiles, backward_spec(dp, dtype, causal, bias, fine, deterministic, tiles, varlen)
 
 
 def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                  tiles: BackwardTiles) -> KernelSpec:
+                  tiles: BackwardTiles, varlen: bool = False) -> KernelSpec:
+    assert not (bias and varlen), "Q-smoothing takes dense batches"
+    suffix, defines = _varlen(varlen)
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
            f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
-           f"{'.wgmma' if tiles.wgmma else ''}{f'.g{tiles.groups}' if tiles.wgmma and tiles.groups != 2 else ''}")
+           f"{'.wgmma' if tiles.wgmma else ''}{f'.g{tiles.groups}' if tiles.wgmma and tiles.groups != 2 else ''}{suffix}")
     groups = {"SB_GROUPS": tiles.groups} if tiles.wgmma else {}
     return make_spec(key, tiles.filename, ["attention_backward"], layout=True, SB_DP=dp,
                      SB_BF16=int(dtype == "bfloat16"), SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
-                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma), **groups)
+                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma), **groups,
+                     **defines)
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
@@ -191,21 +205,24 @@ def all_specs(arch: str | None = None) -> list:
     The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
     limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
-    specs = [quantize_spec(dt) for dt in DTYPES] + [lse_spec(dt) for dt in DTYPES] + [bias_spec(dt) for dt in DTYPES]
+    specs = [s(dt, varlen) for s in (quantize_spec, lse_spec, backward_rows_spec) for dt in DTYPES
+             for varlen in (False, True)]
+    specs += [bias_spec(dt) for dt in DTYPES]
     specs += [ceiling_spec()] + ([ceiling_spec(wgmma=True)] if arch in WGMMA_ARCHS else [])
-    specs += [backward_rows_spec(dt) for dt in DTYPES]
+    # Packed batches (varlen) have no Q-smoothing variants.
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
             for causal in (False, True):
-                for bias in (False, True):
-                    specs.append(forward_spec(dp, dt, causal, bias, FORWARD_TILES[dp]))
+                for bias, varlen in ((False, False), (True, False), (False, True)):
+                    specs.append(forward_spec(dp, dt, causal, bias, FORWARD_TILES[dp], varlen))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
-                            specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile)))
+                            specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile), varlen))
                     for fine in (True, False):
                         for det in (False, True):
-                            specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit)[1])
+                            specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit,
+                                                         varlen)[1])
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(2, True, wgmma_groups(dp, det))))
+                                                           BackwardTiles(2, True, wgmma_groups(dp, det)), varlen))
     return specs

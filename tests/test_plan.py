@@ -649,3 +649,42 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
         launch.attention_grid(longest + 1, 64, 8, 1, True, "k")
     with pytest.raises(ValueError, match=r"^q: at most 65535 heads and 65535 batch entries, got 8 heads and batch 65536$"):
         launch.attention_grid(64, 64, 8, 65536, True, "q")
+
+
+def _packed(lens_q, lens_k, hq=2, hk=1, d=64, dtype="float16"):
+    """CUDA-looking packed q, k, v (total, heads, d) and offsets."""
+    tq, tk = sum(lens_q), sum(lens_k)
+    cu = lambda lens, base: cuda_desc((len(lens) + 1,), "int32", base)
+    return (cuda_desc((tq, hq, d), dtype, 1 << 44), cuda_desc((tk, hk, d), dtype, 2 << 44),
+            cuda_desc((tk, hk, d), dtype, 3 << 44), cu(lens_q, 7 << 44), cu(lens_k, 8 << 44))
+
+
+def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu):
+    """A packed batch's plans: varlen specializations, grids over the longest sequence and the batch,
+    INT8 buffers with every sequence's padded rows, the offsets passed per call, and arguments that
+    match every kernel's signature."""
+    lens_q, lens_k = [1, 130, 7], [5, 300, 7]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, d=80)
+    v = cuda_desc(v.shape, base=v.ptr + 4)  # misaligned: the backward packs V's rows first
+    do = cuda_desc(q.shape, base=6 << 44)
+    out, lse, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, 130, 300, causal=True, return_lse=True)
+    assert tuple(out.shape) == (138, 2, 80) and tuple(lse.shape) == (2, 138)
+    dq, dk, dv = sagebwd_cp.attention_backward(saved, do, deterministic=True)
+    assert tuple(dq.shape) == (138, 2, 80) and tuple(dk.shape) == tuple(dv.shape) == (312, 1, 80)
+    checked = {}
+    for built in plan._plans.values():
+        for step in built.steps:
+            assert step.spec.key.endswith(".varlen") or step.entry == "pack_rows", step.spec.key
+            key = (step.spec.key, step.entry)
+            if key not in checked:
+                checked[key] = _ptx_parameter_sizes(step.spec, step.entry)
+            assert step.args.sizes == checked[key], key
+        assert built.inputs[-2:] == ("cu_seqlens_q", "cu_seqlens_k")
+    fwd, bwd = plan._plans.values()
+    grids = {s.entry: s.head[1:4] for s in fwd.steps + bwd.steps}
+    assert grids["attention_forward"][2] == 3 and grids["quantize_tensors"][2] == 3  # one z per sequence
+    assert grids["token_sum"][2] == 3
+    # Query rows: round_up(138, 128) + 3·128 = 640 a head; the wgmma backward's keys pad to 128.
+    names = {b.name: b for b in _buffers(bwd)}
+    assert names["q8"].shape == (1, 2, 640, 128) and names["k8"].shape == (1, 1, 384 + 384, 128)
+    assert names["stats"].shape == (1, 2, 640, 4)

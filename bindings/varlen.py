@@ -1,0 +1,151 @@
+"""Packed (variable-length) batches for PyTorch: ``flash_attn_varlen_func`` and its operators.
+
+Two functional operators (namespace ``sagebwd_cp``), with fake implementations and autograd, so the
+call traces under ``torch.compile(fullgraph=True)`` and replays in CUDA graphs (the offsets are
+read on the GPU only; ``max_seqlen_*`` are Python ints that size the grids):
+
+- ``varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+  softmax_scale, smooth_k, granularity, deterministic) -> (out, lse2, k_mean)``: ``lse2`` the base-2
+  LSE (Hq, total_q) and ``k_mean`` μ_K (batch, Hkv, D) float32 (empty (0,) without K-smoothing),
+  neither differentiable;
+- ``varlen_backward(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, causal, softmax_scale, smooth_k, granularity, deterministic) -> (dq, dk, dv)``.
+"""
+# No ``from __future__ import annotations``: torch.library reads the signatures' type hints.
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from sagebwd_cp.api import run_backward, run_forward
+from sagebwd_cp.problem import check_granularity
+
+from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean
+
+__all__ = ["flash_attn_varlen_func"]
+
+
+def _offsets(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, on_gpu: bool) -> tuple:
+    return (cu_q, cu_k, max_q, max_k) if on_gpu else (_host(cu_q), _host(cu_k), max_q, max_k)
+
+
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                 softmax_scale: Optional[float], smooth_k: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
+    out, _, (lse2, k_mean) = run_forward(*args, causal, softmax_scale, smooth_k, False, "THD", None, True, False, False,
+                                         _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
+    return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
+            _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
+
+
+def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
+                  cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, softmax_scale: Optional[float],
+                  smooth_k: bool, granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    dout = dout.contiguous()
+    mean = k_mean if k_mean.numel() else None
+    offsets = _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda)
+    if q.is_cuda:
+        grads = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, False, "THD", granularity,
+                             deterministic, k_mean=mean, varlen=offsets)
+        return tuple(_as_tensor(g) for g in grads)
+    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
+                         smooth_k, False, "THD", granularity, deterministic,
+                         k_mean=_host(mean) if mean is not None else None, varlen=offsets)
+    return tuple(_as_tensor(g, q.dtype) for g in grads)
+
+
+def _check_packed(**arrays) -> None:
+    for name, x in arrays.items():
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected a rank-3 tensor (total_tokens, heads, head_dim), got shape "
+                             f"{tuple(x.shape)}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::varlen_forward", mutates_args=())
+def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
+                      granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                        smooth_k)
+
+
+@varlen_forward_op.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, smooth_k,
+                  granularity, deterministic):
+    _check_packed(q=q, k=k, v=v)
+    check_granularity(granularity)
+    lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    k_mean = (q.new_empty((cu_seqlens_k.shape[0] - 1, k.shape[1], k.shape[2]), dtype=torch.float32) if smooth_k
+              else _no_k_mean(q))
+    return q.new_empty(q.shape), lse2, k_mean
+
+
+@torch.library.custom_op(f"{NAMESPACE}::varlen_backward", mutates_args=())
+def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
+                       cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                       softmax_scale: Optional[float], smooth_k: bool, granularity: str,
+                       deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         causal, softmax_scale, smooth_k, granularity, deterministic)
+
+
+@varlen_backward_op.register_fake
+def _backward_fake(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                   softmax_scale, smooth_k, granularity, deterministic):
+    _check_packed(q=q, k=k, v=v, out=out, dout=dout)
+    return q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    out, lse2, k_mean = output
+    ctx.save_for_backward(q, k, v, out, lse2, k_mean, cu_q, cu_k)
+    ctx.mark_non_differentiable(lse2, k_mean)
+    ctx.options = options  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, smooth_k, granularity, deterministic
+
+
+def _backward(ctx, dout, _dlse2, _dk_mean):
+    q, k, v, out, lse2, k_mean, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_backward_op(q, k, v, out, lse2, k_mean, dout, cu_q, cu_k, *ctx.options)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 9
+
+
+varlen_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table=None, *, smooth_k: bool = True,
+                           granularity: str = "fine") -> Tensor:
+    """Drop-in for FlashAttention's ``flash_attn_varlen_func``: q (total_q, Hq, D), k and v (total_k,
+    Hkv, D), Hq a multiple of Hkv; sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
+    cu_seqlens_k[b].. of k and v (int32, batch + 1 entries, on q's device); ``max_seqlen_*`` (ints) at
+    least the longest sequence's lengths (not checked on a GPU: the offsets are not read back).
+    Causal masks are bottom-right aligned within each sequence. Returns (total_q, Hq, D).
+
+    ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and
+    ``block_table`` must keep their defaults (ValueError otherwise); ``smooth_k`` and ``granularity``
+    are this library's options (``sagebwd_cp.torch.attention``)."""
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
+    if softcap != 0.0:
+        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs: returning the attention probabilities is not supported; expected False")
+    if block_table is not None:
+        raise ValueError("block_table: paged KV caches are not supported; expected None")
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        q, k, v = (x.to(dt) if x.dtype == torch.float32 else x for x in (q, k, v))
+    out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, smooth_k, granularity, deterministic)
+    return out
