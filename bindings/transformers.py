@@ -2,19 +2,22 @@
 
 ``register_transformers()`` registers an attention function and its mask function under a name
 (default ``"sagebwd"``), so that ``attn_implementation="sagebwd"`` works for Llama-, Qwen- and
-Mistral-style models:
+Mistral-style models, as FlashAttention's integration does:
 
 - a batch without padding: causal attention by the kernels' own rule (no mask is built);
-- a batch the kernels cannot express yet: a padded batch (a 2-D ``attention_mask`` with zeros),
-  packed sequences (``position_ids`` restarting, ``cu_seq_lens_*``), sliding windows, soft-capping,
-  a cache with an offset, or any custom mask: a ``ValueError`` that says so, never a silent wrong
-  answer. (Variable-length batches need the packed-sequence path, which the library does not have
-  yet: pass unpadded batches, or use ``attn_implementation="sdpa"`` for them.)
+- a padded batch (a 2-D ``attention_mask`` with zeros, left or right padding): the valid tokens are
+  gathered into a packed batch, attended by the variable-length kernels, and scattered back (padded
+  positions give 0);
+- packed sequences in one row (``position_ids`` restarting, or the ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
+  directly;
+- anything else (sliding windows, soft-capping, a cache with an offset, padding beside a cache, any
+  custom mask): a ``ValueError`` that says so, never a silent wrong answer.
 
-The mask function returns None exactly when the batch is plain causal attention (no padding mask,
-or one of all ones read on the host in eager mode; no cache offset; the default causal rule);
-otherwise it builds the mask transformers' SDPA integration would, which the attention function
-then refuses.
+The mask function returns None for plain causal or packed-by-position batches, the 2-D padding mask
+for a padded one, and otherwise the mask transformers' SDPA integration would build, which the
+attention function then refuses. Padded batches read the mask's lengths on the host (one
+synchronization, as FlashAttention's integration does).
 """
 from __future__ import annotations
 
@@ -22,8 +25,48 @@ __all__ = ["register_transformers", "attention_forward"]
 
 
 def _refuse(what: str) -> ValueError:
-    return ValueError(f"sagebwd_cp attention (transformers): {what} is not supported; pass batches without "
-                      "padding or packing, or use attn_implementation=\"sdpa\" for this model")
+    return ValueError(f"sagebwd_cp attention (transformers): {what} is not supported; "
+                      "use attn_implementation=\"sdpa\" for this model")
+
+
+def _packed_offsets(kwargs: dict, position_ids, batch: int):
+    """(cu_q, cu_k, max_q, max_k) of a packed row from the collator's keywords or restarting
+    position_ids, or None."""
+    import torch
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None or kwargs.get("max_length_k") is None:
+            raise _refuse("packed sequences without all of cu_seq_lens_q/k and max_length_q/k")
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    if position_ids is None or batch != 1:
+        return None
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    if not _is_packed_sequence(position_ids, batch):
+        return None
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return cu_q, cu_k, int(max_q), int(max_k)
+
+
+def _unpadded_attention(q, k, v, mask, causal: bool, scaling):
+    """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
+    valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
+    import torch
+
+    from .varlen import flash_attn_varlen_func
+
+    b, n = mask.shape
+    valid = mask.reshape(-1).bool()
+    index = valid.nonzero().squeeze(1)
+    lengths = mask.bool().sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = int(lengths.max())
+    take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
+    out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, longest, longest, causal=causal,
+                                 softmax_scale=scaling)
+    full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
+    return full.reshape(b, n, *out.shape[1:])
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -31,38 +74,63 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention interface: query (B, Hq, N, D), key and value (B, Hkv, N, D) with Hq a
     multiple of Hkv; returns ((B, N, Hq, D), None)."""
     from .functional import attention
+    from .varlen import flash_attn_varlen_func
 
-    if attention_mask is not None:
-        raise _refuse(f"an attention mask of shape {tuple(attention_mask.shape)} (a padded or packed batch, "
-                      "a cache offset or a custom mask)")
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        raise _refuse("packed sequences (cu_seq_lens_q / cu_seq_lens_k)")
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
     if sliding_window is not None:
         raise _refuse(f"a sliding window ({sliding_window})")
     if softcap is not None:
         raise _refuse(f"logit soft-capping ({softcap})")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                    layout="NHD", softmax_scale=scaling)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D)
+    if attention_mask is not None:
+        if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
+            raise _refuse(f"an attention mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
+                          f"{k.shape[1]} keys (a cache offset or a custom mask)")
+        return _unpadded_attention(q, k, v, attention_mask, causal, scaling), None
+    packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
+    if packed is not None:
+        if q.shape[0] != 1:
+            raise _refuse(f"packed sequences in a batch of {q.shape[0]} rows (one row expected)")
+        out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling)
+        return out[None], None
+    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling)
     return out, None
 
 
 def _plain_causal_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                                attention_mask=None, local_size=None, **kwargs):
-    """None for plain causal attention over the whole batch (no padding mask, no offset, the default
-    causal rule), else the mask SDPA would get: the attention function refuses any mask."""
+    """None for causal attention that the attention function computes by itself (no padding, or
+    packed sequences it reads from position_ids), the 2-D padding mask of a padded batch, else the
+    mask SDPA would get, which the attention function refuses."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    plain = (_nothing_padded(attention_mask) and local_size is None and mask_function in (None, causal_mask_function)
-             and not _nonzero(q_offset) and not _nonzero(kv_offset) and q_length == kv_length)
-    if plain:
-        return None
+    causal_rule = local_size is None and _causal_or_packed(mask_function, causal_mask_function)
+    no_offset = not _nonzero(q_offset) and not _nonzero(kv_offset) and q_length == kv_length
+    if causal_rule and no_offset:
+        if _nothing_padded(attention_mask):
+            return None
+        if attention_mask.ndim == 2 and attention_mask.shape[1] == kv_length and mask_function in (
+                None, causal_mask_function):
+            return attention_mask
     kwargs.pop("allow_is_causal_skip", None)  # a skipped mask would read as plain causal here
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
                      attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
+
+
+def _causal_or_packed(mask_function, causal_mask_function) -> bool:
+    """The default causal rule, alone or intersected (``and_masks``) with the packed-sequence mask that
+    transformers derives from restarting position_ids (which the attention function reads itself)."""
+    if mask_function in (None, causal_mask_function):
+        return True
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return False
+    parts = next((c.cell_contents for c in mask_function.__closure__ or ()
+                  if isinstance(c.cell_contents, tuple)), ())
+    packed = "packed_sequence_mask_function.<locals>.inner_mask"
+    return bool(parts) and all(p is causal_mask_function or getattr(p, "__qualname__", "") == packed for p in parts)
 
 
 def _nothing_padded(attention_mask) -> bool:

@@ -1,6 +1,7 @@
 """sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama with
-attn_implementation="sagebwd" against "sdpa" (logits and gradients), and every batch it cannot
-express (padding, packed sequences, sliding windows) refused with a clear error."""
+attn_implementation="sagebwd" against "sdpa" (logits and gradients) on plain, padded and packed
+batches, and every batch it cannot express (sliding windows, custom masks) refused with a clear
+error."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -47,19 +48,54 @@ def test_logits_and_gradients_match_sdpa(mask):
     assert _rel(wrong, ref) > 0.1
 
 
-def test_a_padded_batch_is_refused():
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_matches_sdpa_on_its_tokens(side):
+    """A 2-D padding mask: the valid tokens go through the variable-length path (logits and gradients
+    as SDPA's on every valid position; padded positions are not compared)."""
     x = _tokens()
     mask = torch.ones_like(x)
-    mask[0, :10] = 0  # left padding
-    with pytest.raises(ValueError, match="attention mask.*sdpa"):
-        _model("sagebwd")(input_ids=x, attention_mask=mask)
+    pad = slice(0, 10) if side == "left" else slice(70, None)
+    mask[0, pad] = 0
+    res = {}
+    for attn in ("sdpa", "sagebwd"):
+        model = _model(attn)
+        logits = model(input_ids=x, attention_mask=mask).logits * mask[..., None]
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach(), model.model.layers[0].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.06
+    unpadded = _model("sagebwd")(input_ids=x[1:]).logits.detach()  # row 1 has no padding: as alone
+    assert _rel(out[1], unpadded[0]) < 1e-6
 
 
-def test_packed_sequences_are_refused():
+@pytest.mark.parametrize("how", ["position_ids", "collator"])
+def test_packed_sequences_match_sdpa(how):
+    """Two sequences in one row, marked by restarting position_ids (or the cu_seq_lens keywords of
+    DataCollatorWithFlattening): each attends only to itself, as SDPA's packed mask has it."""
     x = _tokens(batch=1)
-    position_ids = torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0)  # two sequences in one row
+    position_ids = torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0)
+    extra = {}
+    if how == "collator":
+        cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=56, max_length_k=56)
+    res = {}
+    for attn in ("sdpa", "sagebwd"):
+        model = _model(attn)
+        kw = extra if attn == "sagebwd" else {}
+        logits = model(input_ids=x, position_ids=position_ids, use_cache=False, **kw).logits
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach(), model.model.layers[0].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.06
+    alone = _model("sagebwd")(input_ids=x[:, 40:], use_cache=False).logits.detach()  # the second sequence alone
+    assert _rel(out[:, 40:], alone) < 1e-6
+
+
+def test_a_custom_mask_is_refused():
+    x = _tokens()
+    mask = torch.ones(2, 1, 96, 96, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="sagebwd_cp attention"):
-        _model("sagebwd")(input_ids=x, position_ids=position_ids, use_cache=False)
+        _model("sagebwd")(input_ids=x, attention_mask=mask)
 
 
 def test_a_sliding_window_is_refused():
