@@ -106,3 +106,28 @@ def test_a_sliding_window_is_refused():
 def test_the_name_must_be_a_string():
     with pytest.raises(TypeError, match="name"):
         sage.register_transformers(name=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", ["plain", "padded", "packed"])
+def test_on_the_gpu_logits_and_gradients_match_sdpa(batch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = _tokens(batch=1 if batch == "packed" else 2).cuda()
+    kwargs = {}
+    if batch == "padded":
+        mask = torch.ones_like(x)
+        mask[0, :10] = 0
+        kwargs["attention_mask"] = mask
+    if batch == "packed":
+        kwargs["position_ids"] = torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0).cuda()
+    keep = kwargs.get("attention_mask", torch.ones_like(x))[..., None]
+    res = {}
+    for attn in ("sdpa", "sagebwd"):
+        model = _model(attn).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x, use_cache=False, **kwargs).logits * keep
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach().float(), model.model.layers[0].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.08
