@@ -77,8 +77,7 @@ def main(argv=None):
 
         qp, kp, vp, dop = (padded(x) for x in (q, k, v, do))
         qh, kh, vh, doh = (x.transpose(1, 2) for x in (qp, kp, vp, dop))
-        pieces = [(x[cu[b]:cu[b + 1]].transpose(0, 1)[None] for x in (q, k, v)) for b in range(B)]
-        pieces = [tuple(p) for p in pieces]
+        pieces = [tuple(x[cu[b]:cu[b + 1]].transpose(0, 1)[None] for x in (q, k, v)) for b in range(B)]
 
         def train(fn, inputs, grad):
             def step():

@@ -84,7 +84,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     dev = prob.q.device_id
     arch = device_arch(dev)
     tiles, spec = specs.backward_kernel(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
-                                        specs.backward_tiles(dp, arch, deterministic), arch, shared_memory_limit(dev),
+                                        specs.backward_tiles(dp, arch, deterministic, prob.varlen), arch, shared_memory_limit(dev),
                                         prob.varlen)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad

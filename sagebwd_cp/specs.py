@@ -147,13 +147,14 @@ class BackwardTiles:
         return dp + 8 if self.wgmma else dp
 
 
-def wgmma_groups(dp: int, deterministic: bool = False) -> int:
+def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> int:
     """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
     the deterministic kernels (dK's accumulators in shared memory, 168 registers: 12 warps per SM,
     whose turn waits for dQ they hide; measured 10-15% faster), 2 for the others (which spend their
     spare registers on work: 3 measured 11-17% slower, docs/history/PERFORMANCE_LOG.md, backward v13). SAGEBWD_BACKWARD_GROUPS=2
-    or 3 forces either at head dim 64."""
-    if dp != 64:
+    or 3 forces either at head dim 64. Packed batches take 2: their three-warpgroup kernels hold the sequence's
+    bounds too and spilled at 168 registers (NVRTC 13.0)."""
+    if dp != 64 or varlen:
         return 2
     forced = _env_choice("SAGEBWD_BACKWARD_GROUPS", (2, 3))
     if forced is not None:
@@ -161,11 +162,11 @@ def wgmma_groups(dp: int, deterministic: bool = False) -> int:
     return 3 if deterministic else 2
 
 
-def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False) -> BackwardTiles:
+def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
     one where two do not fit the device's shared memory)."""
     wg = use_wgmma(arch)
-    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic) if wg else 2)
+    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
 def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
@@ -224,5 +225,5 @@ def all_specs(arch: str | None = None) -> list:
                                                          varlen)[1])
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(2, True, wgmma_groups(dp, det)), varlen))
+                                                           BackwardTiles(2, True, wgmma_groups(dp, det, varlen)), varlen))
     return specs

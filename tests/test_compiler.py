@@ -289,6 +289,7 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     for det in (False, True):  # 3 warpgroups for the deterministic kernels
         assert specs.backward_tiles(64, "sm_90", det).groups == (3 if det else 2)
         assert specs.backward_tiles(128, "sm_90", det).groups == 2
+        assert specs.backward_tiles(64, "sm_90", det, varlen=True).groups == 2  # packed: 3 spilled
     # The overrides: a listed value is taken, another is refused by name.
     for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, "sm_90").key_tile),
                                 ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, "sm_90").groups)):

@@ -67,10 +67,16 @@ def test_each_packed_sequence_equals_its_dense_call(monkeypatch, kernels, lens, 
     plan.clear_plans()
 
 
-def test_packed_emulator_agrees_with_the_kernels():
-    """The host path of a packed batch (the emulator per sequence) against the GPU's."""
+def test_packed_emulator_agrees_with_the_kernels(monkeypatch):
+    """The host path of a packed batch (the emulator per sequence, 64-key tiles) against the GPU's
+    64-key forward; each side computes its own O and LSE, so the gradients differ by more than the
+    dense tests' (which feed the emulator the GPU's O and LSE)."""
     import torch
 
+    from sagebwd_cp import plan
+
+    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "64")
+    plan.clear_plans()
     lens_q, lens_k = [5, 200, 64], [70, 200, 1]
     q, k, v, do, cq, ck = _packed(lens_q, lens_k, 2, 1, 64, "float16", seed=3)
     out, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, 200, 200, causal=True)
@@ -81,7 +87,8 @@ def test_packed_emulator_agrees_with_the_kernels():
     rel = lambda a, b: float(torch.linalg.vector_norm((a.float().cpu() - b.float())) / torch.linalg.vector_norm(b.float()))
     assert rel(out, out_h) < 2e-3
     for g, h in zip(grads, grads_h):
-        assert rel(g, h) < 4e-3
+        assert rel(g, h) < 1e-2
+    plan.clear_plans()
 
 
 def test_flash_attn_varlen_func_compiles_and_replays_in_a_cuda_graph():
