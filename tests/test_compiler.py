@@ -206,10 +206,11 @@ def test_cli_compile_exits_zero(capsys):
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("natural_lse.", "ceiling:"))]
     assert sorted(rows) == ["ceiling:fp16_mma_ceiling", "ceiling:int8_mma_ceiling",
-                            "natural_lse.bfloat16:natural_lse", "natural_lse.float16:natural_lse"]
+                            "natural_lse.bfloat16.varlen:natural_lse", "natural_lse.bfloat16:natural_lse",
+                            "natural_lse.float16.varlen:natural_lse", "natural_lse.float16:natural_lse"]
     assert f"kernel cache: {compiler.cache_dir()}" in out
-    assert "compiling 3 specializations for sm_90" in out
-    assert "4 kernels compiled for sm_90 without register spills" in out
+    assert "compiling 5 specializations for sm_90" in out
+    assert "6 kernels compiled for sm_90 without register spills" in out
 
 
 def test_cli_compile_names_an_unmatched_pattern(capsys):
@@ -320,10 +321,10 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    # Forward: 2 head dims x 2 dtypes x causal x Q-smoothing x 64- or 128-key tiles; backward: 2 head dims x
-    # 2 dtypes x causal x Q-smoothing x granularity x deterministic
-    assert len([s for s in wg if s.key.startswith("forward.")]) == 32
-    assert len([s for s in wg if s.key.startswith("backward.")]) == 64
+    # Forward: 2 head dims x 2 dtypes x causal x (dense, Q-smoothing, packed) x 64- or 128-key tiles;
+    # backward: 2 head dims x 2 dtypes x causal x (dense, Q-smoothing, packed) x granularity x deterministic
+    assert len([s for s in wg if s.key.startswith("forward.")]) == 48
+    assert len([s for s in wg if s.key.startswith("backward.")]) == 96
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
     assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", False, False,
