@@ -61,9 +61,12 @@ def _signatures(arrays):
     return ptrs, tuple(keys)
 
 
-def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved):
+def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved,
+                k_mean=None):
     """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the pair
-    (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.
+    (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.  ``k_mean``:
+    a μ_K to quantize K with instead of K's own token mean (chunked attention shares one over the
+    chunks; ALGORITHM.md, chunked attention), returned as the saved μ_K.
 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
@@ -73,40 +76,50 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         # Checked before the plan lookup, which would otherwise take causal="no" for causal=True.
         causal, softmax_scale, smooth_k, smooth_q, return_lse = check_options(
             causal, softmax_scale, smooth_k, smooth_q, return_lse=return_lse)
+    given = k_mean is not None
     options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
-               bool(return_lse))
-    sig = _signatures((q, k, v) if out is None else (q, k, v, out))
+               bool(return_lse), given)
+    arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ())
+    sig = _signatures(arrays)
     key = None
     if sig is not None:
         key = (options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
-            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved)
+            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved, k_mean)
     prob = make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                         layout=layout)
+    mean_desc = None
+    if given:
+        mean_desc = describe(k_mean, "k_mean")
+        _check_k_mean(mean_desc, prob)
     if not prob.on_gpu:
-        return _host_forward(prob, out, training, return_lse, want_saved)
+        return _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
     from .forward import forward_plan
 
     out_desc = check_output(out, prob) if out is not None else None
-    descs = [d for d in (prob.q, prob.k, prob.v, out_desc) if d is not None]
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc) if d is not None]
     plan = None
     if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
         key = (options, _signatures(descs)[1])
         plan = cached_plan(key)
     if plan is None:
-        plan = forward_plan(prob, out_desc, training, return_lse)
+        plan = forward_plan(prob, out_desc, training, return_lse, mean_desc)
         remember_plan(key, plan)
-    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved)
+    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
+                        mean_desc.obj if given else None)
 
 
-def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
+def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, given_mean=None):
     objs, _ = plan.run(ptrs)
-    # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing), lse
+    # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing, unless
+    # given), lse
     allocated = iter(objs)
     o = out if out is not None else next(allocated)
     lse2 = next(allocated) if training else None
-    k_mean = next(allocated) if training and plan.problem.smooth_k else None
+    k_mean = None
+    if training and plan.problem.smooth_k:
+        k_mean = given_mean if given_mean is not None else next(allocated)
     lse = next(allocated) if return_lse else None
     if training and want_saved:
         # The plan's problem has the first call's descriptors: describe this call's arrays.
@@ -118,13 +131,14 @@ def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved):
     return o, lse, ((lse2, k_mean) if training else None)
 
 
-def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
+def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved, k_mean: ArrayDesc | None = None):
     layout = prob.layout
     od = check_output(out, prob) if out is not None else None
     qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
     o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                              smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
-                                             dtype=_emulator_dtype(prob.dtype))
+                                             dtype=_emulator_dtype(prob.dtype),
+                                             k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
     o = _to_layout(o, layout, prob.q, prob.dtype)
     if od is not None:
         copy_into(od, o)
@@ -143,7 +157,7 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
 
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False):
+              out=None, return_lse=False, k_mean=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -151,17 +165,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     also fp32 and fp64; results in q's framework and dtype.  Causal masking is
     bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
     that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
-    natural-log logsumexp, shape (B, Hq, Lq), float32.
+    natural-log logsumexp, shape (B, Hq, Lq), float32, of the scores before K-smoothing (so LSEs of
+    calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
+    the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention
+    over chunks of the keys passes all of them one (``key_mean``) so the backward is exact.
     """
-    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False)
+    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False,
+                            k_mean)
     return (o, lse) if return_lse else o
 
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False):
-    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
-    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True)
+                      out=None, return_lse=False, k_mean=None):
+    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
+    ``k_mean`` as in ``attention``."""
+    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True,
+                                k_mean)
     return (o, lse, saved) if return_lse else (o, saved)
 
 
