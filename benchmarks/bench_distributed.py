@@ -365,17 +365,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    import torch.distributed as dist
 
     import bench_model
 
-    if args.smoke:  # bench_model's decoder shrunk; the emulator is slow
-        bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = 256, 1, 256
+    if args.smoke:
         args.contexts, args.head_dim, args.steps, args.warmup = [64], 64, 2, 0
         args.ring_contexts, args.ring_heads, args.ring_head_dim, args.iters = [128], 2, 16, 1
     elif not torch.cuda.is_available():
         print("bench_distributed.py needs CUDA GPUs (or --smoke, on the CPU)", file=sys.stderr)
         return 2
+    model_size = (bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP)
+    if args.smoke:  # bench_model's decoder shrunk (the emulator is slow), restored on return
+        bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = 256, 1, 256
+    try:
+        return _run(args)
+    finally:
+        bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = model_size
+
+
+def _run(args) -> int:
+    import torch
+    import torch.distributed as dist
+
     d = Dist(args.smoke)
     records = []
     if "model" in args.parts:

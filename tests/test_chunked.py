@@ -364,3 +364,27 @@ def test_gpu_ring_attention_world_of_one_is_chunked_attention(tmp_path):
             assert rel_l2(a, b) < 1e-6
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("smooth_q", [False, True])
+def test_gpu_forward_with_a_given_key_mean_matches_the_emulator(smooth_q):
+    """The kernels quantize K with the μ_K given (the pre-pass's MEAN_GIVEN path in the forward),
+    the returned LSE adds back c·q·μ_K of that μ_K, and a training forward returns it as its saved μ_K."""
+    from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, to_hnd_numpy
+    from sagebwd_cp import emulator
+
+    q, k, v = make_qkv(1, 4, 2, 300, 333, 64, "float16", seed=6)
+    mean = sagebwd_cp.key_mean([k]) + 0.25  # not K's own token mean
+    with poisoned_workspaces():
+        out, lse = sagebwd_cp.attention(q, k, v, causal=True, return_lse=True, k_mean=mean, smooth_q=smooth_q)
+        _, lse_t, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, return_lse=True, k_mean=mean,
+                                                       smooth_q=smooth_q)
+    torch.cuda.synchronize()
+    assert saved.k_mean.obj is mean
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "HND") for x in (q, k, v)), causal=True,
+                                                  smooth_q=smooth_q, key_tile=forward_key_tile(64),
+                                                  k_mean=mean.cpu().numpy())
+    assert rel_l2(out, o_emu) < 2e-3
+    np.testing.assert_allclose(lse.cpu().numpy(), lse_emu, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lse_t, lse, rtol=0, atol=0)
