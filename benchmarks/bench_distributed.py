@@ -333,6 +333,8 @@ def markdown(meta: dict, records: list) -> str:
     model = [r for r in records if r["part"] == "model"]
     if model:
         lines += ["## Model (bench_model.py's decoder), same global batch", "",
+                  "scaling: one GPU's step time over the distributed step's (the same global batch; ideal: the "
+                  "world size); losses: the global batch's mean, per step.", "",
                   "| context | attn | mode | 1-GPU ms | ms | scaling | final loss | 1-GPU final loss | max loss diff |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in model:
