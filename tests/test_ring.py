@@ -2,6 +2,7 @@
 processes, output and gradients of every rank's shard against one-process attention over the
 whole sequence, causal (zig-zag shards) and not, GQA, both layouts."""
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -65,9 +66,10 @@ def rel_l2(x, ref):
 def test_ring_attention_matches_one_process_attention(world, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    # fork: the workers inherit the imported torch and library (spawning re-imports them, ~5 s a process)
+    # fork: the workers inherit the imported torch and library (spawning re-imports them, ~5 s a
+    # process); not once JAX, whose threads do not survive a fork, is loaded.
     mp.start_processes(_worker, args=(world, str(tmp_path / "store"), str(results)), nprocs=world, join=True,
-                       start_method="fork")
+                       start_method="spawn" if "jax" in sys.modules else "fork")
     for i, (causal, layout, dtype, hq, hk) in enumerate(CONFIGS[world]):
         seq = 2 if layout == "HND" else 1
         q, k, v, do = _inputs(world, causal, layout, dtype, hq, hk, i)
