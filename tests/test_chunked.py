@@ -243,6 +243,23 @@ def test_chunked_attention_uneven_chunks_more_keys_than_queries():
         assert rel_l2(a, r) < 1.5 * rel_l2(b, r) + 1e-3
 
 
+def test_chunked_attention_options_and_rows_without_keys():
+    """Options reach every chunk's forward and backward (no K-smoothing, Q-smoothing, paper
+    granularity, deterministic), and with more queries than keys (causal) the rows that see no key
+    are 0 with zero gradient, as in one call."""
+    q, k, v, do = _torch_inputs("HND", torch.float16, hq=2, hk=1, lq=192, lk=128, d=16)
+    opts = dict(causal=True, smooth_k=False, smooth_q=True, granularity="paper", deterministic=True)
+    o1 = st.attention(q, k, v, **opts)
+    g1 = torch.autograd.grad(o1, (q, k, v), do)
+    o2, lse = st.chunked_attention(q, k.chunk(2, 2), v.chunk(2, 2), return_lse=True, **opts)
+    g2 = torch.autograd.grad(o2, (q, k, v), do)
+    assert torch.isneginf(lse[:, :, :64]).all() and torch.isfinite(lse[:, :, 64:]).all()
+    assert not o2[:, :, :64].any() and not g2[0][:, :, :64].any()
+    assert rel_l2(o2, o1) < CHUNK_TOL
+    for a, b in zip(g2, g1):
+        assert rel_l2(a, b) < CHUNK_TOL
+
+
 def test_attention_backward_lse_torch_single_chunk():
     q, k, v, do = _torch_inputs("NHD", torch.float16, lq=80, lk=80, d=16)
     o1 = st.attention(q, k, v, layout="NHD")
