@@ -9,7 +9,10 @@ Three operators, all functional (no input is mutated, no output aliases an input
   (training forward; ``lse2`` is the base-2 LSE, (B, Hq, Lq) float32, and ``k_mean`` μ_K, (B, Hkv, D)
   float32 with K-smoothing and an empty (0,) tensor without; neither is differentiable; the two
   backward options ride along so the registered autograd formula can pass them on);
-- ``sagebwd_cp::attention_backward(q, k, v, out, lse2, k_mean, dout, ...) -> (dq, dk, dv)``.
+- ``sagebwd_cp::attention_backward(q, k, v, out, lse2, k_mean, dout, ...) -> (dq, dk, dv)``;
+- ``sagebwd_cp::attention_lse(q, k, v, k_mean, causal, ...) -> (out, lse)`` (a chunk of attention over
+  chunked keys: the natural-log LSE in the unsmoothed frame, K quantized with the given μ_K, or its
+  own with an empty ``k_mean``; no autograd of its own, ``sagebwd_cp.torch.chunked_attention`` has it).
 
 CUDA tensors go to the INT8 kernels on torch's current stream (outputs come from torch's caching
 allocator).  CPU tensors go to the NumPy emulator of the same quantized algorithm; bfloat16 and
@@ -63,6 +66,20 @@ def inference_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     out, _, _ = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
                          False, False, False)
     return _as_tensor(out, q.dtype)
+
+
+def lse_impl(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
+             smooth_k: bool, smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
+    """(out, lse): the output and the natural-log LSE (B, Hq, Lq) float32 of the unsmoothed scores,
+    K quantized with ``k_mean`` (empty: K's own token mean)."""
+    mean = k_mean if k_mean.numel() else None
+    if q.is_cuda:
+        out, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, False, True, False,
+                                  mean)
+        return _as_tensor(out), _as_tensor(lse)
+    out, lse, _ = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
+                              False, True, False, _host(mean) if mean is not None else None)
+    return _as_tensor(out, q.dtype), _as_tensor(lse)
 
 
 def _no_k_mean(q: Tensor) -> Tensor:
@@ -135,6 +152,19 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: O
 def _attention_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout):
     _check_ranks(layout, q=q, k=k, v=v)
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_lse", mutates_args=())
+def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
+                     smooth_k: bool, smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
+    """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
+    return lse_impl(q, k, v, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout)
+
+
+@attention_lse_op.register_fake
+def _attention_lse_fake(q, k, v, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout):
+    _check_ranks(layout, q=q, k=k, v=v)
+    return q.new_empty(q.shape), lse2_like(q, layout)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=())

@@ -33,7 +33,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
                  softmax_scale: Optional[float], smooth_k: bool) -> Tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
     out, _, (lse2, k_mean) = run_forward(*args, causal, softmax_scale, smooth_k, False, "THD", None, True, False, False,
-                                         _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
+                                         varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
     return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
             _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
 

@@ -76,10 +76,12 @@ def _with_offsets(arrays: tuple, varlen) -> tuple:
 
 
 def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved,
-                varlen=None):
+                k_mean=None, varlen=None):
     """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the pair
-    (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.
-    ``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, or None.
+    (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.  ``k_mean``:
+    a μ_K to quantize K with instead of K's own token mean (chunked attention shares one over the
+    chunks; ALGORITHM.md, chunked attention), returned as the saved μ_K.  ``varlen``:
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, or None.
 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
@@ -89,39 +91,52 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         # Checked before the plan lookup, which would otherwise take causal="no" for causal=True.
         causal, softmax_scale, smooth_k, smooth_q, return_lse = check_options(
             causal, softmax_scale, smooth_k, smooth_q, return_lse=return_lse)
+    given = k_mean is not None
     options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
-               bool(return_lse), None if varlen is None else tuple(varlen[2:]))
-    sig = _signatures(_with_offsets((q, k, v) if out is None else (q, k, v, out), varlen))
+               bool(return_lse), given, None if varlen is None else tuple(varlen[2:]))
+    arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ())
+    sig = _signatures(_with_offsets(arrays, varlen))
     key = None
     if sig is not None:
         key = (options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
-            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved, varlen)
+            return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved, k_mean, varlen)
     prob = _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen)
+    mean_desc = None
+    if given:
+        if varlen is not None:
+            raise ValueError("k_mean: a given μ_K is for dense batches (chunked attention); packed batches "
+                             "take each sequence's own")
+        mean_desc = describe(k_mean, "k_mean")
+        _check_k_mean(mean_desc, prob)
     if not prob.on_gpu:
-        return _host_forward(prob, out, training, return_lse, want_saved)
+        return _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
     from .forward import forward_plan
 
     out_desc = check_output(out, prob) if out is not None else None
-    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, prob.cu_q, prob.cu_k) if d is not None]
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc, prob.cu_q, prob.cu_k) if d is not None]
     plan = None
     if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
         key = (options, _signatures(descs)[1])
         plan = cached_plan(key)
     if plan is None:
-        plan = forward_plan(prob, out_desc, training, return_lse)
+        plan = forward_plan(prob, out_desc, training, return_lse, mean_desc)
         remember_plan(key, plan)
-    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved, varlen)
+    return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
+                        mean_desc.obj if given else None, varlen)
 
 
-def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, varlen=None):
+def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, given_mean=None, varlen=None):
     objs, _ = plan.run(ptrs)
-    # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing), lse
+    # forward_plan's outputs: out (unless given), lse2 (training), k_mean (training, K-smoothing, unless
+    # given), lse
     allocated = iter(objs)
     o = out if out is not None else next(allocated)
     lse2 = next(allocated) if training else None
-    k_mean = next(allocated) if training and plan.problem.smooth_k else None
+    k_mean = None
+    if training and plan.problem.smooth_k:
+        k_mean = given_mean if given_mean is not None else next(allocated)
     lse = next(allocated) if return_lse else None
     if training and want_saved:
         # The plan's problem has the first call's descriptors: describe this call's arrays.
@@ -140,7 +155,7 @@ def _host_offsets(prob: AttentionProblem) -> tuple:
     return host_numpy(prob.cu_q, "cu_seqlens_q"), host_numpy(prob.cu_k, "cu_seqlens_k")
 
 
-def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved):
+def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved, k_mean: ArrayDesc | None = None):
     layout = prob.layout
     od = check_output(out, prob) if out is not None else None
     dtype = _emulator_dtype(prob.dtype)
@@ -154,7 +169,8 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
     else:
         qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
-                                                 smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype)
+                                                 smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype,
+                                                 k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
         o = _to_layout(o, layout, prob.q, prob.dtype)
         lse2_host, k_mean_host = state["lse2"][:, :, :prob.len_q], state["inputs"]["k_mean"]
     if od is not None:
@@ -174,7 +190,7 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
 
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False):
+              out=None, return_lse=False, k_mean=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -182,17 +198,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     also fp32 and fp64; results in q's framework and dtype.  Causal masking is
     bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
     that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
-    natural-log logsumexp, shape (B, Hq, Lq), float32.
+    natural-log logsumexp, shape (B, Hq, Lq), float32, of the scores before K-smoothing (so LSEs of
+    calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
+    the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention
+    over chunks of the keys passes all of them one (``key_mean``) so the backward is exact.
     """
-    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False)
+    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False,
+                            k_mean)
     return (o, lse) if return_lse else o
 
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False):
-    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
-    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True)
+                      out=None, return_lse=False, k_mean=None):
+    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
+    ``k_mean`` as in ``attention``."""
+    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True,
+                                k_mean)
     return (o, lse, saved) if return_lse else (o, saved)
 
 
@@ -239,7 +261,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, False, return_lse, False,
-                            varlen)
+                            varlen=varlen)
     return (o, lse) if return_lse else o
 
 
@@ -250,7 +272,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     is ``attention_backward(saved, do)``."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, True, return_lse, True,
-                                varlen)
+                                varlen=varlen)
     return (o, lse, saved) if return_lse else (o, saved)
 
 

@@ -239,11 +239,12 @@ def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
 
 
 def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                    quantize=True, dtype="float16", key_tile=BLOCK_KV):
+                    quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
     ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
     key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64 or 128) is the kernel's
-    keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale."""
+    keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale.  ``k_mean``: μ_K
+    (B,Hkv,D) to smooth K with instead of K's token mean."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
     if key_tile not in (BLOCK_KV, 2 * BLOCK_KV):
@@ -253,7 +254,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q32.shape[-1])
     qi = quantize_inputs(q32, k32, v32, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                         smooth_q=smooth_q, quantize=quantize)
+                         smooth_q=smooth_q, quantize=quantize, k_mean=k_mean)
     lq, lk = qi["lq"], qi["lk"]
     b, hq, lq_pad, d = qi["q_int8"].shape
     n_kb = qi["v_scale"].shape[-1]

@@ -51,11 +51,14 @@ def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, 
 FORWARD_INPUTS = ("q", "k", "v", "out")  # then cu_seqlens_q, cu_seqlens_k for packed batches
 
 
-def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool) -> LaunchPlan:
-    """The plan of one forward.  Inputs: q, k, v (and out when the caller passes it); outputs, in
-    this order, those of "out", "lse2" (training), "k_mean" (training with K-smoothing: μ_K, which
-    the backward reuses) and "lse" (return_lse) that are allocated."""
+def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool,
+                 given_mean: ArrayDesc | None = None) -> LaunchPlan:
+    """The plan of one forward.  Inputs: q, k, v (and out when the caller passes it, then μ_K when
+    given: K is quantized with it, its token sums not taken); outputs, in this order, those of
+    "out", "lse2" (training), "k_mean" (training with K-smoothing and no μ_K given: μ_K, which the
+    backward reuses) and "lse" (return_lse) that are allocated."""
     inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
+    inputs += [("k_mean", given_mean)] if given_mean is not None else []
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + varlen_inputs(prob))
     if out is None:
         out = plan.output("out", prob.query_shape(), prob.dtype)
@@ -63,12 +66,14 @@ def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, 
     lse2 = k_mean = None
     if training:
         lse2 = plan.output("lse2", lse_shape, "float32")
-        if prob.smooth_k:
+        if prob.smooth_k and given_mean is None:
             k_mean = plan.output("k_mean", numerics.k_mean_shape(prob.batch, prob.heads_kv, prob.head_dim),
                                  "float32")
     elif return_lse:
         lse2 = plan.workspace("lse2", lse_shape, "float32")
-    qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q, k_mean=k_mean)
+    if given_mean is not None:
+        k_mean = given_mean
+    qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q, k_mean=k_mean, k_mean_given=given_mean is not None)
     attend(plan, prob, qz, out, lse2)
     if return_lse:
         natural_lse(plan, prob, qz, lse2, plan.output("lse", lse_shape, "float32"))

@@ -99,11 +99,12 @@ def test_pointer_updates_land_at_their_offsets():
 
 
 def test_quantize_job_matches_the_kernel_struct():
-    """params.cuh QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes and the CTA count: 112 bytes."""
+    """params.cuh QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes, the CTA count, the packed batch's offsets
+    pointer and two ints: 128 bytes."""
     from sagebwd_cp import params
 
     p = PackedArgs([params.zeros("QuantizeJob")])
-    assert p.sizes == [112] and p.argument_bytes(0) == bytes(112)
+    assert p.sizes == [128] and p.argument_bytes(0) == bytes(128)
 
 
 # ------------------------------------------------------------------------------ plans with the GPU mocked
@@ -322,7 +323,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
-        job = lambda i: struct.unpack("<8Q3q4ifi", qt[i])
+        job = lambda i: struct.unpack("<8Q3q4ifiQii", qt[i])[:17]  # without the packed-batch fields
         assert "k_mean" not in names
         assert job(0)[:8] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, k_mean_ptr, 0,
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset, 0)
@@ -390,7 +391,7 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
     out, saved = sagebwd_cp.attention_forward(q, k, v)
     assert saved.k_mean.shape == (1, 1, 64) and saved.k_mean.dtype == "float32"
     do = cuda_desc(q.shape, base=7 << 44)
-    job = lambda args, i: struct.unpack("<8Q3q4ifi", args[i])
+    job = lambda args, i: struct.unpack("<8Q3q4ifiQii", args[i])[:17]
     for given in (True, False):
         gpu.calls.clear()
         if given:

@@ -37,6 +37,11 @@ SCRIPTS = {  # a GPU or minutes: the script exists and takes the README's option
     "python benchmarks/bench_attention.py --seqlens 4096 16384 --head-dims 64 128 --passes fwd bwd",
     "python -m sagebwd_cp",
 }
+TORCHRUN = {  # several processes (GPUs, or minutes on the CPU): the script exists and takes the options
+    "torchrun --nproc-per-node 2 benchmarks/bench_distributed.py",
+    "torchrun --nproc-per-node 8 benchmarks/bench_distributed.py --parts ring --ring-contexts 32768 65536 131072",
+    "torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --smoke",
+}
 
 
 def _fenced(lang):
@@ -56,9 +61,9 @@ def _is_pip_extras(command):
 
 
 def test_every_readme_command_is_classified():
-    unknown = [c for c in _commands() if c not in RUN | CI | SCRIPTS and not _is_pip_extras(c)]
+    unknown = [c for c in _commands() if c not in RUN | CI | SCRIPTS | TORCHRUN and not _is_pip_extras(c)]
     assert not unknown, f"README commands in no list of tests/test_readme.py: {unknown}"
-    gone = (RUN | CI | SCRIPTS) - set(_commands())
+    gone = (RUN | CI | SCRIPTS | TORCHRUN) - set(_commands())
     assert not gone, f"listed in tests/test_readme.py but no longer in the README: {gone}"
 
 
@@ -89,9 +94,11 @@ def test_readme_command_runs(command, tmp_path):
     assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
 
 
-@pytest.mark.parametrize("command", sorted(SCRIPTS))
+@pytest.mark.parametrize("command", sorted(SCRIPTS | TORCHRUN))
 def test_readme_scripts_exist_and_take_their_options(command):
     args = command.split()
+    if args[0] == "torchrun":  # torchrun's own options up to the script
+        args = ["python"] + args[next(i for i, a in enumerate(args) if a.endswith(".py")):]
     if args[1] == "-m":
         proc = subprocess.run([sys.executable, "-m", args[2], "--help"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr

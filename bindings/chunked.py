@@ -1,0 +1,185 @@
+"""Attention over chunks of the keys, for PyTorch: one chunk's forward with its natural-log LSE, one
+chunk's backward against the merged output and LSE, the exact merge, and ``chunked_attention``,
+differentiable attention over a list of K/V chunks built from them (the single-process reference of
+``ring_attention``).  The math is ``sagebwd_cp.chunked``'s; every chunk is quantized with one μ_K
+(``key_mean``), which keeps the summed dQ exact (docs/ALGORITHM.md, chunked attention).
+
+Causal masking is bottom-right aligned over the whole key sequence (the chunks concatenated), as in
+``attention``; each chunk runs as at most two calls (``sagebwd_cp.causal_pieces``): the query rows
+that see part of it, causal against it, and those that see all of it, not causal.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from sagebwd_cp import chunked as _neutral
+from sagebwd_cp.problem import check_granularity, check_layout, check_options
+
+from . import _ops
+
+__all__ = ["attention_lse", "attention_backward_lse", "merge_attention", "key_mean", "chunked_attention"]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _seq_dim(layout: str) -> int:
+    return 2 if layout == "HND" else 1
+
+
+def _mean_arg(q: Tensor, k_mean: Optional[Tensor]) -> Tensor:
+    return k_mean if k_mean is not None else _ops._no_k_mean(q)
+
+
+def key_mean(ks: Sequence[Tensor], layout: str = "HND") -> Tensor:
+    """μ_K (B, Hkv, D) float32 of the keys of every chunk (see ``sagebwd_cp.key_mean``)."""
+    return _neutral.key_mean(ks, check_layout(layout), xp=torch)
+
+
+def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor], layout: str = "HND"):
+    """(out, lse), both float32: attention over the union of disjoint key sets from each set's
+    output and natural-log LSE (see ``sagebwd_cp.merge_attention``)."""
+    return _neutral.merge_attention(outs, lses, check_layout(layout), xp=torch)
+
+
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                  layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False,
+                  k_mean: Optional[Tensor] = None):
+    """(out, lse): attention of q over one chunk of keys and the natural-log LSE (B, Hq, Lq) float32
+    of its unsmoothed scores (−inf for a row that sees no key).  ``k_mean``: the μ_K shared by all
+    chunks (``key_mean``), None for K's own.  Not differentiable (inputs are read detached):
+    ``chunked_attention`` is."""
+    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
+    check_layout(layout)
+    op = _ops.attention_lse_op if _compiling() else _ops.lse_impl
+    return op(q.detach(), k.detach(), v.detach(), _mean_arg(q, k_mean), causal, softmax_scale, smooth_k, smooth_q,
+              layout)
+
+
+def _backward_call(q, k, v, out, lse2, dout, k_mean, causal, options):
+    backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
+    return backward(q, k, v, out, lse2, k_mean, dout, causal, *options)
+
+
+def attention_backward_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+                           causal: bool = False, softmax_scale: Optional[float] = None, layout: str = "HND",
+                           smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
+                           deterministic: bool = False, k_mean: Optional[Tensor] = None):
+    """(dq, dk, dv) of one chunk of keys against the merged output ``out`` and natural-log ``lse``
+    of attention over all chunks: dq is this chunk's share (sum it over the chunks), dk and dv the
+    chunk's own.  ``k_mean``: the μ_K the forward used (None: this chunk's own, right for a single
+    chunk only).  Each in q's dtype."""
+    causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
+        causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
+    check_layout(layout)
+    check_granularity(granularity)
+    if smooth_k and k_mean is None:
+        k_mean = key_mean([k], layout)
+    lse2 = _neutral.lse_to_lse2(lse, q, k_mean if smooth_k else None, softmax_scale, layout, xp=torch).contiguous()
+    options = (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return _backward_call(q.detach(), k.detach(), v.detach(), out.detach(), lse2, dout, _mean_arg(q, k_mean), causal,
+                          options)
+
+
+def chunk_pieces(len_q: int, chunk_lens: Sequence[int], causal: bool) -> list:
+    """``(chunk, row0, row1, causal)`` for every call of attention over chunks of these lengths."""
+    total, start, pieces = sum(chunk_lens), 0, []
+    for c, n in enumerate(chunk_lens):
+        pieces += [(c, r0, r1, cc) for r0, r1, cc in _neutral.causal_pieces(len_q, total, start, start + n, causal)]
+        start += n
+    return pieces
+
+
+def forward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, k_mean: Tensor, options: tuple, out=None, lse=None):
+    """Merge the calls ``pieces`` ((chunk, row0, row1, causal), chunks ``kvs[chunk]`` = (k, v), rows of
+    q) into the float32 accumulators ``out`` (q's shape) and ``lse`` (B, Hq, Lq), new when None
+    (out 0, lse −∞).  ``options``: (softmax_scale, smooth_k, smooth_q, layout).  Returns (out, lse)."""
+    layout = options[3]
+    seq = _seq_dim(layout)
+    if out is None:
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = _ops.lse2_like(q, layout).fill_(float("-inf"))
+    op = _ops.attention_lse_op if _compiling() else _ops.lse_impl
+    for c, r0, r1, causal in pieces:
+        k, v = kvs[c]
+        o, l = op(q.narrow(seq, r0, r1 - r0), k, v, k_mean, causal, *options)
+        acc_o, acc_l = out.narrow(seq, r0, r1 - r0), lse[:, :, r0:r1]
+        merged_o, merged_l = _neutral.merge_attention([acc_o, o], [acc_l, l], layout, xp=torch)
+        acc_o.copy_(merged_o)
+        acc_l.copy_(merged_l)
+    return out, lse
+
+
+def backward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, out: Tensor, lse2: Tensor, dout: Tensor, k_mean: Tensor,
+                    options: tuple, dq: Tensor, dkvs: Sequence[tuple]) -> None:
+    """Add each call's gradients to the float32 accumulators ``dq`` (q's shape) and ``dkvs[chunk]``
+    = (dk, dv); ``lse2``: the merged LSE in the kernels' frame (``lse_to_lse2``).  ``options``:
+    (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)."""
+    seq = _seq_dim(options[3])
+    for c, r0, r1, causal in pieces:
+        k, v = kvs[c]
+        rows = lambda x: x.narrow(seq, r0, r1 - r0)  # noqa: E731
+        gq, gk, gv = _backward_call(rows(q), k, v, rows(out), lse2[:, :, r0:r1].contiguous(), rows(dout), k_mean,
+                                    causal, options)
+        rows(dq).add_(gq)
+        dkvs[c][0].add_(gk)
+        dkvs[c][1].add_(gv)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """apply(q, options, n_chunks, *ks, *vs) -> (out, lse); options (causal, softmax_scale, smooth_k,
+    smooth_q, layout, granularity, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, options, n, *kv):
+        causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = options
+        ks, vs = kv[:n], kv[n:]
+        k_mean = key_mean(ks, layout) if smooth_k else _ops._no_k_mean(q)
+        pieces = chunk_pieces(q.shape[_seq_dim(layout)], [k.shape[_seq_dim(layout)] for k in ks], causal)
+        out, lse = forward_chunks(q, list(zip(ks, vs)), pieces, k_mean, (softmax_scale, smooth_k, smooth_q, layout))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, k_mean, *kv)
+        ctx.n, ctx.pieces, ctx.options = n, pieces, options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, out, lse, k_mean, *kv = ctx.saved_tensors
+        n, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic) = ctx.n, ctx.options
+        ks, vs = kv[:n], kv[n:]
+        lse2 = _neutral.lse_to_lse2(lse, q, k_mean if smooth_k else None, softmax_scale, layout, xp=torch)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkvs = [(torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                 torch.zeros(v.shape, dtype=torch.float32, device=v.device)) for k, v in zip(ks, vs)]
+        backward_chunks(q, list(zip(ks, vs)), ctx.pieces, out, lse2, dout.contiguous(), k_mean,
+                        (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic), dq, dkvs)
+        grads = [dq.to(q.dtype)] + [g.to(q.dtype) for g, _ in dkvs] + [g.to(q.dtype) for _, g in dkvs]
+        return (grads[0], None, None, *grads[1:])
+
+
+def chunked_attention(q: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], *, causal: bool = False,
+                      softmax_scale: Optional[float] = None, layout: str = "HND", smooth_k: bool = True,
+                      smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False,
+                      return_lse: bool = False):
+    """Attention of q over the keys and values given as chunks (``ks[i]``, ``vs[i]``: consecutive
+    pieces of the sequence, concatenated along the token axis), one call per chunk, merged by LSE;
+    differentiable.  The same result as ``attention(q, cat(ks), cat(vs), ...)`` up to float32
+    merging and 16-bit rounding of each chunk's partial results.  ``return_lse=True`` also returns
+    the natural-log LSE (B, Hq, Lq) float32 (not differentiable).  Options as in ``attention``.
+    Each chunk's output and gradients are accumulated in float32."""
+    ks, vs = list(ks), list(vs)
+    if not ks or len(ks) != len(vs):
+        raise ValueError(f"ks, vs: expected the same positive number of key and value chunks, got {len(ks)} and "
+                         f"{len(vs)}")
+    check_layout(layout)
+    check_granularity(granularity)
+    causal, softmax_scale, smooth_k, smooth_q, deterministic, return_lse = check_options(
+        causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic, return_lse=return_lse)
+    options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    out, lse = _ChunkedAttention.apply(q, options, len(ks), *ks, *vs)
+    return (out, lse) if return_lse else out
