@@ -23,6 +23,8 @@ from ._ops import attention_backward_op, attention_forward_op, attention_op  # n
 from .functional import SageAttentionFunction, attention, flash_attn_func, scaled_dot_product_attention  # noqa: E402
 from .modules import SageAttention  # noqa: E402
 from .transformers import register_transformers  # noqa: E402
+from sagebwd_cp.guard import AccuracyWarning, score_step, set_accuracy_guard  # noqa: E402
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttention", "SageAttentionFunction",
-           "attention_op", "attention_forward_op", "attention_backward_op", "register_transformers"]
+           "attention_op", "attention_forward_op", "attention_backward_op", "register_transformers", "score_step",
+           "set_accuracy_guard", "AccuracyWarning"]

@@ -7,9 +7,10 @@ the PyTorch adapter.
 from .api import (AttentionSaved, attention, attention_backward, attention_backward_arrays, attention_forward,
                   k_mean_shape, lse2_shape)
 from .arrays import ArrayDesc, describe, set_allocator
+from .guard import AccuracyWarning, score_step, set_accuracy_guard
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "lse2_shape",
            "k_mean_shape",
            "AttentionSaved", "ArrayDesc", "describe",
-           "set_allocator", "__version__"]
+           "set_allocator", "score_step", "set_accuracy_guard", "AccuracyWarning", "__version__"]

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from . import emulator
+from . import emulator, guard
 from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
@@ -141,9 +141,16 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved)
     return o, (host_result(lse, prob.q, "float32") if return_lse else None), saved
 
 
+def _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout) -> None:
+    """The accuracy guard (guard.py) where this call's argument or the global setting turns it on."""
+    threshold = guard.accuracy_guard_threshold(accuracy_guard)
+    if threshold is not None:
+        guard.check_scores(q, k, threshold, softmax_scale=softmax_scale, smooth_k=smooth_k, layout=layout)
+
+
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False):
+              out=None, return_lse=False, accuracy_guard=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -151,16 +158,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     also fp32 and fp64; results in q's framework and dtype.  Causal masking is
     bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
     that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
-    natural-log logsumexp, shape (B, Hq, Lq), float32.
+    natural-log logsumexp, shape (B, Hq, Lq), float32.  ``accuracy_guard`` (None: the global setting,
+    off unless SAGEBWD_ACCURACY_GUARD or ``set_accuracy_guard`` turns it on; True; False; or a threshold):
+    warn once per shape where INT8 scores get coarse (guard.py).
     """
+    if accuracy_guard is not None or guard._threshold is not None:
+        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
     o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False)
     return (o, lse) if return_lse else o
 
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False):
-    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse)."""
+                      out=None, return_lse=False, accuracy_guard=None):
+    """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
+    ``accuracy_guard`` as in ``attention``."""
+    if accuracy_guard is not None or guard._threshold is not None:
+        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
     o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True)
     return (o, lse, saved) if return_lse else (o, saved)
 
