@@ -1,7 +1,7 @@
 """Seeded fuzz of the GPU kernels: random shapes (N from 1 to 20K, Lq != Lk), strides (views of a fused
 QKV), dtypes, head counts (GQA, MQA), head dims 8..128 and causal masks; the output and gradients against
 an FP32 reference within bounds that grow with the score magnitude, and nothing non-finite from finite
-inputs. SAGEBWD_FUZZ_SEED and SAGEBWD_FUZZ_CASES change the seed and the number of cases (200); a
+inputs (the gradients' reference takes δ from our output, as the backward does). SAGEBWD_FUZZ_SEED and SAGEBWD_FUZZ_CASES change the seed and the number of cases (200); a
 failure prints the seed and the case, which reproduce it alone:
     SAGEBWD_FUZZ_SEED=<seed> python -m pytest tests/test_gpu_fuzz.py -k "case_<i>]"
 """
@@ -74,29 +74,45 @@ def _inputs(c: Case, index: int):
     return q, k, v, do
 
 
-def _reference(c: Case, q, k, v, do):
-    """FP32 attention and gradients of the same 16-bit inputs, bottom-right causal; rows that see no key
-    give 0 (HND, float32)."""
-    hnd = (lambda x: x) if c.layout == "HND" else (lambda x: x.transpose(1, 2))
-    q, k, v, do = (hnd(x).float().detach().requires_grad_(True) for x in (q, k, v, do))
-    kk, vv = (x.repeat_interleave(c.hq // c.hkv, dim=1) for x in (k, v))
+def _attention(c: Case, q, kk, vv):
+    """FP32 attention (HND, KV heads repeated), bottom-right causal; rows that see no key give 0."""
     if c.lq == c.lk or not c.causal:
-        out = F.scaled_dot_product_attention(q, kk, vv, is_causal=c.causal)
-    else:  # bottom-right aligned: query i sees key j iff j <= i + lk - lq (small N only)
-        rows = torch.arange(c.lq, device="cuda")[:, None]
-        mask = torch.arange(c.lk, device="cuda")[None, :] <= rows + (c.lk - c.lq)
-        s = (q @ kk.transpose(-1, -2)) * c.d ** -0.5
-        # -1e30, not -inf, then the mask again: a row that sees no key has P = 0 and no NaN in its gradients.
-        p = torch.softmax(s.masked_fill(~mask, -1e30), dim=-1) * mask
-        out = p @ vv
-    out.backward(do.detach())
-    return [x.detach() for x in (out, q.grad, k.grad, v.grad)]
+        return F.scaled_dot_product_attention(q, kk, vv, is_causal=c.causal)
+    rows = torch.arange(c.lq, device="cuda")[:, None]  # Lq != Lk: small N only
+    mask = torch.arange(c.lk, device="cuda")[None, :] <= rows + (c.lk - c.lq)
+    s = (q @ kk.transpose(-1, -2)) * c.d ** -0.5
+    # -1e30, not -inf, then the mask again: a row that sees no key has P = 0 and no NaN in its gradients.
+    p = torch.softmax(s.masked_fill(~mask, -1e30), dim=-1) * mask
+    return p @ vv
+
+
+def _reference(c: Case, q, k, v, do, out):
+    """FP32 attention and gradients of the same 16-bit inputs (HND, float32). The gradients take
+    δ = rowsum(dO ∘ O) from ``out``, the output the backward reads (ours, 16-bit), as the algorithm
+    does: dS = P ∘ (dP - δ) is linear in δ, so this adds -c·δ_err·P(K - μ_K) to dQ (K-smoothing's dQ
+    reads K - μ_K) and -c·Pᵀ(δ_err·Q) to dK exactly (δ_err = rowsum(dO ∘ (out - O))). Without it, where dS nearly vanishes (one key: dS = 0) the
+    output's own rounding would dominate the gradients' error."""
+    hnd = (lambda x: x) if c.layout == "HND" else (lambda x: x.transpose(1, 2))
+    group = c.hq // c.hkv
+    q, k, v, do = (hnd(x).float().detach().requires_grad_(True) for x in (q, k, v, do))
+    o = _attention(c, q, *(x.repeat_interleave(group, dim=1) for x in (k, v)))
+    o.backward(do.detach())
+    q0, k0, do0 = q.detach(), k.detach().repeat_interleave(group, dim=1), do.detach()
+    delta_err = (do0 * (hnd(out).float() - o.detach())).sum(-1, keepdim=True)
+    with torch.no_grad():  # P·(K - μ_K): with K-smoothing dQ = c·dS·(K - μ_K), exact only where rowsum(dS) = 0
+        pk = _attention(c, q0, k0, k0 - k0.double().mean(dim=2, keepdim=True).float())
+    values = k0.clone().requires_grad_(True)  # the gradient w.r.t. the values is Pᵀ·(upstream)
+    _attention(c, q0, k0, values).backward(delta_err * q0)
+    scale = c.d ** -0.5
+    b, _, lk, d = values.shape
+    dk_shift = values.grad.reshape(b, c.hkv, group, lk, d).sum(2)
+    return [o.detach(), q.grad - scale * delta_err * pk, k.grad - scale * dk_shift, v.grad]
 
 
 def _rel(x, ref):
     """Rel-L2 with a floor under ‖ref‖ (1e-3 per entry's RMS): gradients that are exactly zero, or zero
     but for FP32 rounding (one key, whose dS vanishes), are compared absolutely."""
-    x, ref = x.double(), ref.double()
+    x, ref = x.detach().double(), ref.detach().double()
     floor = 1e-3 * ref.numel() ** 0.5
     return float((x - ref).norm() / max(float(ref.norm()), floor))
 
@@ -113,10 +129,10 @@ def _bounds(c: Case):
 def test_fuzz(index):
     c = draw(index)
     q, k, v, do = _inputs(c, index)
-    ref = _reference(c, q, k, v, do)
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
     out = st.attention(qg, kg, vg, causal=c.causal, layout=c.layout)
     out.backward(do)
+    ref = _reference(c, q, k, v, do, out.detach())
     hnd = (lambda x: x) if c.layout == "HND" else (lambda x: x.transpose(1, 2))
     ours = [hnd(x).float() for x in (out, qg.grad, kg.grad, vg.grad)]
     where = f"seed {SEED}, case {index}: {c}"
