@@ -318,8 +318,11 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
         l = (alpha * l + beta * np.sum(e, axis=-1, dtype=np.float32)).astype(np.float32)
         pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
-        # A row that sees no key of the tile (beta 0) adds 0, even where the tile's V scale is non-finite.
-        factor = np.where(beta == 0, zero, (beta / _F32(P_LEVELS)) * s_max[..., None]).astype(np.float32)
+        # A non-finite V block (s_max NaN or inf) reaches every row of a 64-query block that sees a key of the
+        # tile, also a row that sees none (0·NaN), as in the kernels, whose query tiles hold 64 rows or more.
+        rows_see = np.repeat([_tile_visible(r, r + BLOCK_Q, c0, lq, lk, causal) for r in range(0, lq_pad, BLOCK_Q)],
+                             BLOCK_Q)
+        factor = np.where(rows_see, (beta / _F32(P_LEVELS)) * s_max[..., None], zero).astype(np.float32)
         acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
         m = m_new
 

@@ -46,6 +46,10 @@ Conventions
   over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their
   inverse scale from a fast reciprocal (``quantize_tile``); the pre-pass quantizer of Q, K, V, dO
   uses IEEE divisions (``quantize_block``) and matches the emulator bit for bit.
+* Non-finite inputs: every maximum that becomes a scale keeps NaN (the kernels' max.NaN, np.max
+  here), so a block holding NaN or inf gets a NaN or inf scale and codes 0, and every result
+  dequantized with it is non-finite; the forward's O and LSE2 are NaN where l is not finite
+  (docs/ALGORITHM.md, non-finite inputs).
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
