@@ -1,7 +1,12 @@
 """Non-finite inputs on the GPU: every output and gradient that torch's SDPA makes non-finite (a NaN or
-inf in q, k, v or dO) is non-finite here too, on both kernel families (the default, and mma.sync through
-SAGEBWD_WGMMA=0 on Hopper), and the spread stays inside the value's (batch, KV-head group)
-(docs/ALGORITHM.md, non-finite inputs)."""
+inf in q, k, v or dO) is non-finite here too, and every one that exact attention makes non-finite, on
+both kernel families (the default, and mma.sync through SAGEBWD_WGMMA=0 on Hopper); the spread stays
+inside the value's (batch, KV-head group) (docs/ALGORITHM.md, non-finite inputs).
+
+One exception, on the mma.sync path only: SDPA's fused kernels multiply masked probabilities (0) by a
+NaN or inf value of v in their 128-key blocks, so rows that do not see the key turn non-finite too;
+the mma.sync forward's 64-key tiles skip those blocks for those rows. There the test asks for SDPA's
+entries that exact attention also makes non-finite."""
 import numpy as np
 import pytest
 
@@ -50,6 +55,8 @@ def test_nonfinite_input_covers_sdpa(monkeypatch, kernels, shape, causal, tensor
     for name, o, s, e, u in zip(("out", "dq", "dk", "dv"), ours, sdpa, exact, bound):
         bad = ~np.isfinite(o)
         s = ~np.isfinite(s)
+        if kernels == "mma.sync" and tensor == "v" and name == "out":
+            s &= e  # SDPA's 0·NaN in masked products of its 128-key blocks: see above
         assert not (s & ~bad).any(), f"{name}: {int((s & ~bad).sum())} of SDPA's {int(s.sum())} non-finite entries are finite"
         assert not (e & ~bad).any(), f"{name}: finite where exact attention is not"
         assert not (bad & ~u).any(), f"{name}: non-finite outside the value's batch entry and head group"
