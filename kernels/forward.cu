@@ -339,8 +339,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 l_run[mt][half] = fmaf(beta[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
-                // A non-finite V block (pv_scale NaN or inf) reaches every row of the CTA, also one that
-                // sees no key of the tile (0·NaN), as SDPA's fused kernels spread it over their blocks.
+                // pv_scale is NaN or inf where a V block of the tile is: every row of the CTA turns
+                // non-finite then, also one that sees no key of the tile (beta 0: 0·NaN).
                 pv_factor[mt][half] = beta[half] * pv_scale;
             }
             // P̂ = rint(fp16(e)·fp16(coef)) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.

@@ -90,7 +90,10 @@ def score_step(q, k, *, softmax_scale=None, smooth_k=True, layout="HND"):
                 k32 = k32 - k.detach().double().mean(dim=axes[0], keepdim=True).float()
             k_amax = k32.abs().amax(dim=axes)
             return _step(q_amax, k_amax.repeat_interleave(group, dim=1))
-    xp = q.__array_namespace__() if hasattr(q, "__array_namespace__") else np
+    if type(q).__module__.split(".")[0] == "cupy":
+        import cupy as xp
+    else:  # NumPy, JAX (the array API namespace of the array)
+        xp = q.__array_namespace__() if hasattr(q, "__array_namespace__") else np
     q_amax = xp.max(xp.abs(xp.asarray(q, dtype=xp.float32)), axis=axes) * xp.asarray(prescale, dtype=xp.float32)
     k32 = xp.asarray(k, dtype=xp.float32)
     if smooth_k:
