@@ -107,3 +107,25 @@ def test_the_torch_adapter_warns_through_its_argument():
     with pytest.warns(sagebwd_cp.AccuracyWarning):
         st.attention(q, k, v, causal=True, accuracy_guard=True)
     assert st.score_step(q, k).shape == (1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_the_guard_on_the_gpu():
+    """bf16 q and k at 8x the unit scale (score std ~64) warn, at unit scale they do not; the statistic of
+    CUDA tensors is computed on the GPU and equals the host's."""
+    torch = pytest.importorskip("torch")
+    import sagebwd_cp.torch as st
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn((1, 2, 512, 64), generator=g, device="cuda") for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), accuracy_guard=True)
+    q8, k8 = (8 * q).bfloat16(), (8 * k).bfloat16()
+    with pytest.warns(sagebwd_cp.AccuracyWarning):
+        st.attention(q8, k8, v.bfloat16(), accuracy_guard=True)
+    step = st.score_step(q8, k8)
+    assert step.is_cuda
+    host = sagebwd_cp.score_step(q8.float().cpu().numpy(), k8.float().cpu().numpy())
+    np.testing.assert_allclose(step.cpu().numpy(), host, rtol=1e-6)
