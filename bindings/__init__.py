@@ -32,8 +32,10 @@ from .transformers import register_transformers  # noqa: E402
 from .chunked import attention_backward_lse, attention_lse, chunked_attention, key_mean, merge_attention  # noqa: E402
 from .ring import ring_attention, zigzag_shard, zigzag_unshard  # noqa: E402
 from .varlen import flash_attn_varlen_func  # noqa: E402
+from sagebwd_cp.guard import AccuracyWarning, score_step, set_accuracy_guard  # noqa: E402
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func", "SageAttention",
            "SageAttentionFunction", "attention_op", "attention_forward_op", "attention_backward_op", "attention_lse_op",
            "register_transformers", "chunked_attention", "attention_lse", "attention_backward_lse", "merge_attention",
-           "key_mean", "ring_attention", "zigzag_shard", "zigzag_unshard"]
+           "key_mean", "ring_attention", "zigzag_shard", "zigzag_unshard", "score_step", "set_accuracy_guard",
+           "AccuracyWarning"]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from sagebwd_cp import guard
 from sagebwd_cp.problem import check_flag, check_options
 
 from . import _ops
@@ -104,7 +105,7 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
               layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
-              deterministic: bool = False) -> Tensor:
+              deterministic: bool = False, accuracy_guard: bool | float | None = None) -> Tensor:
     """SageBwd attention with autograd.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
@@ -113,7 +114,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     1/sqrt(D).  ``smooth_k``/``smooth_q``: K/Q smoothing before quantization; ``granularity``
     ("fine" or "paper") and ``deterministic`` select the backward's quantization scales and dQ
     accumulation order.  CUDA tensors: fp16/bf16 (float32 is cast under autocast).  CPU tensors
-    run the emulator: float16/float32/float64, and bfloat16 computed as float32.
+    run the emulator: float16/float32/float64, and bfloat16 computed as float32.  ``accuracy_guard``
+    (None: the global setting, SAGEBWD_ACCURACY_GUARD or ``sagebwd_cp.set_accuracy_guard``; True; False;
+    or a threshold): warn once per shape where INT8 scores get coarse (sagebwd_cp/guard.py); not under
+    ``torch.compile``.
     """
     _ops.check_layout(layout)
     _ops.check_granularity(granularity)
@@ -129,6 +133,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
         causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
             causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     compiling = _compiling()
+    if (accuracy_guard is not None or guard._threshold is not None) and not compiling:
+        threshold = guard.accuracy_guard_threshold(accuracy_guard)
+        if threshold is not None:
+            guard.check_scores(q, k, threshold, softmax_scale=softmax_scale, smooth_k=smooth_k, layout=layout)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         if compiling:
             return _ops.attention_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)

@@ -352,18 +352,18 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                     red[RED_P + qh * BKV + krow + 8] = m_row[1];
                 }
             } else {
-                const float m = warp_max(fmaxf(m_row[0], m_row[1]));
+                const float m = warp_max(max_nan(m_row[0], m_row[1]));
                 if (lane == 0) red[RED_TILE + warp] = m;
             }
             __syncthreads();
             if (SB_FINE) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-                    m_row[half] = fmaxf(red[RED_P + krow + 8 * half], red[RED_P + BKV + krow + 8 * half]);
+                    m_row[half] = max_nan(red[RED_P + krow + 8 * half], red[RED_P + BKV + krow + 8 * half]);
             } else {
                 float m = red[RED_TILE];
 #pragma unroll
-                for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red[RED_TILE + w]);
+                for (int w = 1; w < WARPS; ++w) m = max_nan(m, red[RED_TILE + w]);
                 m_row[0] = m_row[1] = m;
             }
             const Psi p0 = SB_FINE ? psi_unsigned(m_row[0]) : psi(m_row[0]);
@@ -405,7 +405,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) colmax[2 * n + c] = fmaxf(fabsf(ds[n][c] * unit), fabsf(ds[n][2 + c] * unit));
+            for (int c = 0; c < 2; ++c) colmax[2 * n + c] = max_nan(fabsf(ds[n][c] * unit), fabsf(ds[n][2 + c] * unit));
         if (SB_FINE) {
             if (t == 0) {
                 red[RED_DSK + qh * BKV + krow] = z_row[0];
@@ -416,8 +416,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         } else {
             float my = colmax[0];
 #pragma unroll
-            for (int x = 1; x < 2 * NT_Q; ++x) my = fmaxf(my, colmax[x]);
-            const float mz = warp_max(fmaxf(z_row[0], z_row[1]));
+            for (int x = 1; x < 2 * NT_Q; ++x) my = max_nan(my, colmax[x]);
+            const float mz = warp_max(max_nan(z_row[0], z_row[1]));
             my = warp_max(my);
             if (lane == 0) {
                 red[RED_TILE + WARPS + warp] = mz;
@@ -429,13 +429,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         if (SB_FINE) {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-                dk_psi[half] = psi(fmaxf(red[RED_DSK + krow + 8 * half], red[RED_DSK + BKV + krow + 8 * half]));
+                dk_psi[half] = psi(max_nan(red[RED_DSK + krow + 8 * half], red[RED_DSK + BKV + krow + 8 * half]));
         } else {
             float mz = red[RED_TILE + WARPS], my = red[RED_TILE + 2 * WARPS];
 #pragma unroll
             for (int w = 1; w < WARPS; ++w) {
-                mz = fmaxf(mz, red[RED_TILE + WARPS + w]);
-                my = fmaxf(my, red[RED_TILE + 2 * WARPS + w]);
+                mz = max_nan(mz, red[RED_TILE + WARPS + w]);
+                my = max_nan(my, red[RED_TILE + 2 * WARPS + w]);
             }
             dk_psi[0] = dk_psi[1] = psi(mz);
             tile_y_psi = psi(my);
@@ -455,7 +455,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                 const int col = qcol0 + (g >> 1) * 8 + 2 * t + (g & 1);
                 float m = red[RED_DSQ + col];
 #pragma unroll
-                for (int w = 1; w < KEY_GROUPS; ++w) m = fmaxf(m, red[RED_DSQ + w * BQ + col]);
+                for (int w = 1; w < KEY_GROUPS; ++w) m = max_nan(m, red[RED_DSQ + w * BQ + col]);
                 const Psi ps = psi(m);
                 if (kw == 0) qscale_s[col] = ps.scale;
 #pragma unroll

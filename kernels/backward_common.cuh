@@ -24,8 +24,8 @@ constexpr int BACKWARD_KEY_PAD = BACKWARD_CTA_KEYS / sb_gcd(BACKWARD_CTA_KEYS, S
 using BackwardSeq = SeqInfo<BackwardParams, BACKWARD_KEY_PAD, SB_WGMMA>;
 
 SB_DEVICE float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return max_nan(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
 SB_DEVICE float quad_sum(float v) {
@@ -43,19 +43,19 @@ SB_DEVICE float spread_max8(const float (&v)[8], int g) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
         const float keep = b2 ? v[4 + x] : v[x], send = b2 ? v[x] : v[4 + x];
-        w4[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16));
+        w4[x] = max_nan(keep, __shfl_xor_sync(0xffffffffu, send, 16));
     }
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const float keep = b1 ? w4[2 + x] : w4[x], send = b1 ? w4[x] : w4[2 + x];
-        w2[x] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+        w2[x] = max_nan(keep, __shfl_xor_sync(0xffffffffu, send, 8));
     }
     const float keep = b0 ? w2[1] : w2[0], send = b0 ? w2[0] : w2[1];
-    return fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+    return max_nan(keep, __shfl_xor_sync(0xffffffffu, send, 4));
 }
 
 SB_DEVICE float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -151,8 +151,8 @@ SB_DEVICE void row_max(float (&m)[2], const float (&x)[N][4]) {
         float v = 0.f;
 #pragma unroll
         for (int n = 0; n < N; ++n)
-            v = ABS ? fmaxf(v, fmaxf(fabsf(x[n][2 * half]), fabsf(x[n][2 * half + 1])))
-                    : fmaxf(v, fmaxf(x[n][2 * half], x[n][2 * half + 1]));
+            v = ABS ? max_nan(v, max_nan(fabsf(x[n][2 * half]), fabsf(x[n][2 * half + 1])))
+                    : max_nan(v, max_nan(x[n][2 * half], x[n][2 * half + 1]));
         m[half] = quad_max(v);
     }
 }

@@ -371,12 +371,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             float m_row[2];
             row_max<false>(m_row, p);
             if (!SB_FINE) {
-                const float m = warp_max(fmaxf(m_row[0], m_row[1]));
+                const float m = warp_max(max_nan(m_row[0], m_row[1]));
                 if (lane == 0) red[RED_TILE + warp] = m;
                 named_barrier<128>(1 + loop_wg());  // barrier 1 + wg
                 float mt = red[RED_TILE + 4 * wg];
 #pragma unroll
-                for (int w = 1; w < 4; ++w) mt = fmaxf(mt, red[RED_TILE + 4 * wg + w]);
+                for (int w = 1; w < 4; ++w) mt = max_nan(mt, red[RED_TILE + 4 * wg + w]);
                 m_row[0] = m_row[1] = mt;
             }
             const Psi p0 = SB_FINE ? psi_unsigned(m_row[0]) : psi(m_row[0]);
@@ -416,7 +416,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
                 for (int y = 0; y < 8; ++y) {
                     const int n = 4 * x + y / 2, c = y % 2;
-                    colmax[x][y] = fmaxf(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
+                    colmax[x][y] = max_nan(fabsf(ds[n][c]), fabsf(ds[n][2 + c]));
                 }
             if (SB_FINE) {
 #pragma unroll
@@ -426,8 +426,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
-                    for (int y = 0; y < 8; ++y) my = fmaxf(my, colmax[x][y]);
-                const float mz = warp_max(fmaxf(z_row[0], z_row[1]));
+                    for (int y = 0; y < 8; ++y) my = max_nan(my, colmax[x][y]);
+                const float mz = warp_max(max_nan(z_row[0], z_row[1]));
                 my = warp_max(my);
                 if (lane == 0) {
                     red[RED_TILE + 4 * GROUPS + warp] = mz;
@@ -444,8 +444,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             float mz = red[RED_TILE + 4 * GROUPS + 4 * wg], my = red[RED_TILE + 8 * GROUPS + 4 * wg];
 #pragma unroll
             for (int w = 1; w < 4; ++w) {
-                mz = fmaxf(mz, red[RED_TILE + 4 * GROUPS + 4 * wg + w]);
-                my = fmaxf(my, red[RED_TILE + 8 * GROUPS + 4 * wg + w]);
+                mz = max_nan(mz, red[RED_TILE + 4 * GROUPS + 4 * wg + w]);
+                my = max_nan(my, red[RED_TILE + 8 * GROUPS + 4 * wg + w]);
             }
             dk_psi[0] = dk_psi[1] = psi(mz);
             tile_y_psi = psi(my);
@@ -472,7 +472,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 if (SB_FINE) {
                     float m = red[RED_Y + 4 * wg * BQ + 32 * x + yc];
 #pragma unroll
-                    for (int w = 1; w < 4; ++w) m = fmaxf(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + yc]);
+                    for (int w = 1; w < 4; ++w) m = max_nan(m, red[RED_Y + (4 * wg + w) * BQ + 32 * x + yc]);
                     ys = psi(m);
                 }
                 if (wv == 0)  // Ŷ's factor: its scale times K̂ᵀ's of the warpgroup's key block

@@ -111,9 +111,9 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
     // max|RN(x·p)| = RN(max|x|·p): rounding is monotonic and p > 0.
     float amax = 0.f;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) amax = fmaxf(amax, chunk_abs_max(raw[c]));
+    for (int c = 0; c < CH; ++c) amax = max_nan(amax, chunk_abs_max(raw[c]));
     amax = mul_rn(amax, prescale);
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     float scale;
     const float inv = psi_inverse(amax, &scale);
     // Two raw chunks (16 values) make one 16-byte chunk of the INT8 row.
@@ -196,7 +196,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             ldmatrix_x4(qf[mt][ks], sQ + swizzled_offset<DP>(r0 + ((m & 1) << 3) + (lane & 7), 2 * ks + (m >> 1)));
         }
         // A zero row's scale 0 as the smallest subnormal instead: its scores are 0 either way, and a
-        // fully masked tile's row max -inf times it must stay -inf (times 0 it is NaN).
+        // fully masked tile's row max -inf times it must stay -inf (times 0 it is NaN). A NaN scale (a
+        // non-finite q) stays NaN.
         if (SB_BIAS) {
             qs[mt][0] = p.q_scale[seq.q_row0(h) + q0 + r0 + g];
             qs[mt][1] = p.q_scale[seq.q_row0(h) + q0 + r0 + g + 8];
@@ -204,8 +205,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             qs[mt][0] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g);
             qs[mt][1] = __shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16);
         }
-        qs[mt][0] = fmaxf(qs[mt][0], __int_as_float(1));
-        qs[mt][1] = fmaxf(qs[mt][1], __int_as_float(1));
+        qs[mt][0] = max_nan(qs[mt][0], __int_as_float(1));
+        qs[mt][1] = max_nan(qs[mt][1], __int_as_float(1));
     }
 
     // Loop-invariant ldmatrix offsets: K̂ tile [TILE][DP] (k-steps over d), V̂ᵀ tile [DP][TILE] (over keys).
@@ -274,7 +275,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
             for (int vb = 0; vb < VBLOCKS; ++vb) {
                 sv[vb] = vs[vb];
-                if (vb > 0 && (j * VBLOCKS + vb) * BKV < seq.len_k()) smax = fmaxf(smax, sv[vb]);
+                if (vb > 0 && (j * VBLOCKS + vb) * BKV < seq.len_k()) smax = max_nan(smax, sv[vb]);  // a non-finite block's scale wins
             }
             const float inv = rcp_approx(smax);  // the SFU's 1/s_max (numerics: within one ulp of IEEE)
 #pragma unroll
@@ -341,6 +342,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 l_run[mt][half] = fmaf(beta[half], rsum[half], alpha[mt][half] * l_run[mt][half]);
+                // pv_scale is NaN or inf where a V block of the tile is: every row of the CTA turns
+                // non-finite then, also one that sees no key of the tile (beta 0: 0·NaN).
                 pv_factor[mt][half] = beta[half] * pv_scale;
             }
             // P̂ = rint(fp16(e)·fp16(coef)) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
@@ -426,7 +429,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         __syncthreads();
     }
 
-    // O = acc / l, stored in the input dtype; base-2 LSE (+inf for rows that saw no key).
+    // O = acc / l, stored in the input dtype; base-2 LSE (+inf for rows that saw no key). A non-finite l
+    // (a NaN or inf input reached the row) gives NaN for both, so that the backward's P of the row is NaN.
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
 #pragma unroll
@@ -435,7 +439,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const bool finite = l < __int_as_float(0x7f800000);  // false for inf and NaN
+            const float nan = __int_as_float(0x7fffffff);
+            const float inv = l == 0.f ? 0.f : (finite ? 1.f / l : nan);
             if (row < seq.len_q()) {
                 u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row);
 #pragma unroll
@@ -446,7 +452,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (p.lse2 && t == 0)
-                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq) + row] = l > 0.f ? m_ref[mt][half] + log2_approx(l) : __int_as_float(0x7f800000);
+                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq) + row] =
+                        l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[mt][half] + log2_approx(l) : nan);
             }
         }
     }

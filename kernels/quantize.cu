@@ -194,16 +194,16 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
             float v[8];
             row_values<PRESCALE, SHIFT>(raw[i * DPAD + tid], prescale, shift, v);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
+            for (int e = 0; e < 8; ++e) m = max_nan(m, fabsf(v[e]));
             m = i < rows_in ? m : 0.f;
         } else {
             m = chunk_abs_max(raw[i * DPAD + tid]);
             if (PRESCALE) m = mul_rn(m, prescale);
         }
-        thread_max = fmaxf(thread_max, m);
+        thread_max = max_nan(thread_max, m);
         if (per_token) {
 #pragma unroll
-            for (int o = 1; o < L; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            for (int o = 1; o < L; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
             if (i / OWN == lane % L) {
                 if (OWN == 1 || i % 2 == 0) own_max[0] = m;
                 else own_max[OWN - 1] = m;
@@ -214,14 +214,14 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     auto block_amax = [&] {
         float amax = thread_max;
 #pragma unroll
-        for (int m = 1; m < 32; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        for (int m = 1; m < 32; m <<= 1) amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, m));
         if (WARPS_PER_BLOCK > 1) {
             if (lane == 0) sm.red[warp] = amax;
             __syncthreads();
             const int w0 = warp / WARPS_PER_BLOCK * WARPS_PER_BLOCK;
             amax = sm.red[w0];
 #pragma unroll
-            for (int k = 1; k < WARPS_PER_BLOCK; ++k) amax = fmaxf(amax, sm.red[w0 + k]);
+            for (int k = 1; k < WARPS_PER_BLOCK; ++k) amax = max_nan(amax, sm.red[w0 + k]);
         }
         return amax;
     };

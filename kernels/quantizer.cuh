@@ -7,6 +7,7 @@
 
 // ψ of a block with max|x| = amax (numerics.quantize_block): stores the scale amax/127 at `scale`
 // (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero (scale 0, inverse 0).
+// A block holding NaN or inf has amax NaN or inf (max_nan), so its scale is NaN or inf and its codes 0.
 SB_DEVICE float psi_inverse(float amax, float* scale) {
     const bool zero = amax < SB_TINY_AMAX;
     if (scale) *scale = zero ? 0.f : div_rn(amax, 127.f);
@@ -21,11 +22,12 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
 constexpr float CODE_ZERO = ROUND_MAGIC - 256.f;
 SB_DEVICE u32 int8_code(float x, float inv) { return __float_as_uint(fmaxf(add_rn(mul_rn(x, inv), ROUND_MAGIC), CODE_ZERO)); }
 
-// max|x| over a chunk's 8 raw 16-bit values, as f32 (exact: max and |.| commute with the widening).
+// max|x| over a chunk's 8 raw 16-bit values, as f32 (exact: max and |.| commute with the widening); NaN if
+// one is NaN.
 SB_DEVICE float chunk_abs_max(uint4 r) {
     constexpr u32 ABS = 0x7fff7fffu;
     const u32 m = max2<SB_BF16>(max2<SB_BF16>(r.x & ABS, r.y & ABS), max2<SB_BF16>(r.z & ABS, r.w & ABS));
-    return fmaxf(to_f32<SB_BF16>(static_cast<u16>(m)), to_f32<SB_BF16>(static_cast<u16>(m >> 16)));
+    return max_nan(to_f32<SB_BF16>(static_cast<u16>(m)), to_f32<SB_BF16>(static_cast<u16>(m >> 16)));
 }
 
 // A row's 8 entries from its raw chunk r: x·prescale - shift, each step only where the job has it

@@ -21,15 +21,21 @@ SB_DEVICE u16 from_f32(float f) {
     return x;
 }
 
-// Half by half max of two packed 16-bit pairs that are not negative; a NaN half loses to the other
-// (max.f16x2 / max.bf16x2, as fmaxf).
+// Half by half max of two packed 16-bit pairs that are not negative; a NaN half wins (max.NaN.f16x2 /
+// max.NaN.bf16x2, as max_nan below).
 template <bool BF16>
 SB_DEVICE u32 max2(u32 a, u32 b) {
     u32 r;
-    if (BF16) asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    else asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    if (BF16) asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+
+// max.NaN.f32: the larger of a and b, NaN if either is NaN, where fmaxf returns the other operand. Every
+// maximum that becomes a quantization scale uses it, so that a NaN or inf input makes its block's scale
+// non-finite and reaches every result computed from that block, instead of vanishing (docs/ALGORITHM.md,
+// non-finite inputs). The same instruction as fmaxf (FMNMX), with the NaN flag.
+SB_DEVICE float max_nan(float a, float b) { float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 
 // cvt.rn.{f16x2,bf16x2}.f32: two f32 -> packed pair, `lo` in the low half.
 template <bool BF16>

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from . import emulator, varlen as packed
+from . import emulator, guard, varlen as packed
 from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
@@ -188,9 +188,16 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved,
     return o, (host_result(lse, prob.q, "float32") if return_lse else None), saved
 
 
+def _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout) -> None:
+    """The accuracy guard (guard.py) where this call's argument or the global setting turns it on."""
+    threshold = guard.accuracy_guard_threshold(accuracy_guard)
+    if threshold is not None:
+        guard.check_scores(q, k, threshold, softmax_scale=softmax_scale, smooth_k=smooth_k, layout=layout)
+
+
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False, k_mean=None):
+              out=None, return_lse=False, k_mean=None, accuracy_guard=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -202,7 +209,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
     the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention
     over chunks of the keys passes all of them one (``key_mean``) so the backward is exact.
+    ``accuracy_guard`` (None: the global setting, off unless SAGEBWD_ACCURACY_GUARD or
+    ``set_accuracy_guard`` turns it on; True; False; or a threshold): warn once per shape where INT8
+    scores get coarse (guard.py).
     """
+    if accuracy_guard is not None or guard._threshold is not None:
+        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
     o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False,
                             k_mean)
     return (o, lse) if return_lse else o
@@ -210,9 +222,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False, k_mean=None):
+                      out=None, return_lse=False, k_mean=None, accuracy_guard=None):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
-    ``k_mean`` as in ``attention``."""
+    ``k_mean`` and ``accuracy_guard`` as in ``attention``."""
+    if accuracy_guard is not None or guard._threshold is not None:
+        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
     o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True,
                                 k_mean)
     return (o, lse, saved) if return_lse else (o, saved)
@@ -304,7 +318,8 @@ def _check_float32_array(x: ArrayDesc, name: str, expected: tuple, prob: Attenti
     if (x.device_type, x.device_id) != (prob.q.device_type, prob.q.device_id):
         raise ValueError(f"{name}: expected an array on {prob.q.device_type}:{prob.q.device_id}, got "
                          f"{x.device_type}:{x.device_id}")
-    if x.strides != contiguous_strides(expected):
+    # Strides of size-1 dimensions are never used (NumPy keeps a slice's there, e.g. a (B, H, 1) LSE).
+    if any(s != c and n > 1 for s, c, n in zip(x.strides, contiguous_strides(expected), expected)):
         raise ValueError(f"{name}: expected a contiguous array, got strides {x.strides}")
 
 

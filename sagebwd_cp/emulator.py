@@ -11,6 +11,8 @@ rounded either, which is what comparisons against the float64 reference want.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .numerics import (
@@ -34,6 +36,17 @@ GRANULARITIES = ("fine", "paper")
 _DTYPES = ("float16", "bfloat16", "float32")  # float32: no output rounding (testing)
 
 _F32 = np.float32
+
+
+def _nonfinite_quiet(fn):
+    """NaN and inf inputs flow through the arithmetic as they flow through the kernels' (numerics:
+    non-finite inputs): the entry points compute them without NumPy's warnings."""
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return fn(*args, **kwargs)
+    return quiet
+
 
 # ----------------------------------------------------------------------------- small helpers
 
@@ -167,6 +180,7 @@ def _tile_logits(q_hat, s_q, k_hat, s_k, bias=None) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- quantization
 
+@_nonfinite_quiet
 def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=False, quantize=True, k_mean=None):
     """Quantize q, k, v as the forward's pre-pass does (with ``k_mean``, a saved forward's μ_K
     (B,Hkv,D), instead of the token mean of k: the backward's pre-pass given it).
@@ -230,14 +244,16 @@ def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
     always does); 255 for a block with s_V = s_max, float32(float32(255·s_V) · float32(1/s_max))
     otherwise.
     s_v_tile (..., nb) float32; blocks_valid (nb,) bool.  Returns (coef (..., nb), s_max (...))."""
+    # np.max propagates NaN, as the kernel's max.NaN: a non-finite block's scale wins.
     s_max = np.max(np.where(blocks_valid, s_v_tile, s_v_tile[..., :1]), axis=-1).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):  # s_max = 0: every block zero, coef 255 below
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # s_max = 0: every block zero, coef 255 below
         inv = (_F32(1) / s_max).astype(np.float32)  # the kernel's SFU reciprocal is within one ulp of this
         ratio = ((_F32(P_LEVELS) * s_v_tile).astype(np.float32) * inv[..., None]).astype(np.float32)
     coef = np.where(s_v_tile == s_max[..., None], _F32(P_LEVELS), ratio).astype(np.float32)
     return coef, s_max
 
 
+@_nonfinite_quiet
 def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
                     quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
@@ -303,15 +319,24 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
         l = (alpha * l + beta * np.sum(e, axis=-1, dtype=np.float32)).astype(np.float32)
         pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
-        factor = ((beta / _F32(P_LEVELS)) * s_max[..., None]).astype(np.float32)
+        # A non-finite V block (s_max NaN or inf) reaches every row of a 64-query block that sees a key of the
+        # tile, also a row that sees none (0·NaN), as in the kernels, whose query tiles hold 64 rows or more.
+        rows_see = np.repeat([_tile_visible(r, r + BLOCK_Q, c0, lq, lk, causal) for r in range(0, lq_pad, BLOCK_Q)],
+                             BLOCK_Q)
+        factor = np.where(rows_see, (beta / _F32(P_LEVELS)) * s_max[..., None], zero).astype(np.float32)
         acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
         m = m_new
 
-    live = l > 0
-    o = np.where(live[..., None], acc / np.where(live, l, _F32(1))[..., None], zero)
+    # Rows that saw no key (l = 0) give 0 and LSE +inf; a non-finite l (a NaN or inf input reached the
+    # row) gives NaN for both, as in the kernel.
+    live = l != 0
+    bad = ~np.isfinite(l)
+    safe_l = np.where(live & ~bad, l, _F32(1))
+    o = np.where(live[..., None], acc / safe_l[..., None], zero)
+    o = np.where(bad[..., None], _F32(np.nan), o)
     o16 = round_to_dtype(o.astype(np.float32), dtype)[:, :, :lq]
-    with np.errstate(divide="ignore"):
-        lse2 = np.where(live, m + np.log2(np.where(live, l, _F32(1))), _F32(np.inf)).astype(np.float32)
+    lse2 = np.where(live, m + np.log2(safe_l), _F32(np.inf))
+    lse2 = np.where(bad, _F32(np.nan), lse2).astype(np.float32)
 
     # Natural-log LSE at the API edge: add back c·q·μ_K, which K-smoothing removed from each score.
     kmean_q = _expand_heads(qi["k_mean"], group)  # (B, Hq, D)
@@ -338,6 +363,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
 # ----------------------------------------------------------------------------- backward
 
+@_nonfinite_quiet
 def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
                    quantize=True, dtype="float16", k_mean=None):
     """The dict ``emulate_backward`` reads, rebuilt from the inputs, the stored output and the
@@ -360,6 +386,7 @@ def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth
             "dtype": dtype, "group": group, "lq": lq, "lk": lk}
 
 
+@_nonfinite_quiet
 def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     """SageBwd backward (KV-block-owned loop).  Returns float32 (dq, dk, dv) of the true shapes.
 
@@ -413,8 +440,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             bias = bias_j[:, :, i, None, :] if smooth_q else None
             s_q_i, s_k_j = s_q[:, :, r0:r1], s_k[:, :, c0:c1]
             s = _tile_logits(q_hat[:, :, r0:r1], s_q_i, k_j, s_k_j, bias)
-            with np.errstate(over="ignore", invalid="ignore"):
-                p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
+            p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
             # #4: dV_j += P̂ᵀ dÔ_i
             # per key with 255 unsigned levels (fine), or 127 levels over the tile (paper)
@@ -425,7 +451,9 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
 
             # #5: dP in 16-bit inputs, float32 accumulation; dS = P ∘ (dP - δ)
             dp = np.matmul(do_pad[:, :, r0:r1], np.swapaxes(v_j, -1, -2)).astype(np.float32)
-            ds = np.where(mask, p * (dp - delta[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
+            # Masked entries have P = 0 and dS = 0·(dP - δ), not a select, as in the kernels: a NaN or
+            # inf dP or δ (a non-finite dO, v or o) gives NaN there too.
+            ds = (p * (dp - delta[:, :, r0:r1, None])).astype(np.float32)
 
             # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i with K̂ and Q̂ coded per 64-token block
             # (numerics.py): the block's scale leaves the reduction, so dS is quantized as it is (ψ

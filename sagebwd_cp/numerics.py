@@ -46,6 +46,10 @@ Conventions
   over the 64x64 tile, as published.  The backward's tile quantizers (P̂, Ŷ, Ẑ) take their
   inverse scale from a fast reciprocal (``quantize_tile``); the pre-pass quantizer of Q, K, V, dO
   uses IEEE divisions (``quantize_block``) and matches the emulator bit for bit.
+* Non-finite inputs: every maximum that becomes a scale keeps NaN (the kernels' max.NaN, np.max
+  here), so a block holding NaN or inf gets a NaN or inf scale and codes 0, and every result
+  dequantized with it is non-finite; the forward's O and LSE2 are NaN where l is not finite
+  (docs/ALGORITHM.md, non-finite inputs).
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
@@ -82,19 +86,23 @@ def default_softmax_scale(head_dim: int) -> float:
 
 def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale: float):
     """(float32 integer codes in [-levels, levels], float32 scale) with one scale per reduction of
-    max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale ``zero_scale``, codes 0)."""
+    max|x| over ``axis``; blocks under TINY_AMAX count as zero (scale ``zero_scale``, codes 0).
+    A block holding NaN or inf has amax NaN or inf (np.max propagates NaN, as the kernels' max.NaN),
+    hence a NaN or inf scale; its NaN products code 0, as the kernels' pre-pass codes them."""
     x = np.asarray(x, dtype=np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None).astype(np.float32)
     zero = amax < TINY_AMAX
     safe = np.where(zero, np.float32(1), amax).astype(np.float32)
     n = np.float32(levels)
-    if fast_reciprocal:
-        scale, inv = safe * (np.float32(1) / n), n * (np.float32(1) / safe)
-    else:
-        scale, inv = safe / n, n / safe
-    scale = np.where(zero, np.float32(zero_scale), scale).astype(np.float32)
-    inv = np.where(zero, np.float32(0), inv).astype(np.float32)
-    return np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels), scale
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if fast_reciprocal:
+            scale, inv = safe * (np.float32(1) / n), n * (np.float32(1) / safe)
+        else:
+            scale, inv = safe / n, n / safe
+        scale = np.where(zero, np.float32(zero_scale), scale).astype(np.float32)
+        inv = np.where(zero, np.float32(0), inv).astype(np.float32)
+        codes = np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels)
+    return np.where(np.isnan(codes), np.float32(0), codes), scale
 
 
 def quantize_block(x: np.ndarray, axis=None):
@@ -126,7 +134,27 @@ def forward_p_codes(e: np.ndarray, coef) -> np.ndarray:
     (float16 spacing is 1 in [1024, 2048), and 1024 is even)."""
     e16 = np.asarray(e, dtype=np.float32).astype(np.float16).astype(np.float64)
     c16 = np.asarray(coef, dtype=np.float32).astype(np.float16).astype(np.float64)
-    return np.clip(np.rint(e16 * c16), 0, P_LEVELS).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        codes = np.clip(np.rint(e16 * c16), 0, P_LEVELS)
+    # A NaN e or coefficient (a non-finite input) codes 0 here (the kernel: some byte); its row's l or its
+    # tile's V scale is NaN then, and that carries the NaN (numerics: non-finite inputs).
+    return np.where(np.isnan(codes), 0, codes).astype(np.float32)
+
+
+# The accuracy guard (guard.py) warns where score_step passes this, in base-2 logit units: at head dim 64
+# about 3x the unit scale of q and k (std 1), where dQ's and dK's error passes ~3x its unit-scale value
+# (docs/ALGORITHM.md, error against SB26).
+SCORE_STEP_LIMIT = 0.25
+
+
+def score_step(q_amax, k_amax):
+    """The accuracy guard's statistic, per (batch, query head): 127·s_Q·s_K (float32 products), where
+    s_Q = q_amax/127 is the largest per-token scale of Q̂ (q_amax = max|c·log2(e)·q| over the head) and
+    s_K = k_amax/127 the largest of K̂ (k_amax = max|k - μ_K| over the KV head).  It is the most a base-2
+    logit moves when one code of q̂ moves by one step against the largest k̂ entry (or the reverse):
+    a bound on the quantization step of the scores, which grows as the square of q's and k's scale.
+    Works elementwise on float32 NumPy, CuPy or torch arrays."""
+    return (q_amax / INT8_MAX) * (k_amax / INT8_MAX) * INT8_MAX
 
 
 def token_mean(x16: np.ndarray, axis: int) -> np.ndarray:

@@ -248,3 +248,14 @@ def test_torch_adapter_without_torch_names_the_extra():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: sagebwd_cp.torch needs PyTorch")
     assert 'pip install "sagebwd_cp[torch]"' in last
+
+
+def test_host_training_with_one_query_token():
+    """The saved LSE of one query token is a (B, H, 1) slice of the padded rows, whose size-1 dimensions
+    keep the slice's strides: the backward must take it (it checks strides where a dimension has more
+    than one entry)."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 1, n, 64)).astype(np.float16) for n in (1, 5, 5, 1))
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    dq, dk, dv = sagebwd_cp.attention_backward(saved, do)
+    assert dq.shape == q.shape and dk.shape == k.shape and np.isfinite(dv).all()

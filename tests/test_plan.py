@@ -247,6 +247,28 @@ def test_caches_stay_bounded_under_a_stream_of_sequence_lengths(gpu, monkeypatch
     assert len(resolved) == 3  # one kernel each, whatever the length
 
 
+def test_compiled_kernel_caches_stay_bounded_under_a_stream_of_shapes(gpu, monkeypatch):
+    """The compiler's caches (compiled cubins in memory, loaded functions) are keyed by specialization,
+    which depends on the padded head dim, dtype and options but not on the shape: a stream of distinct
+    batch sizes, head counts, lengths and head dims (8..64, one padded head dim) adds no entry after the
+    first call, however long it runs."""
+    monkeypatch.setattr(plan, "MAX_PLANS", 4)
+    resolved = set()
+    monkeypatch.setattr(compiler, "get_function_pointer",
+                        lambda spec, entry, device_id, shared=0: resolved.add((spec.key, entry)) or 1)
+    rng = np.random.default_rng(0)
+    sizes = []
+    for i in range(30):
+        hk = int(rng.integers(1, 4))
+        q, k, v = qkv(b=int(rng.integers(1, 4)), hq=hk * int(rng.integers(1, 4)), hk=hk,
+                      lq=int(rng.integers(1, 5000)), lk=int(rng.integers(1, 5000)), d=8 * int(rng.integers(1, 9)))
+        sagebwd_cp.attention(q, k, v, causal=True)
+        sizes.append((len(resolved), len(compiler._memory_cache)))
+        assert len(plan._plans) <= 4
+    assert len({entry for _, entry in resolved}) == 3 and len(resolved) == 3
+    assert sizes[-1] == sizes[0], "the compiled-kernel cache grew with the shapes"
+
+
 @pytest.mark.parametrize("change", ["strides", "options", "alignment", "dtype", "out"])
 def test_a_different_key_builds_a_different_plan(gpu, change):
     q, k, v = qkv()

@@ -34,6 +34,7 @@ SCRIPTS = {  # a GPU or minutes: the script exists and takes the README's option
     "python benchmarks/bench_host.py",
     "python benchmarks/bench_varlen.py",
     "python benchmarks/gpu_check.py",
+    "python benchmarks/gpu_check.py --sanitize",
     "python benchmarks/bench_attention.py --seqlens 4096 16384 --head-dims 64 128 --passes fwd bwd",
     "python -m sagebwd_cp",
 }
