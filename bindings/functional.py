@@ -210,6 +210,20 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     return out.reshape(query.shape)
 
 
+def check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+    """FlashAttention's options this library does not implement must keep their defaults."""
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
+    if softcap != 0.0:
+        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs: returning the attention probabilities is not supported; expected False")
+
+
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool = True,
@@ -221,16 +235,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     their defaults (ValueError otherwise).  ``deterministic`` orders the dQ accumulation;
     ``smooth_k``, ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
-    if softcap != 0.0:
-        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs: returning the attention probabilities is not supported; expected False")
+    check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD", smooth_k=smooth_k,
                      smooth_q=smooth_q, granularity=granularity, deterministic=deterministic)
 

@@ -21,6 +21,7 @@ from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.problem import check_granularity
 
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean
+from .functional import _autocast, check_flash_defaults
 
 __all__ = ["flash_attn_varlen_func"]
 
@@ -131,21 +132,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and
     ``block_table`` must keep their defaults (ValueError otherwise); ``smooth_k`` and ``granularity``
     are this library's options (``sagebwd_cp.torch.attention``)."""
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
-    if softcap != 0.0:
-        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs: returning the attention probabilities is not supported; expected False")
+    check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        q, k, v = (x.to(dt) if x.dtype == torch.float32 else x for x in (q, k, v))
+        q, k, v = _autocast(q, k, v)
     out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, smooth_k, granularity, deterministic)
     return out
