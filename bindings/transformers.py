@@ -121,16 +121,22 @@ def _plain_causal_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_o
 
 
 def _causal_or_packed(mask_function, causal_mask_function) -> bool:
-    """The default causal rule, alone or intersected (``and_masks``) with the packed-sequence mask that
-    transformers derives from restarting position_ids (which the attention function reads itself)."""
+    """The default causal rule, alone or as transformers restricts it to packed sequences found in
+    restarting position_ids (which the attention function reads itself): intersected with a
+    same-sequence mask (``and_masks``, transformers 5.17) or applied to positions remapped per sequence
+    (``remap_positions_for_packed_sequence``, later versions). Any other mask function is not."""
     if mask_function in (None, causal_mask_function):
         return True
-    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
-        return False
-    parts = next((c.cell_contents for c in mask_function.__closure__ or ()
-                  if isinstance(c.cell_contents, tuple)), ())
-    packed = "packed_sequence_mask_function.<locals>.inner_mask"
-    return bool(parts) and all(p is causal_mask_function or getattr(p, "__qualname__", "") == packed for p in parts)
+    name = getattr(mask_function, "__qualname__", "")
+    cells = [c.cell_contents for c in getattr(mask_function, "__closure__", None) or ()]
+    if name == "and_masks.<locals>.and_mask":  # 5.24: and_masks(remapped causal, same-sequence mask)
+        parts = next((c for c in cells if isinstance(c, tuple)), ())
+        packed = "packed_sequence_mask_function.<locals>.inner_mask"
+        return bool(parts) and all(getattr(p, "__qualname__", "") == packed or _causal_or_packed(p, causal_mask_function)
+                                   for p in parts)
+    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        return any(c is causal_mask_function for c in cells)
+    return False
 
 
 def _nothing_padded(attention_mask) -> bool:

@@ -131,3 +131,16 @@ def test_on_the_gpu_logits_and_gradients_match_sdpa(batch):
         res[attn] = logits.detach().float(), model.model.layers[0].self_attn.k_proj.weight.grad
     (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
     assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.08
+
+
+def test_only_the_causal_rule_and_its_packed_forms_pass_the_mask_function():
+    from transformers.masking_utils import and_masks, causal_mask_function, or_masks
+
+    from sagebwd_cp.torch.transformers import _causal_or_packed
+
+    def other(b, h, q, kv):
+        return q >= 0
+
+    assert _causal_or_packed(None, causal_mask_function) and _causal_or_packed(causal_mask_function, causal_mask_function)
+    for custom in (other, and_masks(causal_mask_function, other), or_masks(causal_mask_function, other)):
+        assert not _causal_or_packed(custom, causal_mask_function)
