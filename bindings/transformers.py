@@ -57,14 +57,12 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling):
     from .varlen import flash_attn_varlen_func
 
     b, n = mask.shape
-    valid = mask.reshape(-1).bool()
-    index = valid.nonzero().squeeze(1)
-    lengths = mask.bool().sum(1, dtype=torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    longest = int(lengths.max())
+    valid = mask.bool()
+    index = valid.reshape(-1).nonzero().squeeze(1)  # the one host synchronization
+    cu = torch.nn.functional.pad(valid.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
-    out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, longest, longest, causal=causal,
-                                 softmax_scale=scaling)
+    # n bounds every sequence's length (max_seqlen need not be exact): no second read of the lengths.
+    out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling)
     full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
     return full.reshape(b, n, *out.shape[1:])
 
