@@ -98,19 +98,23 @@ def train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed:
         if step >= warmup:
             times.append(start.elapsed_time(end))
     pattern = OUR_KERNELS if attn == "sagebwd" else SDPA_KERNELS
-    kernel_us, attention_us, names = 0.0, 0.0, {}
+    kernel_us, attention_us, names, others = 0.0, 0.0, {}, {}
     for event in profile.key_averages():
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         if us <= 0:
             continue
         kernel_us += us
-        if pattern.search(event.key):
-            attention_us += us
-            names[event.key] = names.get(event.key, 0.0) + us
+        into = names if pattern.search(event.key) else others
+        into[event.key] = into.get(event.key, 0.0) + us
+        attention_us += us if into is names else 0.0
     del model, opt
     torch.cuda.empty_cache()
+    top = lambda d, n: {k[:120]: round(d[k] / 1e3, 4) for k in sorted(d, key=d.get, reverse=True)[:n]}
     return {"step_ms": statistics.median(times), "attention_share": attention_us / kernel_us if kernel_us else None,
-            "attention_kernels": sorted(names, key=names.get, reverse=True)[:4], "losses": losses}
+            "attention_kernels": sorted(names, key=names.get, reverse=True)[:4], "losses": losses,
+            # the profiled step: all kernels' time, attention's, and the largest kernels of each kind (ms)
+            "kernel_ms": kernel_us / 1e3, "attention_ms": attention_us / 1e3,
+            "attention_kernel_ms": top(names, 8), "other_kernel_ms": top(others, 12)}
 
 
 def main(argv=None) -> int:
@@ -139,11 +143,15 @@ def main(argv=None) -> int:
             sdpa, ours = res["sdpa"], res["sagebwd"]
             loss = {k: statistics.mean(v["losses"][-tail:]) for k, v in res.items()}
             records.append({"head_dim": d, "context": context, "steps": args.steps, **{
-                f"{k}_{f}": v[f] for k, v in res.items() for f in ("step_ms", "attention_share", "attention_kernels")},
+                f"{k}_{f}": v[f] for k, v in res.items()
+                for f in ("step_ms", "attention_share", "attention_kernels", "kernel_ms", "attention_ms",
+                          "attention_kernel_ms", "other_kernel_ms", "losses")},
                 **{f"{k}_loss": v for k, v in loss.items()}})
             share = lambda r: "-" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
             rows.append(f"{d:>3} {context:>6} {sdpa['step_ms']:9.1f} {ours['step_ms']:9.1f} "
                         f"{ours['step_ms'] / sdpa['step_ms']:7.3f} {share(sdpa):>6} {share(ours):>6} "
+                        f"{sdpa['attention_ms']:7.2f} {ours['attention_ms']:7.2f} {sdpa['kernel_ms']:7.1f} "
+                        f"{ours['kernel_ms']:7.1f} "
                         f"{loss['sdpa']:8.4f} {loss['sagebwd']:8.4f}  {', '.join(sdpa['attention_kernels'][:2])}")
     if args.json:
         with open(args.json, "w") as f:
@@ -151,7 +159,8 @@ def main(argv=None) -> int:
     print(f"\n{device}: Llama-style decoder, hidden {HIDDEN}, {LAYERS} layers, GQA {GQA}:1, {TOKENS_PER_STEP} tokens "
           f"a step, bfloat16 autocast, AdamW; median of {args.steps} steps after {args.warmup}; loss: mean of the "
           f"last {tail}")
-    print("  d    ctx   sdpa ms   ours ms  ours/sdpa  attn% sdpa/ours  loss sdpa  ours  SDPA's attention kernels")
+    print("  d    ctx   sdpa ms   ours ms  ours/sdpa  attn% sdpa/ours  attn ms sdpa/ours  kernel ms sdpa/ours  "
+          "loss sdpa  ours  SDPA's attention kernels")
     print("\n".join(rows))
     return 0
 
