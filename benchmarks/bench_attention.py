@@ -1,12 +1,14 @@
 """Attention speed against SDPA's backends, measured side by side in one run.
 
-fp16, 16K tokens per batch, hidden 2048 (heads = 2048 / head_dim), N = 1K..16K.  TOPS use the
+fp16, 16K tokens per batch, hidden 2048 (heads = 2048 / head_dim), N = 1K..16K; ``--hidden``, ``--gqa``
+(query heads per key/value head) and ``--dtype`` give a model's shapes instead.  TOPS use the
 FLOP convention 4·B·H·N²·d for the forward (half when causal), 2.5x that for the backward and
 3.5x for forward+backward (docs/ALGORITHM.md).  Also measures the INT8 and fp16 tensor-core
 ceilings in the same run (mma.sync, and on Hopper wgmma from shared memory); "%limit" is ours against
 the INT8 one the kernels can reach there.  Prints a compact table last; ``--json PATH`` writes records.
 
     python benchmarks/bench_attention.py [--seqlens 4096 16384] [--head-dims 64 128] [--tiles 8x1 4x2]
+        [--hidden 2048] [--gqa 1] [--dtype float16]
 """
 from __future__ import annotations
 
@@ -101,9 +103,29 @@ def describe_ceilings(ceilings: dict) -> str:
     return ", ".join(names[k].format(v) for k, v in ceilings.items())
 
 
+# The shapes measured: hidden size (query heads = hidden / head dim), query heads per key/value head, dtype.
+SHAPE = {"hidden": 2048, "gqa": 1, "dtype": "float16"}
+
+
+def make_inputs(d, n, count):
+    """(batch, query heads, key/value heads) and ``count`` sets of (q, k, v) of SHAPE's kind."""
+    import torch
+
+    b, h = max(1, 16384 // n), SHAPE["hidden"] // d
+    hk, dtype = h // SHAPE["gqa"], getattr(torch, SHAPE["dtype"])
+    sets = [tuple(torch.randn((b, heads, n, d), device="cuda", dtype=dtype) for heads in (h, hk, hk))
+            for _ in range(count)]
+    return b, h, hk, sets
+
+
+def sdpa(q, k, v, causal):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def bench_forward(d, n, causal, tiles_list, reps):
     import torch
-    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import sagebwd_cp
@@ -111,9 +133,8 @@ def bench_forward(d, n, causal, tiles_list, reps):
     from sagebwd_cp.pieces import attend_launcher
     from sagebwd_cp.problem import make_problem
 
-    b, h = max(1, 16384 // n), 2048 // d
+    b, h, _, sets = make_inputs(d, n, 2)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    sets = [tuple(torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3)) for _ in range(2)]
     rows = []
     it = [0]
 
@@ -128,7 +149,7 @@ def bench_forward(d, n, causal, tiles_list, reps):
                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
             with sdpa_kernel(backend):
-                ms = timed(lambda: F.scaled_dot_product_attention(*pick(), is_causal=causal), reps)
+                ms = timed(lambda: sdpa(*pick(), causal), reps)
             rows.append((name, ms, tops(ms)))
         except RuntimeError as exc:
             print(f"  {name} unavailable: {str(exc)[:80]}", file=sys.stderr)
@@ -153,14 +174,13 @@ def bench_training(d, n, causal, reps, granularities):
     """Backward alone and forward+backward (quantization and pre/postprocessing included), and the
     peak memory of one forward+backward, for us and SDPA's backends."""
     import torch
-    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import sagebwd_cp
 
-    b, h = max(1, 16384 // n), 2048 // d
+    b, h, _, ((q, k, v),) = make_inputs(d, n, 1)
+    do = torch.randn_like(q)
     fwd_flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    q, k, v, do = (torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(4))
     rows = []
 
     def record(name, pas, ms, peak=None):
@@ -170,12 +190,12 @@ def bench_training(d, n, causal, reps, granularities):
         try:
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
-                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                out = sdpa(qr, kr, vr, causal)
                 ms_b = timed(lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True), reps)
                 del out
 
                 def fwdbwd():
-                    o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                    o = sdpa(qr, kr, vr, causal)
                     torch.autograd.grad(o, (qr, kr, vr), do)
 
                 ms_fb = timed(fwdbwd, reps)
@@ -212,8 +232,16 @@ def main(argv=None):
     ap.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                     help="fwd: inference forward; bwd: backward and forward+backward")
     ap.add_argument("--granularities", nargs="+", default=["fine", "paper"])
+    ap.add_argument("--hidden", type=int, default=SHAPE["hidden"], help="query heads = hidden / head dim")
+    ap.add_argument("--gqa", type=int, default=SHAPE["gqa"], help="query heads per key/value head")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default=SHAPE["dtype"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    SHAPE.update(hidden=args.hidden, gqa=args.gqa, dtype=args.dtype)
+    bad = [d for d in args.head_dims if args.hidden % d or (args.hidden // d) % args.gqa]
+    if bad:
+        ap.error(f"--hidden {args.hidden} / --gqa {args.gqa}: expected head dims that divide the hidden size into a "
+                 f"multiple of {args.gqa} heads, got {bad}")
 
     import torch
 
@@ -237,8 +265,8 @@ def main(argv=None):
                     rows += train_rows
                 ref = {(name, pas): t for name, pas, _, t, _ in rows}
                 for name, pas, ms, t, peak in rows:
-                    rec = dict(impl=name, **{"pass": pas}, dtype="float16", head_dim=d, causal=causal, seqlen=n,
-                               batch=b, heads=h, ms=ms, tflops=t)
+                    rec = dict(impl=name, **{"pass": pas}, dtype=args.dtype, head_dim=d, causal=causal, seqlen=n,
+                               batch=b, heads=h, kv_heads=h // args.gqa, ms=ms, tflops=t)
                     if peak is not None:
                         rec["peak_mib"] = peak
                     records.append(rec)
@@ -249,7 +277,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, **ceilings, "records": records}, f, indent=1)
-    print(f"\n{dev}: ceilings {describe_ceilings(ceilings)} (measured now); %limit: of {limit_name}")
+    print(f"\n{dev}: ceilings {describe_ceilings(ceilings)} (measured now); %limit: of {limit_name}; {args.dtype}, "
+          f"hidden {args.hidden}, {args.gqa} query heads a key/value head")
     print("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN %limit  peak(fwd+bwd)")
     print("\n".join(lines))
     return 0

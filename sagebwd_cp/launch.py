@@ -21,6 +21,7 @@ from .tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapLayout
 
 _device_limits: dict = {}
 _device_archs: dict = {}  # device id -> "sm_XX"
+_device_sms: dict = {}  # device id -> multiprocessor count
 
 
 class KernelArg(NamedTuple):
@@ -181,6 +182,16 @@ def shared_memory_limit(device_id: int) -> int:
         lim = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
         _device_limits[device_id] = lim
     return lim
+
+
+def sm_count(device_id: int) -> int:
+    """The device's multiprocessor count (cached)."""
+    sms = _device_sms.get(device_id)
+    if sms is None:
+        import cupy
+
+        sms = _device_sms[device_id] = cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+    return sms
 
 
 GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z

@@ -146,6 +146,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setitem(launch._device_limits, 0, H200_SHARED)
     monkeypatch.setitem(launch._device_archs, 0, "sm_90")
+    monkeypatch.setitem(launch._device_sms, 0, 132)
     monkeypatch.setattr(compiler, "get_function_pointer",
                         lambda spec, entry, device_id, shared=0: hash((spec.key, entry)) & 0xFFFFFFFF)
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0x5157))
@@ -672,6 +673,25 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
         launch.attention_grid(longest + 1, 64, 8, 1, True, "k")
     with pytest.raises(ValueError, match=r"^q: at most 65535 heads and 65535 batch entries, got 8 heads and batch 65536$"):
         launch.attention_grid(64, 64, 8, 65536, True, "q")
+
+
+def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
+    """The backward's causal grid starts heads first for the deterministic kernels and for grids of at
+    most FEW_WAVES CTAs an SM (a GQA model's 2K and 8K steps); a long many-head grid and every
+    non-causal grid keep key blocks in x."""
+    from sagebwd_cp.backward import FEW_WAVES, backward_grid
+    from sagebwd_cp.problem import make_problem
+
+    def grid(b, hq, hk, n, causal, det=False):
+        q, k = np.zeros((b, hq, n, 8), np.float16), np.zeros((b, hk, n, 8), np.float16)
+        return backward_grid(make_problem(q, k, k, causal=causal), 128, det, 132)
+
+    assert grid(8, 8, 2, 2048, True) == (2, 16, 8)  # 256 CTAs
+    assert grid(2, 8, 2, 8192, True) == (2, 64, 2)
+    assert grid(1, 16, 16, 16384, True) == (128, 16, 1)  # 2048 CTAs: more than FEW_WAVES x 132
+    assert grid(1, 16, 16, 16384, True, det=True) == (16, 128, 1)
+    assert grid(8, 8, 2, 2048, False) == (16, 2, 8)
+    assert 16 * 2 * 8 <= FEW_WAVES * 132 < 128 * 16
 
 
 def _packed(lens_q, lens_k, hq=2, hk=1, d=64, dtype="float16"):

@@ -277,6 +277,7 @@ def stubbed_cuda(monkeypatch):
     monkeypatch.setattr(compiler, "get_function_pointer", lambda spec, entry, device_id, shared=0: 0x1000)
     monkeypatch.setitem(launch._device_limits, 0, 232448)
     monkeypatch.setitem(launch._device_archs, 0, "sm_90")
+    monkeypatch.setitem(launch._device_sms, 0, 132)
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setattr(tensor_map, "_encoder", lambda layout: (lambda out, address: None))  # the driver's job
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

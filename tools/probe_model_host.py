@@ -1,0 +1,81 @@
+"""Where a model step's time goes besides the GPU's kernels: bench_model.py's decoder trained a few
+steps with SDPA and with sagebwd_cp, then a few steps under the profiler with CPU activity. Prints
+per step the wall time, the CUDA kernels' busy time, the CUDA API calls that can stall the host or
+the GPU (synchronizations, allocations, copies, launches) with counts and host time, and the CPU
+operators with the most self time.
+
+    python tools/probe_model_host.py [--context 2048] [--head-dim 128] [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_model  # noqa: E402
+
+API = ("Synchronize", "Malloc", "Free", "Memcpy", "Memset", "LaunchKernel", "EventQuery", "EventRecord",
+       "StreamWaitEvent", "FuncSetAttribute", "FuncGetAttribute", "ModuleGetFunction", "GetDevice")
+
+
+def probe(attn: str, context: int, head_dim: int, steps: int, top: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    device = torch.device("cuda")
+    model = bench_model.build_model(head_dim, context, attn, 0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    data = list(bench_model.batches(context, 5 + steps, 0, device))
+    for x, y in data[:5]:
+        step(x, y)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for x, y in data[5:]:
+            step(x, y)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps * 1e3
+    events = prof.key_averages()
+    kernel = sum(e.device_time_total for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA")
+    cpu = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"\n## {attn}: context {context}, head dim {head_dim}: {wall:.1f} ms a step (wall, profiled), "
+          f"kernels {kernel / 1e3 / steps:.1f} ms a step")
+    print("CUDA API (per step): calls, host ms")
+    for e in cpu:
+        if any(a in e.key for a in API):
+            print(f"  {e.key[:60]:<60} {e.count / steps:8.1f} {e.self_cpu_time_total / 1e3 / steps:8.2f}")
+    print(f"CPU operators by self time (per step, ms), top {top}")
+    for e in [e for e in cpu if not any(a in e.key for a in API)][:top]:
+        print(f"  {e.key[:60]:<60} {e.count / steps:8.1f} {e.self_cpu_time_total / 1e3 / steps:8.2f}")
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    for attn in ("sdpa", "sagebwd"):
+        probe(attn, args.context, args.head_dim, args.steps, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
