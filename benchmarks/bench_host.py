@@ -37,6 +37,7 @@ def mock_the_gpu():
     compiler.get_function_pointer = lambda spec, entry, device_id, shared=0: 0x1000 + len(entry)
     launch._device_limits[0] = 232448  # an H200's opt-in shared memory per block
     launch._device_archs[0] = "sm_90"
+    launch._device_sms[0] = 132  # an H100's or H200's multiprocessors
     runtime.getDevice = lambda: 0
     runtime.memsetAsync = lambda ptr, value, nbytes, stream: None
     driver.ctxGetCurrent = lambda: 1
@@ -69,7 +70,8 @@ def main(argv=None):
     q, k, v, do = (torch.randn(shape, generator=g).half() for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out, _, (lse2, k_mean) = run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)
-    options = ("forward", True, None, True, False, "HND", False, False)  # as sagebwd_cp.attention(causal=True)
+    # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense)
+    options = ("forward", True, None, True, False, "HND", False, False, False, None)
 
     def lookup():
         return plan.cached_plan((options, tuple(arrays.signature(x)[1] for x in (q, k, v))))

@@ -1,16 +1,20 @@
 """Where a model step's time goes besides the GPU's kernels: bench_model.py's decoder trained a few
 steps with SDPA and with sagebwd_cp, then a few steps under the profiler with CPU activity. Prints
 per step the wall time, the CUDA kernels' busy time, the CUDA API calls that can stall the host or
-the GPU (synchronizations, allocations, copies, launches) with counts and host time, and the CPU
-operators with the most self time.
+the GPU (synchronizations, allocations, copies, launches) with counts and host time, the CPU
+operators with the most self time, and the GPU's idle gaps: their total, and their time by the CPU
+operator that was launching the work that ended each gap (a gap whose next launch came late is time
+the GPU waited on the host).
 
     python tools/probe_model_host.py [--context 2048] [--head-dim 128] [--steps 3]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -61,8 +65,51 @@ def probe(attn: str, context: int, head_dim: int, steps: int, top: int) -> None:
     print(f"CPU operators by self time (per step, ms), top {top}")
     for e in [e for e in cpu if not any(a in e.key for a in API)][:top]:
         print(f"  {e.key[:60]:<60} {e.count / steps:8.1f} {e.self_cpu_time_total / 1e3 / steps:8.2f}")
+    gaps(prof, steps, top)
     del model, opt
     torch.cuda.empty_cache()
+
+
+def gaps(prof, steps: int, top: int, least_us: float = 5.0) -> None:
+    """The GPU's idle gaps (at least ``least_us``) between its kernels, memsets and copies, by the
+    outermost CPU operator around the launch of the work after each gap, and how late that launch
+    came (launch time minus the gap's start: positive where the GPU waited on the host)."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep")),
+                 key=lambda e: e["ts"])
+
+    def outer(t: float, tid) -> str:
+        best = None
+        for e in ops:
+            if e["ts"] > t:
+                break
+            if e["tid"] == tid and e["ts"] + e["dur"] >= t and (best is None or e["dur"] > best["dur"]):
+                best = e
+        return best["name"] if best else "(no operator)"
+
+    total, late, by_op = 0.0, 0.0, {}
+    for prev, nxt in zip(gpu, gpu[1:]):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap < least_us:
+            continue
+        total += gap
+        launch = launches.get(nxt.get("args", {}).get("correlation"))
+        name = outer(launch["ts"], launch["tid"]) if launch else "(launch not found)"
+        waited = launch is not None and launch["ts"] + launch["dur"] > prev["ts"] + prev["dur"]
+        late += gap if waited else 0.0
+        n, t, w = by_op.get(name, (0, 0.0, 0.0))
+        by_op[name] = (n + 1, t + gap, w + (gap if waited else 0.0))
+    print(f"GPU idle gaps of {least_us:.0f} us or more: {total / 1e3 / steps:.2f} ms a step, of which "
+          f"{late / 1e3 / steps:.2f} ms after a launch that came late")
+    print("  by the CPU operator launching the next work: gaps a step, ms a step, of which late")
+    for name, (n, t, w) in sorted(by_op.items(), key=lambda kv: kv[1][1], reverse=True)[:top]:
+        print(f"  {name[:60]:<60} {n / steps:8.1f} {t / 1e3 / steps:8.2f} {w / 1e3 / steps:8.2f}")
 
 
 def main(argv=None) -> int:

@@ -100,6 +100,7 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=(64, 128))
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--gqa", type=int, default=1, help="query heads per key/value head")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
@@ -111,16 +112,18 @@ def main():
     for d in args.head_dims:
         for n in args.seqlens:
             b, h = max(1, args.tokens // n), args.hidden // d
-            q, k, v, do = (torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(4))
+            q, k, v, do = (torch.randn((b, heads, n, d), device="cuda", dtype=torch.float16)
+                           for heads in (h, h // args.gqa, h // args.gqa, h))
             out, saved = sagebwd_cp.attention_forward(q, k, v, causal=args.causal)
             again = lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, saved.lse2.obj, do,
                                                                  causal=args.causal)
-            for which, call in (("forward", lambda: sagebwd_cp.attention_forward(q, k, v, causal=args.causal)),
+            for which, call in (("inference", lambda: sagebwd_cp.attention(q, k, v, causal=args.causal)),
+                                ("forward", lambda: sagebwd_cp.attention_forward(q, k, v, causal=args.causal)),
                                 ("backward", lambda: sagebwd_cp.attention_backward(saved, do)),
                                 ("backward without the saved μ_K", again)):
                 steps, plain = step_times(call, args.reps)
                 total = sum(steps.values())
-                print(f"d={d} N={n} B={b} H={h} {which}: call {plain:.3f} ms, steps sum {total:.3f} ms")
+                print(f"d={d} N={n} B={b} H={h}/{h // args.gqa} {which}: call {plain:.3f} ms, steps sum {total:.3f} ms")
                 for name, ms in steps.items():
                     print(f"    {name:22s} {ms * 1e3:8.1f} us {100 * ms / total:5.1f}%")
 
