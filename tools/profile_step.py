@@ -5,6 +5,8 @@ filters, e.g.
 
     ncu --kernel-name attention_backward --launch-skip 2 --launch-count 1 --set full \
         python tools/profile_step.py --head-dim 128 --seqlen 4096 --pass bwd
+
+A GQA model's shapes: ``--hidden 1024 --gqa 4 --dtype bfloat16 --causal`` (bench_model.py's).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (batch = tokens // seqlen)")
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head")
     p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--granularity", choices=("fine", "paper"), default="fine")
@@ -31,7 +34,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     b, h = max(1, a.tokens // a.seqlen), a.hidden // a.head_dim
     dtype = getattr(torch, a.dtype)
-    q, k, v, do = (torch.randn((b, h, a.seqlen, a.head_dim), device="cuda", dtype=dtype) for _ in range(4))
+    if h % a.gqa:
+        p.error(f"--gqa: expected a divisor of the {h} query heads, got {a.gqa}")
+    q, k, v, do = (torch.randn((b, heads, a.seqlen, a.head_dim), device="cuda", dtype=dtype)
+                   for heads in (h, h // a.gqa, h // a.gqa, h))
     for _ in range(a.warmup + a.steps):
         if a.which == "fwd":
             sagebwd_cp.attention(q, k, v, causal=a.causal)
