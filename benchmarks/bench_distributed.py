@@ -23,7 +23,6 @@ world size including 1 (plain ``python``), results into benchmarks/out/smoke unl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -122,7 +121,6 @@ def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: in
     """Step times and per-step global losses of one run; ``mode`` "single" runs on rank 0 alone."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import bench_model
 
@@ -141,17 +139,11 @@ def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: in
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     shard = slice(None) if mode == "single" else slice(d.rank * rows // d.world, (d.rank + 1) * rows // d.world)
     data = _batches(context, rows, warmup + steps, seed, d.device)  # every mode: the same global batches
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if d.cuda else contextlib.nullcontext()
     times, losses = [], []
     for step, (x, y) in enumerate(data):
         x, y = x[shard], y[shard]
         t0 = time.perf_counter()
-        with autocast:
-            logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = bench_model.train_step(model, opt, x, y, d.cuda)
         d.sync()
         if step >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)

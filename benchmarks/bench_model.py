@@ -64,11 +64,27 @@ def batches(context: int, steps: int, seed: int, device):
         yield rows[:, :-1], rows[:, 1:]
 
 
+def train_step(model, opt, x, y, cuda: bool = True):
+    """One training step (bfloat16 autocast on CUDA, next-token cross entropy, AdamW); returns the loss
+    tensor, not synchronized."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+        logits = model(input_ids=x).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed: int) -> dict:
     """Median step time (ms), attention's share of the kernel time, the attention kernels' names and
     the losses of one implementation."""
     import torch
-    import torch.nn.functional as F
 
     device = torch.device("cuda")
     model = build_model(head_dim, context, attn, seed).to(device)
@@ -81,12 +97,7 @@ def train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed:
         if prof is not None:
             prof.__enter__()
         start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, x, y)
         end.record()
         if prof is not None:
             torch.cuda.synchronize()

@@ -173,25 +173,24 @@ def device_arch(device_id: int) -> str:
     return arch
 
 
-def shared_memory_limit(device_id: int) -> int:
-    """The device's opt-in shared memory per block, in bytes."""
-    lim = _device_limits.get(device_id)
-    if lim is None:
+def _device_property(cache: dict, device_id: int, name: str) -> int:
+    """The device's CUDA property ``name``, read once into ``cache``."""
+    value = cache.get(device_id)
+    if value is None:
         import cupy
 
-        lim = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
-        _device_limits[device_id] = lim
-    return lim
+        value = cache[device_id] = cupy.cuda.runtime.getDeviceProperties(device_id)[name]
+    return value
+
+
+def shared_memory_limit(device_id: int) -> int:
+    """The device's opt-in shared memory per block, in bytes."""
+    return _device_property(_device_limits, device_id, "sharedMemPerBlockOptin")
 
 
 def sm_count(device_id: int) -> int:
-    """The device's multiprocessor count (cached)."""
-    sms = _device_sms.get(device_id)
-    if sms is None:
-        import cupy
-
-        sms = _device_sms[device_id] = cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
-    return sms
+    """The device's multiprocessor count."""
+    return _device_property(_device_sms, device_id, "multiProcessorCount")
 
 
 GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z

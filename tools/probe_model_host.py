@@ -27,20 +27,13 @@ API = ("Synchronize", "Malloc", "Free", "Memcpy", "Memset", "LaunchKernel", "Eve
 
 def probe(attn: str, context: int, head_dim: int, steps: int, top: int) -> None:
     import torch
-    import torch.nn.functional as F
 
     device = torch.device("cuda")
     model = bench_model.build_model(head_dim, context, attn, 0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return bench_model.train_step(model, opt, x, y).item()
 
     data = list(bench_model.batches(context, 5 + steps, 0, device))
     for x, y in data[:5]:
