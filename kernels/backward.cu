@@ -204,8 +204,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
-    const bool heads_first = heads_first_grid(a.Hkv);
-    const int j = heads_first ? blockIdx.y : blockIdx.x, hk = heads_first ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+    const GridCell cell = backward_cell(a.heads_first);
+    const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
     const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift

@@ -10,14 +10,17 @@
 #include "exp2.cuh"
 
 // Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
-// The grid's axes (launch.attention_grid, backward.backward_grid): a causal grid may come heads in x and
-// key blocks in y, so that every head's heaviest (first) key block starts before any head's next one:
-// the deterministic kernels (turns pass along CTAs that started together, +0-12%) and grids of a few
-// waves (else heavy CTAs start last and run alone). Other grids keep a head's CTAs together, (key
-// blocks, heads, batch), where they share its query-side tiles in L2 (heads in x cost them 2-3% at
-// 16K). A heads-first grid has gridDim.x == Hkv; where the key blocks happen to number Hkv too, reading
-// it heads first is still a bijection onto the same CTAs.
-SB_DEVICE bool heads_first_grid(int hkv) { return SB_CAUSAL && gridDim.x == static_cast<unsigned>(hkv); }
+// The grid's axes (launch.attention_grid, backward.backward_grid): a causal grid may come (Hkv, B, key
+// blocks), BackwardParams.heads_first, so that every (head, batch entry)'s heaviest (first) key block
+// starts before any one's next: the deterministic kernels (turns pass along CTAs that started together,
+// +0-12%) and grids of a few waves (else heavy CTAs start last and run alone). Other grids keep a head's
+// CTAs together, (key blocks, Hkv, B), where they share its query-side tiles in L2 (heads in x cost
+// them 2-3% at 16K).
+struct GridCell { int j, hk, b; };  // key block, key head, batch entry
+SB_DEVICE GridCell backward_cell(bool heads_first) {
+    if (SB_CAUSAL && heads_first) return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+}
 
 // A packed batch's key-side INT8 rows per sequence are a multiple of this: whole CTAs of keys (64 for
 // backward.cu, SB_GROUPS·64 for backward_wgmma.cu) and of 128 (specs.BackwardTiles.key_pad).

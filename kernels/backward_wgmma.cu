@@ -162,8 +162,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
-    const bool heads_first = heads_first_grid(a.Hkv);
-    const int j = heads_first ? blockIdx.y : blockIdx.x, hk = heads_first ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+    const GridCell cell = backward_cell(a.heads_first);
+    const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
     const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift

@@ -149,11 +149,11 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    // Later query blocks have more work under the causal mask: they start first, every head's before
-    // any head's next one (heads in x: launch.attention_grid).
-    const int qb = SB_CAUSAL ? (gridDim.y - 1 - blockIdx.y) : blockIdx.x;
+    // Later query blocks have more work under the causal mask: they start first, every (head, batch
+    // entry)'s before any one's next (grid (heads, batch, blocks): launch.attention_grid).
+    const int qb = SB_CAUSAL ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
     const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
-    const SeqInfo<ForwardParams> seq(p, blockIdx.z);
+    const SeqInfo<ForwardParams> seq(p, SB_CAUSAL ? blockIdx.y : blockIdx.z);
     const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
     if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
 

@@ -67,16 +67,18 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
 FEW_WAVES = 4
 
 
-def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, sms: int) -> tuple:
-    """The backward kernel's grid (kernels/backward_common.cuh heads_first_grid). Causal key blocks
-    differ in work (the first sees every query), so the deterministic kernels and grids of a few waves
-    go heads first: every head's heaviest block starts before any head's next one. In the natural
-    order a grid of ~2 waves starts some heads' heaviest blocks last, and they run on alone (a list
-    schedule of a GQA 4:1 model's 2K backward, 256 CTAs on 132 SMs: 61% busy, against 97% heads
-    first). Grids of many waves keep a head's CTAs together for its query-side tiles in L2."""
+def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, sms: int) -> tuple[tuple, bool]:
+    """The backward kernel's grid and whether it goes heads first (BackwardParams.heads_first,
+    kernels/backward_common.cuh backward_cell). Causal key blocks differ in work (the first sees every
+    query), so the deterministic kernels and grids of a few waves go (heads, batch, blocks): every
+    (head, batch entry)'s heaviest block starts before any one's next. In the natural order a grid of ~2
+    waves starts some heads' heaviest blocks last, and they run on alone (a list schedule of a GQA 4:1
+    model's 2K backward, 256 CTAs on 132 SMs: 61% busy; heads first with the batch in z 63%, with the
+    batch in y 97%). Grids of many waves keep a head's CTAs together for its query-side tiles in L2."""
     blocks = -(-prob.len_k // block_keys)
     few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms
-    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, prob.causal and (deterministic or few), "k")
+    heads_first = prob.causal and (deterministic or few)
+    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, heads_first, "k"), heads_first
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets
@@ -129,13 +131,14 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     wb, wh, wn = prob.bhnd_strides(dv)
 
     maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob)) if tiles.wgmma else []
-    plan.launch(spec, "attention_backward", backward_grid(prob, tiles.block_keys, deterministic, sm_count(dev)),
-                (tiles.threads, 1, 1),
+    grid, heads_first = backward_grid(prob, tiles.block_keys, deterministic, sm_count(dev))
+    plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
                                dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
-                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, **lengths) + maps,
+                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, heads_first=int(heads_first),
+                               **lengths) + maps,
                 shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).

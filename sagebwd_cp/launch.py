@@ -197,12 +197,13 @@ GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z
 
 
 def attention_grid(tokens: int, block: int, heads: int, batch: int, heads_first: bool, arg: str) -> tuple:
-    """The grid of an attention kernel: (blocks, heads, batch), or with ``heads_first`` (heads, blocks,
-    batch). The hardware starts CTAs x first, so there every head's first block starts before any head's
-    second: under a causal mask, where a head's blocks differ in work and the kernels start the heaviest
-    first, the CTAs that start last are the lightest and the grid ends without a tail of heavy CTAs (the
-    causal forward and the deterministic causal backward; docs/history/PERFORMANCE_LOG.md, causal grids). The kernels
-    read block and head from the matching axes.
+    """The grid of an attention kernel: (blocks, heads, batch), or with ``heads_first`` (heads, batch,
+    blocks). The hardware starts CTAs x first, then y: there every (head, batch entry)'s first block
+    starts before any one's second. Under a causal mask, where a head's blocks differ in work and the
+    kernels start the heaviest first, the CTAs that start last are the lightest and the grid ends without
+    a tail of heavy CTAs (the causal forward and the causal backward of few waves; with the batch in z
+    instead, the last entries' heavy blocks started last: docs/history/PERFORMANCE_LOG.md, causal grids).
+    The kernels read block, head and batch entry from the matching axes.
     ``tokens`` of ``arg`` make blocks of ``block``."""
     blocks = (tokens + block - 1) // block
     if heads_first and blocks > GRID_YZ_LIMIT:
@@ -211,4 +212,4 @@ def attention_grid(tokens: int, block: int, heads: int, batch: int, heads_first:
     if heads > GRID_YZ_LIMIT and not heads_first or batch > GRID_YZ_LIMIT:
         raise ValueError(f"{arg}: at most {GRID_YZ_LIMIT} heads and {GRID_YZ_LIMIT} batch entries, "
                          f"got {heads} heads and batch {batch}")
-    return (heads, blocks, batch) if heads_first else (blocks, heads, batch)
+    return (heads, batch, blocks) if heads_first else (blocks, heads, batch)

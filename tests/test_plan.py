@@ -665,9 +665,9 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
     (heaviest) block comes before any head's second. Non-causal grids keep blocks in x, without the
     65535 limit of y and z; a causal length past it is refused, naming the argument."""
     assert launch.attention_grid(1000, 64, 8, 2, False, "q") == (16, 8, 2)
-    assert launch.attention_grid(1000, 64, 8, 2, True, "q") == (8, 16, 2)
+    assert launch.attention_grid(1000, 64, 8, 2, True, "q") == (8, 2, 16)
     longest = launch.GRID_YZ_LIMIT * 64
-    assert launch.attention_grid(longest, 64, 8, 1, True, "q") == (8, launch.GRID_YZ_LIMIT, 1)
+    assert launch.attention_grid(longest, 64, 8, 1, True, "q") == (8, 1, launch.GRID_YZ_LIMIT)
     assert launch.attention_grid(longest + 1, 64, 8, 1, False, "q") == (launch.GRID_YZ_LIMIT + 1, 8, 1)
     with pytest.raises(ValueError, match=rf"^k: causal attention takes at most {longest} tokens .* got {longest + 1}$"):
         launch.attention_grid(longest + 1, 64, 8, 1, True, "k")
@@ -677,7 +677,7 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
 
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     """The backward's causal grid starts heads first for the deterministic kernels and for grids of at
-    most FEW_WAVES CTAs an SM (a GQA model's 2K and 8K steps); a long many-head grid and every
+    most FEW_WAVES CTAs an SM (a GQA model's 2K and 8K steps), (heads, batch, blocks); a long many-head grid and every
     non-causal grid keep key blocks in x."""
     from sagebwd_cp.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.problem import make_problem
@@ -686,11 +686,11 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
         q, k = np.zeros((b, hq, n, 8), np.float16), np.zeros((b, hk, n, 8), np.float16)
         return backward_grid(make_problem(q, k, k, causal=causal), 128, det, 132)
 
-    assert grid(8, 8, 2, 2048, True) == (2, 16, 8)  # 256 CTAs
-    assert grid(2, 8, 2, 8192, True) == (2, 64, 2)
-    assert grid(1, 16, 16, 16384, True) == (128, 16, 1)  # 2048 CTAs: more than FEW_WAVES x 132
-    assert grid(1, 16, 16, 16384, True, det=True) == (16, 128, 1)
-    assert grid(8, 8, 2, 2048, False) == (16, 2, 8)
+    assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), True)  # 256 CTAs
+    assert grid(2, 8, 2, 8192, True) == ((2, 2, 64), True)
+    assert grid(1, 16, 16, 16384, True) == ((128, 16, 1), False)  # 2048 CTAs: more than FEW_WAVES x 132
+    assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), True)
+    assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), False)
     assert 16 * 2 * 8 <= FEW_WAVES * 132 < 128 * 16
 
 
