@@ -46,15 +46,17 @@ SB_DEVICE u32 fresh_tid() {
 // instead of being formed per thread and moved over for every product.
 SB_DEVICE int warpgroup_uniform() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0); }
 
-// (batch, head) = (blockIdx.z, blockIdx.y), or blockIdx.x for the head where HEAD_IN_X (causal grids),
-// read the same way: b * heads + h after a long loop.
+// (batch, head) = (blockIdx.z, blockIdx.y), or (blockIdx.y, blockIdx.x) where HEAD_IN_X (causal grids
+// (heads, batch, blocks): launch.attention_grid), read the same way: b * heads + h after a long loop.
 template <bool HEAD_IN_X>
 SB_DEVICE long long fresh_batch_head(int heads) {
     u32 h, z;
-    if (HEAD_IN_X)
+    if (HEAD_IN_X) {
         asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(h));
-    else
+        asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(z));
+    } else {
         asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(h));
-    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+        asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    }
     return static_cast<long long>(z) * heads + h;
 }
