@@ -204,7 +204,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KEY_GROUPS, qh = warp / KEY_GROUPS;  // key group, query half
-    const GridCell cell = backward_cell(a.heads_first);
+    const GridCell cell = backward_cell(a.grid_order);
     const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);

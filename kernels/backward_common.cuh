@@ -10,16 +10,17 @@
 #include "exp2.cuh"
 
 // Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
-// The grid's axes (launch.attention_grid, backward.backward_grid): a causal grid may come (Hkv, B, key
-// blocks), BackwardParams.heads_first, so that every (head, batch entry)'s heaviest (first) key block
-// starts before any one's next: the deterministic kernels (turns pass along CTAs that started together,
-// +0-12%) and grids of a few waves (else heavy CTAs start last and run alone). Other grids keep a head's
-// CTAs together, (key blocks, Hkv, B), where they share its query-side tiles in L2 (heads in x cost
-// them 2-3% at 16K).
+// The grid's axes (launch.attention_grid's orders, backward.backward_grid says which grid takes which):
+// BLOCKS_FIRST (key blocks, Hkv, B), HEADS_FIRST (Hkv, key blocks, B), HEADS_BATCH_FIRST (Hkv, B, key
+// blocks). The mma.sync kernel's order is fixed at compile time (one register fewer at d=64).
+enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };  // launch.py's values
 struct GridCell { int j, hk, b; };  // key block, key head, batch entry
-SB_DEVICE GridCell backward_cell(bool heads_first) {
-    if (SB_CAUSAL && heads_first) return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
-    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+SB_DEVICE GridCell backward_cell(int grid_order) {
+    if (!SB_WGMMA) grid_order = SB_CAUSAL && SB_DETERMINISTIC ? HEADS_BATCH_FIRST : BLOCKS_FIRST;
+    const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+    if (SB_CAUSAL && grid_order == HEADS_BATCH_FIRST) return {z, x, y};
+    if (SB_CAUSAL && grid_order == HEADS_FIRST) return {y, x, z};
+    return {x, y, z};
 }
 
 // A packed batch's key-side INT8 rows per sequence are a multiple of this: whole CTAs of keys (64 for

@@ -162,7 +162,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
-    const GridCell cell = backward_cell(a.heads_first);
+    const GridCell cell = backward_cell(a.grid_order);
     const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);

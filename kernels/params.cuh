@@ -75,7 +75,7 @@ SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
     F(i64, vb) F(i64, vh) F(i64, vn) F(i64, db) F(i64, dh) F(i64, dn) \
     F(i64, kb) F(i64, kh) F(i64, kn) F(i64, wb) F(i64, wh) F(i64, wn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
-    F(int, heads_first)                       /* 1: grid (Hkv, B, key blocks), else (key blocks, Hkv, B) (backward.backward_grid) */ \
+    F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 

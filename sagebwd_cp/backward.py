@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .launch import attention_grid, device_arch, shared_memory_limit, sm_count, tensor_map
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, device_arch, shared_memory_limit, sm_count, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .forward import varlen_inputs
@@ -67,18 +67,27 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
 FEW_WAVES = 4
 
 
-def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, sms: int) -> tuple[tuple, bool]:
-    """The backward kernel's grid and whether it goes heads first (BackwardParams.heads_first,
-    kernels/backward_common.cuh backward_cell). Causal key blocks differ in work (the first sees every
-    query), so the deterministic kernels and grids of a few waves go (heads, batch, blocks): every
-    (head, batch entry)'s heaviest block starts before any one's next. In the natural order a grid of ~2
-    waves starts some heads' heaviest blocks last, and they run on alone (a list schedule of a GQA 4:1
-    model's 2K backward, 256 CTAs on 132 SMs: 61% busy; heads first with the batch in z 63%, with the
-    batch in y 97%). Grids of many waves keep a head's CTAs together for its query-side tiles in L2."""
+def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, wgmma: bool, sms: int) -> tuple[tuple, int]:
+    """The backward kernel's grid and its order (launch.attention_grid; BackwardParams.grid_order).
+    Causal key blocks differ in work (the first sees every query), so the deterministic kernels and the
+    wgmma kernel's grids of a few waves go heads first: every head's heaviest block starts before any
+    head's next one (else, at ~2 waves, some heads' heaviest blocks start last and run on alone). The
+    batch goes beside the heads, HEADS_BATCH_FIRST, for the deterministic kernels (their turns pass along
+    CTAs that started together) and where one batch entry's CTAs fill at most half the SMs (a GQA 4:1
+    model's 2K backward, 256 CTAs on 132 SMs, list schedule: 61% busy blocks first, 63% heads first,
+    97% heads and batch first); else in z, HEADS_FIRST, so that the CTAs running together share one batch
+    entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Grids of many waves keep
+    a head's CTAs together, BLOCKS_FIRST. The mma.sync kernel (64-key CTAs, several an SM) goes heads
+    first only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
+    costs it a register it does not have at d=64."""
     blocks = -(-prob.len_k // block_keys)
-    few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms
-    heads_first = prob.causal and (deterministic or few)
-    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, heads_first, "k"), heads_first
+    if not prob.causal or not (deterministic or wgmma and blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms):
+        order = BLOCKS_FIRST
+    elif deterministic or 2 * blocks * prob.heads_kv <= sms:
+        order = HEADS_BATCH_FIRST
+    else:
+        order = HEADS_FIRST
+    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k"), order
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets
@@ -131,13 +140,13 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     wb, wh, wn = prob.bhnd_strides(dv)
 
     maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob)) if tiles.wgmma else []
-    grid, heads_first = backward_grid(prob, tiles.block_keys, deterministic, sm_count(dev))
+    grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev))
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
                                dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
-                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, heads_first=int(heads_first),
+                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, grid_order=grid_order,
                                **lengths) + maps,
                 shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to

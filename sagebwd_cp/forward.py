@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .launch import attention_grid, device_arch
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
@@ -25,7 +25,8 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
-    grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch, prob.causal, "q")
+    grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
+                          HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
     # Without Q-smoothing the kernel quantizes Q itself (kernels/forward.cu quantize_q_rows).
     plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
                 params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,

@@ -195,21 +195,25 @@ def sm_count(device_id: int) -> int:
 
 GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z
 
+# An attention kernel's grid orders (kernels/backward_common.cuh backward_cell; the causal forward is
+# HEADS_BATCH_FIRST). The hardware starts CTAs x first, then y, then z.
+BLOCKS_FIRST = 0        # (blocks, heads, batch): a head's CTAs start together and share its tiles in L2
+HEADS_FIRST = 1         # (heads, blocks, batch): a batch entry's heads go block by block
+HEADS_BATCH_FIRST = 2   # (heads, batch, blocks): every (head, batch entry)'s first block before any one's second
 
-def attention_grid(tokens: int, block: int, heads: int, batch: int, heads_first: bool, arg: str) -> tuple:
-    """The grid of an attention kernel: (blocks, heads, batch), or with ``heads_first`` (heads, batch,
-    blocks). The hardware starts CTAs x first, then y: there every (head, batch entry)'s first block
-    starts before any one's second. Under a causal mask, where a head's blocks differ in work and the
-    kernels start the heaviest first, the CTAs that start last are the lightest and the grid ends without
-    a tail of heavy CTAs (the causal forward and the causal backward of few waves; with the batch in z
-    instead, the last entries' heavy blocks started last: docs/history/PERFORMANCE_LOG.md, causal grids).
-    The kernels read block, head and batch entry from the matching axes.
-    ``tokens`` of ``arg`` make blocks of ``block``."""
+
+def attention_grid(tokens: int, block: int, heads: int, batch: int, order: int, arg: str) -> tuple:
+    """The grid of an attention kernel in ``order``. Under a causal mask a head's blocks differ in work
+    and the kernels start the heaviest first; the heads-first orders start the heavy blocks of many heads
+    before the light ones, so that the grid ends without a tail of heavy CTAs that started last
+    (docs/history/PERFORMANCE_LOG.md, causal grids). The kernels read block, head and batch entry from
+    the matching axes. ``tokens`` of ``arg`` make blocks of ``block``."""
     blocks = (tokens + block - 1) // block
-    if heads_first and blocks > GRID_YZ_LIMIT:
+    if order != BLOCKS_FIRST and blocks > GRID_YZ_LIMIT:
         raise ValueError(f"{arg}: causal attention takes at most {GRID_YZ_LIMIT * block} tokens "
                          f"({GRID_YZ_LIMIT} blocks of {block}), got {tokens}")
-    if heads > GRID_YZ_LIMIT and not heads_first or batch > GRID_YZ_LIMIT:
+    if heads > GRID_YZ_LIMIT and order == BLOCKS_FIRST or batch > GRID_YZ_LIMIT:
         raise ValueError(f"{arg}: at most {GRID_YZ_LIMIT} heads and {GRID_YZ_LIMIT} batch entries, "
                          f"got {heads} heads and batch {batch}")
-    return (heads, batch, blocks) if heads_first else (blocks, heads, batch)
+    return {BLOCKS_FIRST: (blocks, heads, batch), HEADS_FIRST: (heads, blocks, batch),
+            HEADS_BATCH_FIRST: (heads, batch, blocks)}[order]

@@ -664,34 +664,50 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
     """Causal grids put heads in x, which the hardware starts first: in start order every head's first
     (heaviest) block comes before any head's second. Non-causal grids keep blocks in x, without the
     65535 limit of y and z; a causal length past it is refused, naming the argument."""
-    assert launch.attention_grid(1000, 64, 8, 2, False, "q") == (16, 8, 2)
-    assert launch.attention_grid(1000, 64, 8, 2, True, "q") == (8, 2, 16)
+    assert launch.attention_grid(1000, 64, 8, 2, launch.BLOCKS_FIRST, "q") == (16, 8, 2)
+    assert launch.attention_grid(1000, 64, 8, 2, launch.HEADS_BATCH_FIRST, "q") == (8, 2, 16)
+    assert launch.attention_grid(1000, 64, 8, 2, launch.HEADS_FIRST, "q") == (8, 16, 2)
     longest = launch.GRID_YZ_LIMIT * 64
-    assert launch.attention_grid(longest, 64, 8, 1, True, "q") == (8, 1, launch.GRID_YZ_LIMIT)
-    assert launch.attention_grid(longest + 1, 64, 8, 1, False, "q") == (launch.GRID_YZ_LIMIT + 1, 8, 1)
+    assert launch.attention_grid(longest, 64, 8, 1, launch.HEADS_BATCH_FIRST, "q") == (8, 1, launch.GRID_YZ_LIMIT)
+    assert launch.attention_grid(longest + 1, 64, 8, 1, launch.BLOCKS_FIRST, "q") == (launch.GRID_YZ_LIMIT + 1, 8, 1)
     with pytest.raises(ValueError, match=rf"^k: causal attention takes at most {longest} tokens .* got {longest + 1}$"):
-        launch.attention_grid(longest + 1, 64, 8, 1, True, "k")
+        launch.attention_grid(longest + 1, 64, 8, 1, launch.HEADS_FIRST, "k")
     with pytest.raises(ValueError, match=r"^q: at most 65535 heads and 65535 batch entries, got 8 heads and batch 65536$"):
-        launch.attention_grid(64, 64, 8, 65536, True, "q")
+        launch.attention_grid(64, 64, 8, 65536, launch.HEADS_BATCH_FIRST, "q")
 
 
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
-    """The backward's causal grid starts heads first for the deterministic kernels and for grids of at
-    most FEW_WAVES CTAs an SM (a GQA model's 2K and 8K steps), (heads, batch, blocks); a long many-head grid and every
-    non-causal grid keep key blocks in x."""
+    """The wgmma backward's causal grid starts heads first for grids of at most FEW_WAVES CTAs an SM
+    (a GQA model's 2K and 8K steps), with the batch beside the heads where one entry fills at most half
+    the SMs; the deterministic kernels go heads and batch first; a long many-head grid, every
+    non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
     from sagebwd_cp.backward import FEW_WAVES, backward_grid
+    from sagebwd_cp.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
     from sagebwd_cp.problem import make_problem
 
-    def grid(b, hq, hk, n, causal, det=False):
+    def grid(b, hq, hk, n, causal, det=False, wgmma=True):
         q, k = np.zeros((b, hq, n, 8), np.float16), np.zeros((b, hk, n, 8), np.float16)
-        return backward_grid(make_problem(q, k, k, causal=causal), 128, det, 132)
+        return backward_grid(make_problem(q, k, k, causal=causal), 128, det, wgmma, 132)
 
-    assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), True)  # 256 CTAs
-    assert grid(2, 8, 2, 8192, True) == ((2, 2, 64), True)
-    assert grid(1, 16, 16, 16384, True) == ((128, 16, 1), False)  # 2048 CTAs: more than FEW_WAVES x 132
-    assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), True)
-    assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), False)
+    assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # 256 CTAs, 32 an entry
+    assert grid(2, 8, 2, 8192, True) == ((2, 64, 2), HEADS_FIRST)  # 128 CTAs an entry
+    assert grid(1, 16, 16, 16384, True) == ((128, 16, 1), BLOCKS_FIRST)  # more than FEW_WAVES x 132
+    assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), HEADS_BATCH_FIRST)
+    assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), BLOCKS_FIRST)
+    assert grid(8, 8, 2, 2048, True, wgmma=False) == ((16, 2, 8), BLOCKS_FIRST)
+    assert grid(8, 8, 2, 2048, True, det=True, wgmma=False) == ((2, 8, 16), HEADS_BATCH_FIRST)
     assert 16 * 2 * 8 <= FEW_WAVES * 132 < 128 * 16
+
+
+def test_grid_orders_match_the_kernels():
+    """launch.py's grid-order values are the ones kernels/backward_common.cuh decodes."""
+    import re
+    from sagebwd_cp import launch
+    from sagebwd_cp.compiler import source_dirs
+
+    text = (source_dirs()[0] / "backward_common.cuh").read_text()
+    enum = dict((n, int(v)) for n, v in re.findall(r"(\w+) = (\d+)", re.search(r"enum GridOrder \{([^}]*)\}", text).group(1)))
+    assert enum == {n: getattr(launch, n) for n in ("BLOCKS_FIRST", "HEADS_FIRST", "HEADS_BATCH_FIRST")}
 
 
 def _packed(lens_q, lens_k, hq=2, hk=1, d=64, dtype="float16"):
