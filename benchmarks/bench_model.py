@@ -11,8 +11,12 @@ For each context and head dim it reports the median step time of each implementa
 ratio, the share of the step spent in attention kernels (from the profiler's CUDA kernel times;
 for SDPA the kernel names show which backend torch picked), and the mean loss of the last steps.
 
+With ``--drift`` a third run trains with SDPA held off cuDNN (FlashAttention, else memory-efficient,
+else the math backend, whichever takes the shapes): two exact attentions that differ only in rounding, so their loss gap over the same
+steps is the drift any change of rounding causes, the scale for ours against SDPA's.
+
     python benchmarks/bench_model.py [--contexts 2048 8192 32768] [--head-dims 128 64] [--steps 30]
-        [--warmup 5] [--json out.json]
+        [--warmup 5] [--drift] [--json out.json]
 
 Needs a CUDA GPU, PyTorch and transformers (``pip install transformers``).
 """
@@ -81,9 +85,28 @@ def train_step(model, opt, x, y, cuda: bool = True):
     return loss
 
 
-def train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed: int) -> dict:
+# Implementations: name -> transformers attn_implementation (and, for "sdpa_other", the SDPA backends it may use).
+IMPLS = {"sdpa": "sdpa", "sagebwd": "sagebwd", "sdpa_other": "sdpa"}
+
+
+def _backends(impl: str):
+    """A context that holds SDPA off cuDNN for "sdpa_other" (its first backend that takes the shapes)."""
+    import contextlib
+
+    if impl != "sdpa_other":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def train(head_dim: int, context: int, impl: str, steps: int, warmup: int, seed: int) -> dict:
     """Median step time (ms), attention's share of the kernel time, the attention kernels' names and
     the losses of one implementation."""
+    with _backends(impl):
+        return _train(head_dim, context, IMPLS[impl], steps, warmup, seed)
+
+
+def _train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed: int) -> dict:
     import torch
 
     device = torch.device("cuda")
@@ -135,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drift", action="store_true",
+                    help="also train with SDPA off cuDNN (the scale of rounding drift)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -150,7 +175,8 @@ def main(argv=None) -> int:
     rows, records = [], []
     for d in args.head_dims:
         for context in args.contexts:
-            res = {attn: train(d, context, attn, args.steps, args.warmup, args.seed) for attn in ("sdpa", "sagebwd")}
+            impls = ("sdpa", "sagebwd") + (("sdpa_other",) if args.drift else ())
+            res = {impl: train(d, context, impl, args.steps, args.warmup, args.seed) for impl in impls}
             sdpa, ours = res["sdpa"], res["sagebwd"]
             loss = {k: statistics.mean(v["losses"][-tail:]) for k, v in res.items()}
             records.append({"head_dim": d, "context": context, "steps": args.steps, **{
@@ -163,7 +189,9 @@ def main(argv=None) -> int:
                         f"{ours['step_ms'] / sdpa['step_ms']:7.3f} {share(sdpa):>6} {share(ours):>6} "
                         f"{sdpa['attention_ms']:7.2f} {ours['attention_ms']:7.2f} {sdpa['kernel_ms']:7.1f} "
                         f"{ours['kernel_ms']:7.1f} "
-                        f"{loss['sdpa']:8.4f} {loss['sagebwd']:8.4f}  {', '.join(sdpa['attention_kernels'][:2])}")
+                        f"{loss['sdpa']:8.4f} {loss['sagebwd']:8.4f}"
+                        + (f" {loss['sdpa_other']:8.4f}" if args.drift else "")
+                        + f"  {', '.join(sdpa['attention_kernels'][:2])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "records": records}, f, indent=1)
@@ -171,7 +199,7 @@ def main(argv=None) -> int:
           f"a step, bfloat16 autocast, AdamW; median of {args.steps} steps after {args.warmup}; loss: mean of the "
           f"last {tail}")
     print("  d    ctx   sdpa ms   ours ms  ours/sdpa  attn% sdpa/ours  attn ms sdpa/ours  kernel ms sdpa/ours  "
-          "loss sdpa  ours  SDPA's attention kernels")
+          "loss sdpa  ours" + ("  sdpa(other backend)" if args.drift else "") + "  SDPA's attention kernels")
     print("\n".join(rows))
     return 0
 
