@@ -69,19 +69,22 @@ FEW_WAVES = 4
 
 def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, wgmma: bool, sms: int) -> tuple[tuple, int]:
     """The backward kernel's grid and its order (launch.attention_grid; BackwardParams.grid_order).
-    Causal key blocks differ in work (the first sees every query), so the deterministic kernels and the
-    wgmma kernel's grids of a few waves go heads first: every head's heaviest block starts before any
-    head's next one (else, at ~2 waves, some heads' heaviest blocks start last and run on alone). The
-    batch goes beside the heads, HEADS_BATCH_FIRST, for the deterministic kernels (their turns pass along
-    CTAs that started together) and where one batch entry's CTAs fill at most half the SMs (a GQA 4:1
-    model's 2K backward, 256 CTAs on 132 SMs, list schedule: 61% busy blocks first, 63% heads first,
-    97% heads and batch first); else in z, HEADS_FIRST, so that the CTAs running together share one batch
-    entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Grids of many waves keep
-    a head's CTAs together, BLOCKS_FIRST. The mma.sync kernel (64-key CTAs, several an SM) goes heads
-    first only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
+    Causal key blocks differ in work (the first sees every query), and the kernels start each (head,
+    batch entry)'s blocks heaviest first. Where such a chain is shorter than a wave and the grid is a
+    few waves, the natural order starts the last chains' heaviest blocks last and they run on alone, so
+    the wgmma kernel goes heads first: every head's heaviest block before any head's next one. The batch
+    goes beside the heads, HEADS_BATCH_FIRST, where one batch entry's CTAs fill at most half the SMs (a
+    GQA 4:1 model's 2K backward, 256 CTAs on 132 SMs, list schedule: 61% busy blocks first, 63% heads
+    first, 97% heads and batch first); else in z, HEADS_FIRST, so that the CTAs running together share
+    one batch entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Chains of a
+    wave or more (32K) and grids of many waves keep a head's CTAs together, BLOCKS_FIRST, for L2 (heads
+    first cost the d=128 32K model shape 9%). The deterministic kernels go heads and batch first (their
+    turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
+    so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
     costs it a register it does not have at d=64."""
     blocks = -(-prob.len_k // block_keys)
-    if not prob.causal or not (deterministic or wgmma and blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms):
+    few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks < sms
+    if not prob.causal or not (deterministic or wgmma and few):
         order = BLOCKS_FIRST
     elif deterministic or 2 * blocks * prob.heads_kv <= sms:
         order = HEADS_BATCH_FIRST

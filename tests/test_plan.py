@@ -678,8 +678,8 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
 
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     """The wgmma backward's causal grid starts heads first for grids of at most FEW_WAVES CTAs an SM
-    (a GQA model's 2K and 8K steps), with the batch beside the heads where one entry fills at most half
-    the SMs; the deterministic kernels go heads and batch first; a long many-head grid, every
+    (a GQA model's 2K and 8K steps) whose heads' chains of blocks are shorter than a wave, with the
+    batch beside the heads where one entry fills at most half the SMs; the deterministic kernels go heads and batch first; a long many-head grid, every
     non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
     from sagebwd_cp.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
@@ -692,6 +692,7 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # 256 CTAs, 32 an entry
     assert grid(2, 8, 2, 8192, True) == ((2, 64, 2), HEADS_FIRST)  # 128 CTAs an entry
     assert grid(1, 16, 16, 16384, True) == ((128, 16, 1), BLOCKS_FIRST)  # more than FEW_WAVES x 132
+    assert grid(1, 8, 2, 32768, True) == ((256, 2, 1), BLOCKS_FIRST)  # 512 CTAs, but chains of 256 blocks
     assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), HEADS_BATCH_FIRST)
     assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, wgmma=False) == ((16, 2, 8), BLOCKS_FIRST)
