@@ -12,8 +12,9 @@ ratio, the share of the step spent in attention kernels (from the profiler's CUD
 for SDPA the kernel names show which backend torch picked), and the mean loss of the last steps.
 
 With ``--drift`` a third run trains with SDPA held off cuDNN (FlashAttention, else memory-efficient,
-else the math backend, whichever takes the shapes): two exact attentions that differ only in rounding, so their loss gap over the same
-steps is the drift any change of rounding causes, the scale for ours against SDPA's.
+else the math backend, whichever takes the shapes): two exact attentions that differ only in
+rounding, so their loss gap over the same steps is the drift any change of rounding causes, the
+scale for ours against SDPA's.
 
     python benchmarks/bench_model.py [--contexts 2048 8192 32768] [--head-dims 128 64] [--steps 30]
         [--warmup 5] [--drift] [--json out.json]
@@ -144,7 +145,8 @@ def _train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed
     del model, opt
     torch.cuda.empty_cache()
     top = lambda d, n: {k[:120]: round(d[k] / 1e3, 4) for k in sorted(d, key=d.get, reverse=True)[:n]}
-    return {"step_ms": statistics.median(times), "step_times_ms": times, "attention_share": attention_us / kernel_us if kernel_us else None,
+    return {"step_ms": statistics.median(times), "step_times_ms": times,
+            "attention_share": attention_us / kernel_us if kernel_us else None,
             "attention_kernels": sorted(names, key=names.get, reverse=True)[:4], "losses": losses,
             # the profiled step: all kernels' time, attention's, and the largest kernels of each kind (ms)
             "kernel_ms": kernel_us / 1e3, "attention_ms": attention_us / 1e3,
@@ -181,8 +183,8 @@ def main(argv=None) -> int:
             loss = {k: statistics.mean(v["losses"][-tail:]) for k, v in res.items()}
             records.append({"head_dim": d, "context": context, "steps": args.steps, **{
                 f"{k}_{f}": v[f] for k, v in res.items()
-                for f in ("step_ms", "step_times_ms", "attention_share", "attention_kernels", "kernel_ms", "attention_ms",
-                          "attention_kernel_ms", "other_kernel_ms", "losses")},
+                for f in ("step_ms", "step_times_ms", "attention_share", "attention_kernels", "kernel_ms",
+                          "attention_ms", "attention_kernel_ms", "other_kernel_ms", "losses")},
                 **{f"{k}_loss": v for k, v in loss.items()}})
             share = lambda r: "-" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
             rows.append(f"{d:>3} {context:>6} {sdpa['step_ms']:9.1f} {ours['step_ms']:9.1f} "

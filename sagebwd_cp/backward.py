@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, device_arch, shared_memory_limit, sm_count, tensor_map
+from .launch import (BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, device_arch, shared_memory_limit,
+                     sm_count, tensor_map)
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .forward import varlen_inputs

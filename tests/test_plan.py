@@ -679,8 +679,9 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     """The wgmma backward's causal grid starts heads first for grids of at most FEW_WAVES CTAs an SM
     (a GQA model's 2K and 8K steps) whose heads' chains of blocks are shorter than a wave, with the
-    batch beside the heads where one entry fills at most half the SMs; the deterministic kernels go heads and batch first; a long many-head grid, every
-    non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
+    batch beside the heads where one entry fills at most half the SMs; the deterministic kernels go
+    heads and batch first; a long many-head grid, every non-causal grid and the mma.sync kernel's
+    default grid keep key blocks in x."""
     from sagebwd_cp.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
     from sagebwd_cp.problem import make_problem
