@@ -1,0 +1,58 @@
+"""GPU time of each kernel SDPA launches for one forward and one backward (the peer's side of
+``probe_steps.py``): which backend torch picked, by kernel name, and where its time goes.
+
+    python tools/probe_sdpa_kernels.py --seqlens 2048 8192 --head-dims 64 128 --hidden 1024 --gqa 4 --causal
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=(2048, 8192))
+    ap.add_argument("--head-dims", type=int, nargs="+", default=(64, 128))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--gqa", type=int, default=4, help="query heads per key/value head")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = getattr(torch, args.dtype)
+    print(torch.cuda.get_device_name(0), args.dtype, "causal" if args.causal else "non-causal")
+    for d in args.head_dims:
+        for n in args.seqlens:
+            b, h = max(1, args.tokens // n), args.hidden // d
+            q, k, v = (torch.randn((b, heads, n, d), device="cuda", dtype=dtype, requires_grad=True)
+                       for heads in (h, h // args.gqa, h // args.gqa))
+            do = torch.randn((b, h, n, d), device="cuda", dtype=dtype)
+
+            def step():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=args.gqa > 1)
+                torch.autograd.grad(out, (q, k, v), do)
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.reps):
+                    step()
+                torch.cuda.synchronize()
+            per = collections.defaultdict(float)
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    per[e.name] += e.device_time_total / args.reps
+            total = sum(per.values())
+            print(f"d={d} N={n} B={b} H={h}/{h // args.gqa}: kernels {total:.1f} us a step")
+            for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
