@@ -243,25 +243,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + row0 + i * BQ + tid);
         if (tid == BQ) cp_async_4(st + SSCALE, a.do_scale + seq.q_block0(h) + i);
     };
-    // Iterations walk the (query head of the group, query block) pairs: `it` is (h, i), the next load (nh, ni),
-    // in backward_wgmma.cu's order (see there why): without the mask heads outer and query blocks first to
-    // last; causal, heads inner and query blocks last to first, CTA j starting j % ROTATE blocks into its list
-    // unless deterministic.
-    constexpr int ROTATE = SB_CAUSAL && !SB_DETERMINISTIC ? 4 : 1;
+    // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order
+    // (backward_common.cuh): `it` is (h, i), the next load (nh, ni).
     const int h_first = hk * group, i_last = i0 + n_i - 1;
-    const int i_start = SB_CAUSAL ? i_last - j % ROTATE % max(n_i, 1) : i0;
+    const int i_start = SB_CAUSAL ? i_last - j % SWEEP_ROTATE % max(n_i, 1) : i0;
     int h = h_first, i = i_start, nh = h_first, ni = i_start;
-    auto advance = [&](int& hh, int& ii) {
-        if (!SB_CAUSAL) {
-            if (++ii > i_last) {
-                ii = i0;
-                ++hh;
-            }
-        } else if (++hh == h_first + group) {
-            hh = h_first;
-            ii = ROTATE > 1 && ii == i0 ? i_last : ii - 1;  // (no wrap without a rotation)
-        }
-    };
+    auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
 
     if (n_it > 0) {
         load_stage(nh, ni, 0);

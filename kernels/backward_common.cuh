@@ -201,3 +201,28 @@ SB_DEVICE QueryBlocks query_blocks(int first_key, int Lq, int Lk) {
     }
     return {i0, max(0, (Lq + BQ - 1) / BQ - i0)};
 }
+
+// The order in which a CTA walks its (query head of the group, query block) pairs, the blocks i0..i_last of
+// query_blocks above. Without the mask, heads outer and query blocks first to last. Causal, heads inner and
+// query blocks last to first, so that the CTAs of a (batch, key head) that start together read the same few
+// query blocks' tiles at about the same time, while those are in L2 (first to last, CTA j would start on
+// block ~2j, each CTA on blocks of its own, and the query side of every (batch, head) in flight would
+// compete for L2). Deterministic, a CTA so waits about one iteration for the turn of the CTA before it
+// (first to last, those waits add up along the CTAs). Otherwise CTA j starts j % SWEEP_ROTATE blocks into
+// its list and wraps around at its end, so that the dQ reductions in flight at one time spread over
+// SWEEP_ROTATE query blocks instead of all adding into one.
+constexpr int SWEEP_ROTATE = SB_CAUSAL && !SB_DETERMINISTIC ? 4 : 1;
+// (hh, ii) -> the next pair. CTA j's first is (h_first, i_last - j % SWEEP_ROTATE % max(n_i, 1)) causal, else
+// (h_first, i0); the kernels form it in place (through a function here ptxas schedules the deterministic
+// kernels differently).
+SB_DEVICE void sweep_advance(int& hh, int& ii, int h_first, int group, int i0, int i_last) {
+    if (!SB_CAUSAL) {
+        if (++ii > i_last) {
+            ii = i0;
+            ++hh;
+        }
+    } else if (++hh == h_first + group) {
+        hh = h_first;
+        ii = SWEEP_ROTATE > 1 && ii == i0 ? i_last : ii - 1;  // (no wrap without a rotation)
+    }
+}

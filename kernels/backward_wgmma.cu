@@ -207,30 +207,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, seq.q_start() + i * BQ, h, SB_VARLEN ? 0 : seq.b, bar);
         bulk_load(st + SSTATS, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
-    // Iterations walk the (query head of the group, query block) pairs: `it` is (h, i), the next load (nh, ni).
-    // Without the mask, heads outer and query blocks first to last. Causal, heads inner and query blocks last
-    // to first, so that the CTAs of a (batch, key head) that start together read the same few query
-    // blocks' tiles at about the same time, while those are in L2 (first to last, CTA j would start on
-    // block ~2j, each CTA on blocks of its own, and the query side of every (batch, head) in flight would
-    // compete for L2). Deterministic, a CTA so waits about one iteration for the turn of the CTA before it
-    // (first to last, those waits add up along the CTAs). Otherwise CTA j starts j % ROTATE blocks into its
-    // list and wraps around at its end, so that the dQ reductions in flight at one time spread over ROTATE
-    // query blocks instead of all adding into one.
-    constexpr int ROTATE = SB_CAUSAL && !SB_DETERMINISTIC ? 4 : 1;
+    // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order
+    // (backward_common.cuh): `it` is (h, i), the next load (nh, ni).
     const int h_first = hk * group, i_last = i0 + n_i - 1;
-    const int i_start = SB_CAUSAL ? i_last - j % ROTATE % max(n_i, 1) : i0;
+    const int i_start = SB_CAUSAL ? i_last - j % SWEEP_ROTATE % max(n_i, 1) : i0;
     int h = h_first, i = i_start, nh = h_first, ni = i_start;
-    auto advance = [&](int& hh, int& ii) {
-        if (!SB_CAUSAL) {
-            if (++ii > i_last) {
-                ii = i0;
-                ++hh;
-            }
-        } else if (++hh == h_first + group) {
-            hh = h_first;
-            ii = ROTATE > 1 && ii == i0 ? i_last : ii - 1;  // (no wrap without a rotation)
-        }
-    };
+    auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
 
     cp_async_commit();
     if (tid == 0) {
