@@ -25,6 +25,7 @@
 #include "convert.cuh"
 #include "exp2.cuh"
 #include "quantizer.cuh"
+#include "forward_q.cuh"
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
@@ -82,57 +83,6 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
     return LaneOffsets<ROW_BYTES, KSTEPS>(((m >> 1) << 3) + (lane & 7), m & 1);
 }
 
-// Q̂ of the CTA's CTA_Q rows from 16-bit Q (head base qh_base, row stride qn elements, unit stride
-// along d) into the swizzled tile at sQ, as the pre-pass's Q job computes it (quantize.cu, per token,
-// prescale c·log2(e)): thread t quantizes half of row t / 2 (DP/16 chunks of 8 values); the two
-// halves share the row max by a shuffle. Rows past Lq and columns past D are zero (codes 0, scale 0).
-// Returns the row's scale (both threads of the row hold it).
-SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn, int q0, int Lq, int D, float prescale) {
-    static_assert(THREADS == 2 * CTA_Q, "two threads a row");
-    constexpr int CH = DP / 16;  // raw chunks a thread: half a row
-    const int tid = threadIdx.x, r = tid >> 1, c0 = (tid & 1) * CH;
-    const int row = q0 + r;
-    const u16* src = qh_base + static_cast<i64>(row) * qn;
-    // Rows that start 16-byte aligned (D a multiple of 8) load 8 values at a time; others value by value.
-    const bool aligned = rows_aligned_16(qh_base, qn, D);
-    uint4 raw[CH];
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-        const int col = 8 * (c0 + c);
-        if (aligned) {
-            raw[c] = row < Lq && col < D ? *reinterpret_cast<const uint4*>(src + col) : make_uint4(0, 0, 0, 0);
-        } else {
-            u32 w[4] = {0, 0, 0, 0};
-            for (int e = 0; e < 8; ++e)
-                if (row < Lq && col + e < D) w[e >> 1] |= static_cast<u32>(src[col + e]) << (16 * (e & 1));
-            raw[c] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-    // max|RN(x·p)| = RN(max|x|·p): rounding is monotonic and p > 0.
-    float amax = 0.f;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) amax = max_nan(amax, chunk_abs_max(raw[c]));
-    amax = mul_rn(amax, prescale);
-    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    float scale;
-    const float inv = psi_inverse(amax, &scale);
-    // Two raw chunks (16 values) make one 16-byte chunk of the INT8 row.
-#pragma unroll
-    for (int c = 0; c < CH; c += 2) {
-        uint2 code[2];
-        constexpr float NO_SHIFT[8] = {};
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-            float v[8];
-            row_values<true, false>(raw[c + x], prescale, NO_SHIFT, v);
-            code[x] = chunk_codes(v, inv);
-        }
-        const u32 dst = sQ + swizzled_offset<DP, WG>(r, (c0 + c) / 2);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(code[0].x), "r"(code[0].y), "r"(code[1].x), "r"(code[1].y) : "memory");
-    }
-    return scale;
-}
-
 // mma.sync: one CTA per SM is the floor that lets ptxas keep every accumulator in registers (it
 // otherwise trades a few spills for occupancy on sm_90). wgmma: Q̂ stays in shared memory and P̂V̂
 // goes 64 columns at a time; 64-key tiles fit 4 CTAs (128 registers) without spills (5 at d=64
@@ -147,6 +97,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
     SB_REQUIRE_SM80();
     extern __shared__ __align__(128) unsigned char smem[];
+    static_assert(THREADS == 2 * CTA_Q, "two threads a row quantize Q (forward_q.cuh)");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     // Later query blocks have more work under the causal mask: they start first, every (head, batch
@@ -179,7 +130,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     if (n_tiles > 0) load_stage(sKV, 0);
     cp_async_commit();
     float q_row_scale = 0.f;  // without Q-smoothing: the scale of the row this thread quantized
-    if (!SB_BIAS) q_row_scale = quantize_q_rows(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale);
+    if (!SB_BIAS) q_row_scale = quantize_q_rows<DP, WG>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale, threadIdx.x);
     cp_async_wait<0>();
     if (WG) fence_proxy_async();  // cp.async and the Q̂ stores wrote what wgmma reads
     __syncthreads();

@@ -52,6 +52,12 @@
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
 
+// forward_ws.cu attention_forward, after ForwardParams: the TMA maps of the key-side tiles
+#define SB_FORWARD_MAPS(F0, F) \
+    F0(TensorMap, tm_k)                       /* K̂ bytes [B·Hkv·Nk_pad][DP], box DP x 128 rows */ \
+    F(TensorMap, tm_vt)                       /* V̂ᵀ bytes [B·Hkv·DP][Nk_pad], box 128 x DP */
+SB_PARAM_LIST(ForwardMaps, SB_FORWARD_MAPS)
+
 // backward.cu and backward_wgmma.cu attention_backward
 #define SB_BACKWARD_FIELDS(F0, F) \
     F0(const i8*, q8)                         /* [B][Hq][Nq_pad][DP] */ \

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
+from .tensor_map import DTYPE_UINT8, TensorMapLayout
 
 
 def varlen_inputs(prob: AttentionProblem) -> list:
@@ -19,21 +20,37 @@ def varlen_inputs(prob: AttentionProblem) -> list:
     return [("cu_seqlens_q", prob.cu_q), ("cu_seqlens_k", prob.cu_k)] if prob.varlen else []
 
 
+def _key_tile_maps(prob: AttentionProblem, qz: Quantized, key_tile: int) -> list:
+    """The tensor maps forward_ws.cu loads its key tiles with (ForwardMaps): K̂ (key_tile rows of Dp
+    bytes) and V̂ᵀ (Dp rows of key_tile bytes), in the wgmma swizzle of their row length."""
+    dp, nk = prob.padded_head_dim, qz.nk_pad
+    slices = (1 if prob.varlen else prob.batch) * prob.heads_kv
+    rows = TensorMapLayout(DTYPE_UINT8, (dp, slices * nk), (dp,), (dp, key_tile), dp)
+    cols = TensorMapLayout(DTYPE_UINT8, (nk, slices * dp), (nk,), (key_tile, dp), 128)
+    return params.args("ForwardMaps", tm_k=tensor_map(rows, qz.k8), tm_vt=tensor_map(cols, qz.vt8))
+
+
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
-    tiles = specs.forward_tiles(dp, device_arch(dev))
-    spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
+    arch = device_arch(dev)
+    ws = specs.forward_ws_tiles(dp, arch, prob.smooth_q)
+    if ws is not None:
+        tiles, maps = ws, _key_tile_maps(prob, qz, ws.key_tile)
+        spec = specs.forward_ws_spec(dp, prob.dtype, prob.causal, ws, prob.varlen)
+    else:
+        tiles, maps = specs.forward_tiles(dp, arch), []
+        spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
                           HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
-    # Without Q-smoothing the kernel quantizes Q itself (kernels/forward.cu quantize_q_rows).
+    # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_q.cuh).
     plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
                 params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
                                vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
                                ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                                D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
-                               q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_lengths()),
+                               q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_lengths()) + maps,
                 shared=KERNEL_LAYOUT)
 
 

@@ -111,6 +111,49 @@ def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTi
                      SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile, **defines)
 
 
+@dataclasses.dataclass(frozen=True)
+class WsForwardTiles:
+    """The warp-specialized sm_90 forward (kernels/forward_ws.cu): a producer warpgroup and
+    ``consumers`` warpgroups of 64 query rows, ``stages`` 128-key tiles in flight, the consumers
+    taking turns to issue their products (``pingpong``)."""
+    consumers: int = 2
+    stages: int = 3
+    pingpong: bool = True
+    key_tile: int = 128
+
+    @property
+    def cta_q(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+
+def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
+    """The warp-specialized forward's tiles where it runs (sm_90, no Q-smoothing), else None.
+    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1, 2),
+    SAGEBWD_FORWARD_STAGES (2-4) and SAGEBWD_FORWARD_PINGPONG (0, 1) override its shape."""
+    if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) == 0:
+        return None
+    tiles = WsForwardTiles()
+    consumers = _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2))
+    stages = _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4))
+    pingpong = _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1))
+    return dataclasses.replace(tiles, consumers=tiles.consumers if consumers is None else consumers,
+                               stages=tiles.stages if stages is None else stages,
+                               pingpong=tiles.pingpong if pingpong is None else bool(pingpong))
+
+
+def forward_ws_spec(dp: int, dtype: str, causal: bool, tiles: WsForwardTiles, varlen: bool = False) -> KernelSpec:
+    suffix, defines = _varlen(varlen)
+    key = (f"forward_ws.hd{dp}.{dtype}.{'causal' if causal else 'full'}.c{tiles.consumers}s{tiles.stages}"
+           f"{'.pp' if tiles.pingpong and tiles.consumers > 1 else ''}{suffix}")
+    return make_spec(key, "forward_ws.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
+                     SB_CAUSAL=int(causal), SB_WGMMA=1, SB_CONSUMERS=tiles.consumers, SB_KV_STAGES=tiles.stages,
+                     SB_PINGPONG=int(tiles.pingpong and tiles.consumers > 1), **defines)
+
+
 def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
     suffix, defines = _varlen(varlen)
     return make_spec(f"backward_rows.{dtype}{suffix}", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"],
@@ -219,6 +262,8 @@ def all_specs(arch: str | None = None) -> list:
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile), varlen))
+                        if not bias:
+                            specs.append(forward_ws_spec(dp, dt, causal, WsForwardTiles(), varlen))
                     for fine in (True, False):
                         for det in (False, True):
                             specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit,

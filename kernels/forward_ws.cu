@@ -1,0 +1,399 @@
+// SageBwd forward on Hopper (sm_90a), warp-specialized: the numerics of forward.cu's 128-key wgmma
+// kernel (numerics.py; the same products, scales, lazy rescaling and P̂ codes, so the same bits), in
+// the structure of a producer/consumer pipeline.
+//   Warpgroup 0, the producer: gives its registers back (setmaxnreg) and one thread issues the TMA
+//   loads of each 128-key tile (K̂, V̂ᵀ by tensor map, the key scales by a bulk copy) into a ring of
+//   SB_KV_STAGES stages, each with a "full" mbarrier (bytes landed) and an "empty" one (every
+//   consumer warp done with it).
+//   Warpgroups 1..SB_CONSUMERS, the consumers: 64 query rows each, which they quantize themselves
+//   (forward_q.cuh). Per tile j a consumer issues S_j = Q̂K̂_jᵀ and then (P̂V̂)_{j-1}, both
+//   asynchronous, and runs tile j's softmax while the second product is in flight; then it folds
+//   (P̂V̂)_{j-1} into O, rescales O for tile j's reference max and codes P̂_j. The order of every FP32
+//   operation on O and l is forward.cu's, so the results are bit for bit its results.
+//   SB_PINGPONG (two consumers): the consumers take turns to issue their products (named barriers),
+//   so that one's softmax runs while the other's products occupy the tensor cores.
+//
+// Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
+// Q-smoothing); SB_CONSUMERS (1 or 2), SB_KV_STAGES (2-4), SB_PINGPONG.
+#include "common.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
+#include "wgmma.cuh"
+#include "tma.cuh"
+#include "convert.cuh"
+#include "exp2.cuh"
+#include "forward_q.cuh"
+
+#ifndef SB_CONSUMERS
+#define SB_CONSUMERS 2
+#endif
+#ifndef SB_KV_STAGES
+#define SB_KV_STAGES 3
+#endif
+#ifndef SB_PINGPONG
+#define SB_PINGPONG 1
+#endif
+
+constexpr int DP = SB_DP;
+constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
+constexpr int TILE = 128;                    // keys per tile
+constexpr int VBLOCKS = TILE / BKV;          // V scale blocks per tile
+constexpr int CONSUMERS = SB_CONSUMERS;
+constexpr int STAGES = SB_KV_STAGES;
+constexpr int WG_ROWS = 64;                  // query rows per consumer
+constexpr int CTA_Q = CONSUMERS * WG_ROWS;   // query rows per CTA
+constexpr int THREADS = (CONSUMERS + 1) * 128;
+constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
+constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
+constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile
+constexpr int NT_D = DP / 8;                 // n-tiles of O over the head dim
+constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS == 2;
+static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
+static_assert(BKV == 64 && VBLOCKS == 2, "two V scale blocks a tile");
+// Registers: the producer keeps 24; the consumers take the rest of the SM's 64K (one CTA an SM with
+// two consumers; with one, two CTAs an SM).
+constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1;
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 240;
+static_assert(MIN_BLOCKS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) * 128 <= 65536, "the register file");
+
+// Shared memory: the consumers' Q̂ tiles, then the stages (K̂ [TILE][DP], V̂ᵀ [DP][TILE], the tile's
+// K scales in 1024 bytes), then the mbarriers. wgmma and TMA tiles start on 1024 bytes.
+struct WsStage {
+    i8 k[TILE * DP];
+    i8 vt[DP * TILE];
+    float k_scale[1024 / 4];
+};
+struct WsShared {
+    i8 q[CTA_Q * DP];
+    WsStage stage[STAGES];
+    unsigned long long full[STAGES];   // the stage's bytes are in (one arrival: the producer's)
+    unsigned long long empty[STAGES];  // every consumer warp is done with it
+};
+constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(WsShared) + 1024;  // + slack to align the base
+constexpr int Q_BYTES = sizeof(WsShared::q);
+constexpr int K_BYTES = sizeof(WsStage::k);
+constexpr int V_BYTES = sizeof(WsStage::vt);
+constexpr int KS_BYTES = 4 * TILE;
+constexpr int STAGE_BYTES = sizeof(WsStage);
+constexpr int BAR_OFF = Q_BYTES + STAGES * STAGE_BYTES;
+constexpr u32 STAGE_LOAD_BYTES = K_BYTES + V_BYTES + KS_BYTES;
+static_assert(STAGE_BYTES == K_BYTES + V_BYTES + 1024 && sizeof(WsShared) == BAR_OFF + 16 * STAGES, "no padding");
+static_assert(Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles start on 1024 bytes");
+// Named barriers (0 is __syncthreads): a consumer's own (its Q̂ tile), and its turn to issue (ping-pong).
+constexpr int BAR_Q = 1, BAR_TURN = 3;
+
+constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (numerics.P_LEVELS)
+constexpr float LAZY_LOG2 = 8.f;              // forward.cu: lazy rescaling
+constexpr float M_NONE = -1e30f;              // forward.cu: m_ref before any key
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+SB_DEVICE void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+template <int THREADS_>
+SB_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS_) : "memory"); }
+template <int REGS>
+SB_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+SB_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+
+// The TMA maps of the key-side tiles: tm_k, tm_vt (params.cuh SB_FORWARD_MAPS, encoded per call by
+// sagebwd_cp/tensor_map.py).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD_MAPS)) {
+    const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
+    SB_REQUIRE_SM80();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+    // The grid as forward.cu's: causal grids (heads, batch, blocks), the last query blocks first.
+    const int qb = SB_CAUSAL ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
+    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
+    const SeqInfo<ForwardParams> seq(p, SB_CAUSAL ? blockIdx.y : blockIdx.z);
+    const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
+    if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
+
+    int n_tiles = (seq.len_k() + TILE - 1) / TILE;
+    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + shift) / TILE + 1));
+    if (SB_CAUSAL && q0 + CTA_Q - 1 + shift < 0) n_tiles = 0;
+
+    const u32 sStage = base + Q_BYTES;
+    const u32 full0 = base + BAR_OFF, empty0 = full0 + 8 * STAGES;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(full0 + 8 * s, 1);
+            mbarrier_init(empty0 + 8 * s, 4 * CONSUMERS);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();  // the only CTA-wide barrier: the producer's warps leave below
+
+    const int wg = warpgroup_uniform();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            prefetch_tensor_map(tm_k);
+            prefetch_tensor_map(tm_vt);
+            const int krow0 = static_cast<int>(seq.k_row0(hk));
+            const int vt_row = static_cast<int>(seq.kt_row0(hk, DP)), vt_col = seq.kt_col0();
+            const float* ksg = p.k_scale + seq.k_row0(hk);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = j % STAGES;
+                if (j >= STAGES) mbarrier_wait(empty0 + 8 * s, ((j / STAGES) & 1) ^ 1);
+                const u32 st = sStage + s * STAGE_BYTES, bar = full0 + 8 * s;
+                mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+                tma_load_2d(st, tm_k, 0, krow0 + j * TILE, bar);
+                tma_load_2d(st + K_BYTES, tm_vt, vt_col + j * TILE, vt_row, bar);
+                bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, KS_BYTES, bar);
+            }
+            // Leave once the consumers have taken every stage in flight.
+            for (int j = max(n_tiles - STAGES, 0); j < n_tiles; ++j)
+                mbarrier_wait(empty0 + 8 * (j % STAGES), (j / STAGES) & 1);
+        }
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+
+    // ---- consumer c: query rows qc0 .. qc0 + 63 ----
+    const int c = wg - 1;
+    const int ctid = threadIdx.x - 128 * wg;
+    const int lane = threadIdx.x & 31, wv = ctid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int qc0 = q0 + WG_ROWS * c;
+    const u32 sQ = base + c * WG_ROWS * DP;
+    const float q_row_scale = quantize_q_rows<DP, true>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, qc0,
+                                                        seq.len_q(), p.D, p.q_prescale, ctid);
+    fence_proxy_async();          // the Q̂ stores, before wgmma reads them
+    named_barrier<128>(BAR_Q + c);
+    const u32 q_desc = wgmma_desc_lo<DP>(sQ);
+    // forward.cu: row r of the tile was quantized by lanes 2r, 2r + 1 of its warp; a zero row's scale
+    // as the smallest subnormal.
+    float qs[2];
+    qs[0] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g), __int_as_float(1));
+    qs[1] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16), __int_as_float(1));
+    const int rbase = qc0 + wv * 16 + g;  // this thread's rows: rbase, rbase + 8
+
+    float o[NT_D][4];
+#pragma unroll
+    for (int n = 0; n < NT_D; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_ref[2] = {M_NONE, M_NONE}, l_run[2] = {0.f, 0.f};
+    u32 pf[KSTEPS_P][4];           // P̂ of the tile whose P̂V̂ is next
+    float pv_factor[2] = {0.f, 0.f};  // (β/255)·s_V of that tile, per row
+    float alpha[2];
+    const float* vsg = p.v_scale + seq.k_block0(hk);
+
+    // One turn of the ping-pong: a consumer issues its products between taking its turn and passing
+    // it on (consumer 0 first; consumer 1 does not pass its last one on, which nobody takes).
+    auto take_turn = [&] { if (PINGPONG) named_barrier<256>(BAR_TURN + c); };
+    auto pass_turn = [&](bool last) { if (PINGPONG && !(c == 1 && last)) named_barrier_arrive<256>(BAR_TURN + 1 - c); };
+    // Tile j's stage is in; its V scales into sv.
+    auto wait_tile = [&](int j, float (&sv)[VBLOCKS]) {
+        mbarrier_wait(full0 + 8 * (j % STAGES), (j / STAGES) & 1);
+#pragma unroll
+        for (int vb = 0; vb < VBLOCKS; ++vb) sv[vb] = vsg[j * VBLOCKS + vb];
+    };
+    auto issue_s = [&](int j, int (&acc)[NT_KV][4]) {
+        const u32 k_lo = wgmma_desc_lo<DP>(sStage + (j % STAGES) * STAGE_BYTES);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_D; ++ks) wgmma_s8_ss(acc, wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(k_lo, 32 * ks), ks);
+        wgmma_commit();
+    };
+    // (P̂V̂) of tile jp, head-dim columns 64·dh .. 64·dh + 63, from the P̂ codes in pf.
+    auto issue_pv = [&](int jp, int dh, int (&acc)[8][4]) {
+        const u32 v_lo = wgmma_desc_lo<TILE>(sStage + (jp % STAGES) * STAGE_BYTES + K_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_P; ++kk) wgmma_rs<true>(acc, pf[kk], wgmma_desc<TILE>(v_lo, dh * 64 * TILE + 32 * kk), kk);
+        wgmma_commit();
+    };
+    auto fold_pv = [&](int dh, int (&acc)[8][4]) {
+        wgmma_hold_all(acc);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[8 * dh + n][e] = fmaf(static_cast<float>(acc[n][e]), pv_factor[e >> 1], o[8 * dh + n][e]);
+    };
+    // The P̂V̂ of tile jp is folded: its stage goes back (P̂'s registers were read until here).
+    auto release = [&](int jp) {
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_P; ++kk)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) wgmma_hold(pf[kk][x]);
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(empty0 + 8 * (jp % STAGES));
+    };
+    // Tile j's softmax on its scores acc (forward.cu, numerics: the running max): the exponents in u,
+    // m_ref, l_run and alpha updated, P̂'s coefficients in pcoef and the tile's O factor in pv_next.
+    auto softmax = [&](int j, const float (&sv)[VBLOCKS], int (&acc)[NT_KV][4], float (&u)[NT_KV][4],
+                       float (&pcoef)[VBLOCKS], float (&pv_next)[2]) {
+        wgmma_hold_all(acc);
+        float smax = sv[0];
+#pragma unroll
+        for (int vb = 1; vb < VBLOCKS; ++vb)
+            if ((j * VBLOCKS + vb) * BKV < seq.len_k()) smax = max_nan(smax, sv[vb]);
+        const float inv = rcp_approx(smax);
+#pragma unroll
+        for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);
+        const float pv_scale = smax * (1.f / PL);
+        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + (j % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
+        const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > qc0 + shift);
+        float rmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < NT_KV; ++n) {
+            const float2 ksn = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1, key = j * TILE + n * 8 + 2 * t + (e & 1);
+                const bool ok = !need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= rbase + 8 * half + shift));
+                const float x = static_cast<float>(acc[n][e]) * ((e & 1) ? ksn.y : ksn.x);
+                u[n][e] = ok ? x : NEG_INF;
+                rmax[half] = fmaxf(rmax[half], u[n][e]);
+            }
+        }
+        float r_use[2], beta[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float rm = rmax[half];
+            rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
+            rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
+            rm *= qs[half];
+            const float m_old = m_ref[half];
+            const float m_use = rm > m_old + LAZY_LOG2 ? rm : m_old;
+            alpha[half] = exp2_approx(m_old - m_use);
+            m_ref[half] = m_use;
+            beta[half] = exp2_approx(rm - m_use);
+            r_use[half] = rm == NEG_INF ? 0.f : rm;
+        }
+        float rsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1;
+                const float x = exp2_approx(fmaf(u[n][e], qs[half], -r_use[half]));
+                u[n][e] = x;
+                rsum[half] += x;
+            }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            l_run[half] = fmaf(beta[half], rsum[half], alpha[half] * l_run[half]);
+            pv_next[half] = beta[half] * pv_scale;
+        }
+    };
+    // P̂ = rint(fp16(e)·fp16(coef)) as u8 in A-fragment order (forward.cu).
+    auto code_p = [&](const float (&u)[NT_KV][4], const float (&pcoef)[VBLOCKS], u32 (&dst)[KSTEPS_P][4]) {
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_P; ++kk) {
+            const int n = 4 * kk;
+            const u32 pc = pack2_f32<false>(pcoef[kk * 32 / BKV], pcoef[kk * 32 / BKV]);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                dst[kk][half] = pack4_p_codes(u[n][2 * half], u[n][2 * half + 1], u[n + 1][2 * half], u[n + 1][2 * half + 1], pc);
+                dst[kk][2 + half] = pack4_p_codes(u[n + 2][2 * half], u[n + 2][2 * half + 1], u[n + 3][2 * half],
+                                                  u[n + 3][2 * half + 1], pc);
+            }
+        }
+    };
+    // O to the reference max of the tile just taken (where some row's moved: warp-uniform branch).
+    auto rebase_o = [&] {
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
+        }
+    };
+    // (P̂V̂) of tile jp into O, the first 64 columns' product already issued into acc; the later columns'
+    // products run while `between` works (P̂ of the next tile is coded there).
+    auto finish_pv = [&](int jp, int (&acc)[8][4], auto between) {
+        wgmma_wait<0>();
+        fold_pv(0, acc);
+#pragma unroll
+        for (int dh = 1; dh < DP / 64; ++dh) {
+            int acc2[8][4];
+            wgmma_fence();
+            issue_pv(jp, dh, acc2);
+            if (dh == 1) between();
+            wgmma_wait<0>();
+            fold_pv(dh, acc2);
+        }
+        if (DP == 64) between();
+        release(jp);
+    };
+
+    if (n_tiles > 0) {
+        if (PINGPONG && c == 1) named_barrier_arrive<256>(BAR_TURN);  // consumer 0 issues first
+        // Tile 0: S alone.
+        {
+            float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
+            int acc[NT_KV][4];
+            wait_tile(0, sv);
+            take_turn();
+            wgmma_fence();
+            issue_s(0, acc);
+            pass_turn(false);
+            wgmma_wait<0>();
+            softmax(0, sv, acc, u, pcoef, pv_next);
+            rebase_o();
+            pv_factor[0] = pv_next[0];
+            pv_factor[1] = pv_next[1];
+            code_p(u, pcoef, pf);
+        }
+        // Tile j: S_j and the first columns of (P̂V̂)_{j-1} in flight, then tile j's softmax.
+        for (int j = 1; j < n_tiles; ++j) {
+            float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
+            int acc[NT_KV][4], pv[8][4];
+            u32 pf_next[KSTEPS_P][4];
+            wait_tile(j, sv);
+            take_turn();
+            wgmma_fence();
+            issue_s(j, acc);
+            issue_pv(j - 1, 0, pv);
+            pass_turn(false);
+            wgmma_wait<1>();
+            softmax(j, sv, acc, u, pcoef, pv_next);
+            finish_pv(j - 1, pv, [&] { code_p(u, pcoef, pf_next); });
+            rebase_o();
+            pv_factor[0] = pv_next[0];
+            pv_factor[1] = pv_next[1];
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS_P; ++kk)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) pf[kk][x] = pf_next[kk][x];
+        }
+        // The last tile's P̂V̂.
+        {
+            int pv[8][4];
+            take_turn();
+            wgmma_fence();
+            issue_pv(n_tiles - 1, 0, pv);
+            pass_turn(true);
+            finish_pv(n_tiles - 1, pv, [] {});
+        }
+    }
+
+    // O = acc / l and the base-2 LSE, as forward.cu.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float l = l_run[half];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = rbase + 8 * half;
+        const bool finite = l < __int_as_float(0x7f800000);
+        const float nan = __int_as_float(0x7fffffff);
+        const float inv = l == 0.f ? 0.f : (finite ? 1.f / l : nan);
+        if (row < seq.len_q()) {
+            u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row);
+#pragma unroll
+            for (int n = 0; n < NT_D; ++n) {
+                const int col = n * 8 + 2 * t;
+                if (col < p.D)
+                    *reinterpret_cast<u32*>(orow + col) = pack2_f32<SB_BF16>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+            }
+            if (p.lse2 && t == 0)
+                p.lse2[seq.lse_row0(h) + row] = l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[half] + log2_approx(l) : nan);
+        }
+    }
+}
