@@ -10,11 +10,16 @@
 //   asynchronous, and runs tile j's softmax while the second product is in flight; then it folds
 //   (P̂V̂)_{j-1} into O, rescales O for tile j's reference max and codes P̂_j. The order of every FP32
 //   operation on O and l is forward.cu's, so the results are bit for bit its results.
-//   SB_PINGPONG (two consumers): the consumers take turns to issue their products (named barriers),
-//   so that one's softmax runs while the other's products occupy the tensor cores.
+//   SB_PINGPONG (several consumers): the consumers take turns to issue their products (named
+//   barriers, round robin), so that one's softmax runs while another's products occupy the tensor cores.
+// Work tiles (CTA_Q query rows of one head and batch entry) come from a static schedule: CTA x takes
+// tiles x, x + gridDim.x, ... (a grid of one CTA per tile, or a persistent grid of a CTA per SM,
+// whose producer loads the next tile's keys while the consumers finish the last one). Causal
+// schedules start with every (head, batch entry)'s last query block (the longest), heads fastest;
+// others go query block fastest, so that CTAs running together read one key head.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
-// Q-smoothing); SB_CONSUMERS (1 or 2), SB_KV_STAGES (2-4), SB_PINGPONG.
+// Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG.
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
@@ -47,15 +52,18 @@ constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile
 constexpr int NT_D = DP / 8;                 // n-tiles of O over the head dim
-constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS == 2;
-static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS > 1;
+// S_j in flight with (P̂V̂)_{j-1} inside each consumer (registers for both products): with one or two
+// consumers; three hold one product at a time at their 160 registers.
+constexpr bool OVERLAP = CONSUMERS < 3;
+static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
 static_assert(BKV == 64 && VBLOCKS == 2, "two V scale blocks a tile");
 // Registers: the producer keeps 24; the consumers take the rest of the SM's 64K (one CTA an SM with
-// two consumers; with one, two CTAs an SM).
+// two or three consumers; with one, two CTAs an SM: specs.WsForwardTiles.ctas_per_sm).
 constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1;
 constexpr int PRODUCER_REGS = 24;
-constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 240;
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : CONSUMERS == 2 ? 240 : 160;
 static_assert(MIN_BLOCKS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) * 128 <= 65536, "the register file");
 
 // Shared memory: the consumers' Q̂ tiles, then the stages (K̂ [TILE][DP], V̂ᵀ [DP][TILE], the tile's
@@ -82,7 +90,7 @@ constexpr u32 STAGE_LOAD_BYTES = K_BYTES + V_BYTES + KS_BYTES;
 static_assert(STAGE_BYTES == K_BYTES + V_BYTES + 1024 && sizeof(WsShared) == BAR_OFF + 16 * STAGES, "no padding");
 static_assert(Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles start on 1024 bytes");
 // Named barriers (0 is __syncthreads): a consumer's own (its Q̂ tile), and its turn to issue (ping-pong).
-constexpr int BAR_Q = 1, BAR_TURN = 3;
+constexpr int BAR_Q = 1, BAR_TURN = BAR_Q + CONSUMERS;
 
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (numerics.P_LEVELS)
 constexpr float LAZY_LOG2 = 8.f;              // forward.cu: lazy rescaling
@@ -99,25 +107,39 @@ SB_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 
 template <int REGS>
 SB_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
+// A work tile: query block qb (CTA_Q rows) of head h and batch entry b (WsForwardParams's order).
+struct WorkTile {
+    int qb, h, b;
+};
+SB_DEVICE WorkTile work_tile(int t, int heads, int batch, int q_blocks) {
+    if (SB_CAUSAL) {
+        const int r = t / heads;
+        return {q_blocks - 1 - r / batch, t - r * heads, r % batch};
+    }
+    const int r = t / q_blocks;
+    return {t - r * q_blocks, r % heads, r / heads};
+}
+
+// Key tiles a work tile reads (forward.cu's rule for its CTA_Q rows).
+SB_DEVICE int key_tiles(const SeqInfo<ForwardParams>& seq, int q0) {
+    int n = (seq.len_k() + TILE - 1) / TILE;
+    const int last = q0 + CTA_Q - 1 + seq.causal_shift();  // the CTA's last row's last key (causal)
+    if (SB_CAUSAL) n = last < 0 ? 0 : min(n, last / TILE + 1);
+    if (SB_VARLEN && q0 >= seq.len_q()) n = 0;
+    return n;
+}
+
 // The TMA maps of the key-side tiles: tm_k, tm_vt (params.cuh SB_FORWARD_MAPS, encoded per call by
-// sagebwd_cp/tensor_map.py).
+// sagebwd_cp/tensor_map.py); the schedule's shape: SB_FORWARD_SCHEDULE.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD_MAPS)) {
+attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD_MAPS)
+                      SB_KERNEL_PARAMS_MORE(SB_FORWARD_SCHEDULE)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
     SB_REQUIRE_SM80();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
-    // The grid as forward.cu's: causal grids (heads, batch, blocks), the last query blocks first.
-    const int qb = SB_CAUSAL ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
-    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
-    const SeqInfo<ForwardParams> seq(p, SB_CAUSAL ? blockIdx.y : blockIdx.z);
-    const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
-    if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
-
-    int n_tiles = (seq.len_k() + TILE - 1) / TILE;
-    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + shift) / TILE + 1));
-    if (SB_CAUSAL && q0 + CTA_Q - 1 + shift < 0) n_tiles = 0;
+    const int work = q_blocks_ * p.Hq * batch_;
 
     const u32 sStage = base + Q_BYTES;
     const u32 full0 = base + BAR_OFF, empty0 = full0 + 8 * STAGES;
@@ -137,45 +159,66 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         if (threadIdx.x == 0) {
             prefetch_tensor_map(tm_k);
             prefetch_tensor_map(tm_vt);
-            const int krow0 = static_cast<int>(seq.k_row0(hk));
-            const int vt_row = static_cast<int>(seq.kt_row0(hk, DP)), vt_col = seq.kt_col0();
-            const float* ksg = p.k_scale + seq.k_row0(hk);
-            for (int j = 0; j < n_tiles; ++j) {
-                const int s = j % STAGES;
-                if (j >= STAGES) mbarrier_wait(empty0 + 8 * s, ((j / STAGES) & 1) ^ 1);
-                const u32 st = sStage + s * STAGE_BYTES, bar = full0 + 8 * s;
-                mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
-                tma_load_2d(st, tm_k, 0, krow0 + j * TILE, bar);
-                tma_load_2d(st + K_BYTES, tm_vt, vt_col + j * TILE, vt_row, bar);
-                bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, KS_BYTES, bar);
+            int it = 0;  // key tiles loaded so far: stage it % STAGES, its use it / STAGES
+            for (int t = blockIdx.x; t < work; t += gridDim.x) {
+                const WorkTile w = work_tile(t, p.Hq, batch_, q_blocks_);
+                const SeqInfo<ForwardParams> seq(p, w.b);
+                const int hk = seq.kv_head(w.h), n_tiles = key_tiles(seq, w.qb * CTA_Q);
+                const int krow0 = static_cast<int>(seq.k_row0(hk));
+                const int vt_row = static_cast<int>(seq.kt_row0(hk, DP)), vt_col = seq.kt_col0();
+                const float* ksg = p.k_scale + seq.k_row0(hk);
+                for (int j = 0; j < n_tiles; ++j, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) mbarrier_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+                    const u32 st = sStage + s * STAGE_BYTES, bar = full0 + 8 * s;
+                    mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+                    tma_load_2d(st, tm_k, 0, krow0 + j * TILE, bar);
+                    tma_load_2d(st + K_BYTES, tm_vt, vt_col + j * TILE, vt_row, bar);
+                    bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, KS_BYTES, bar);
+                }
             }
             // Leave once the consumers have taken every stage in flight.
-            for (int j = max(n_tiles - STAGES, 0); j < n_tiles; ++j)
-                mbarrier_wait(empty0 + 8 * (j % STAGES), (j / STAGES) & 1);
+            for (int i = max(it - STAGES, 0); i < it; ++i) mbarrier_wait(empty0 + 8 * (i % STAGES), (i / STAGES) & 1);
         }
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
 
-    // ---- consumer c: query rows qc0 .. qc0 + 63 ----
+    // ---- consumer c: rows 64c .. 64c + 63 of each work tile ----
     const int c = wg - 1;
     const int ctid = threadIdx.x - 128 * wg;
     const int lane = threadIdx.x & 31, wv = ctid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int qc0 = q0 + WG_ROWS * c;
+    const int g = lane >> 2, t4 = lane & 3;
     const u32 sQ = base + c * WG_ROWS * DP;
+    const u32 q_desc = wgmma_desc_lo<DP>(sQ);
+    // One turn of the ping-pong: a consumer issues its products between taking its turn and passing
+    // it on, round robin from consumer 0; the last consumer's first pass is made up front, and
+    // consumer 0 takes the pass left over from the last one's final turn before it leaves.
+    auto take_turn = [&] { if (PINGPONG) named_barrier<256>(BAR_TURN + c); };
+    auto pass_turn = [&] { if (PINGPONG) named_barrier_arrive<256>(BAR_TURN + (c + 1) % CONSUMERS); };
+    if (PINGPONG && c == CONSUMERS - 1) named_barrier_arrive<256>(BAR_TURN);
+    int it0 = 0;  // key tiles consumed before this work tile (the producer's count)
+
+    for (int wt = blockIdx.x; wt < work; wt += gridDim.x) {
+    const WorkTile w = work_tile(wt, p.Hq, batch_, q_blocks_);
+    const int h = w.h;
+    const SeqInfo<ForwardParams> seq(p, w.b);
+    const int hk = seq.kv_head(h), q0 = w.qb * CTA_Q, shift = seq.causal_shift();
+    const int n_tiles = key_tiles(seq, q0);
+    if (SB_VARLEN && q0 >= seq.len_q()) continue;  // packed: the schedule covers the longest sequence
+    const int qc0 = q0 + WG_ROWS * c;
+    // The last work tile's products have all completed: its Q̂ tile may be written again.
     const float q_row_scale = quantize_q_rows<DP, true>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, qc0,
                                                         seq.len_q(), p.D, p.q_prescale, ctid);
     fence_proxy_async();          // the Q̂ stores, before wgmma reads them
     named_barrier<128>(BAR_Q + c);
-    const u32 q_desc = wgmma_desc_lo<DP>(sQ);
     // forward.cu: row r of the tile was quantized by lanes 2r, 2r + 1 of its warp; a zero row's scale
     // as the smallest subnormal.
     float qs[2];
     qs[0] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g), __int_as_float(1));
     qs[1] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16), __int_as_float(1));
     const int rbase = qc0 + wv * 16 + g;  // this thread's rows: rbase, rbase + 8
-
+    const int t = t4;  // the lane's column pair in each n-tile
     float o[NT_D][4];
 #pragma unroll
     for (int n = 0; n < NT_D; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -185,25 +228,21 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     float alpha[2];
     const float* vsg = p.v_scale + seq.k_block0(hk);
 
-    // One turn of the ping-pong: a consumer issues its products between taking its turn and passing
-    // it on (consumer 0 first; consumer 1 does not pass its last one on, which nobody takes).
-    auto take_turn = [&] { if (PINGPONG) named_barrier<256>(BAR_TURN + c); };
-    auto pass_turn = [&](bool last) { if (PINGPONG && !(c == 1 && last)) named_barrier_arrive<256>(BAR_TURN + 1 - c); };
     // Tile j's stage is in; its V scales into sv.
     auto wait_tile = [&](int j, float (&sv)[VBLOCKS]) {
-        mbarrier_wait(full0 + 8 * (j % STAGES), (j / STAGES) & 1);
+        mbarrier_wait(full0 + 8 * ((it0 + j) % STAGES), ((it0 + j) / STAGES) & 1);
 #pragma unroll
         for (int vb = 0; vb < VBLOCKS; ++vb) sv[vb] = vsg[j * VBLOCKS + vb];
     };
     auto issue_s = [&](int j, int (&acc)[NT_KV][4]) {
-        const u32 k_lo = wgmma_desc_lo<DP>(sStage + (j % STAGES) * STAGE_BYTES);
+        const u32 k_lo = wgmma_desc_lo<DP>(sStage + ((it0 + j) % STAGES) * STAGE_BYTES);
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks) wgmma_s8_ss(acc, wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(k_lo, 32 * ks), ks);
         wgmma_commit();
     };
     // (P̂V̂) of tile jp, head-dim columns 64·dh .. 64·dh + 63, from the P̂ codes in pf.
     auto issue_pv = [&](int jp, int dh, int (&acc)[8][4]) {
-        const u32 v_lo = wgmma_desc_lo<TILE>(sStage + (jp % STAGES) * STAGE_BYTES + K_BYTES);
+        const u32 v_lo = wgmma_desc_lo<TILE>(sStage + ((it0 + jp) % STAGES) * STAGE_BYTES + K_BYTES);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_P; ++kk) wgmma_rs<true>(acc, pf[kk], wgmma_desc<TILE>(v_lo, dh * 64 * TILE + 32 * kk), kk);
         wgmma_commit();
@@ -222,7 +261,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
 #pragma unroll
             for (int x = 0; x < 4; ++x) wgmma_hold(pf[kk][x]);
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(empty0 + 8 * (jp % STAGES));
+        if (lane == 0) mbarrier_arrive(empty0 + 8 * ((it0 + jp) % STAGES));
     };
     // Tile j's softmax on its scores acc (forward.cu, numerics: the running max): the exponents in u,
     // m_ref, l_run and alpha updated, P̂'s coefficients in pcoef and the tile's O factor in pv_next.
@@ -237,7 +276,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
 #pragma unroll
         for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);
         const float pv_scale = smax * (1.f / PL);
-        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + (j % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
+        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + ((it0 + j) % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
         const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > qc0 + shift);
         float rmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -323,8 +362,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         release(jp);
     };
 
-    if (n_tiles > 0) {
-        if (PINGPONG && c == 1) named_barrier_arrive<256>(BAR_TURN);  // consumer 0 issues first
+    if (OVERLAP && n_tiles > 0) {
         // Tile 0: S alone.
         {
             float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
@@ -333,7 +371,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             take_turn();
             wgmma_fence();
             issue_s(0, acc);
-            pass_turn(false);
+            pass_turn();
             wgmma_wait<0>();
             softmax(0, sv, acc, u, pcoef, pv_next);
             rebase_o();
@@ -351,7 +389,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             wgmma_fence();
             issue_s(j, acc);
             issue_pv(j - 1, 0, pv);
-            pass_turn(false);
+            pass_turn();
             wgmma_wait<1>();
             softmax(j, sv, acc, u, pcoef, pv_next);
             finish_pv(j - 1, pv, [&] { code_p(u, pcoef, pf_next); });
@@ -369,9 +407,30 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             take_turn();
             wgmma_fence();
             issue_pv(n_tiles - 1, 0, pv);
-            pass_turn(true);
+            pass_turn();
             finish_pv(n_tiles - 1, pv, [] {});
         }
+    }
+    // One product at a time (forward.cu's order): S_j, its softmax, O rebased, P̂_j coded, (P̂V̂)_j folded.
+    for (int j = 0; !OVERLAP && j < n_tiles; ++j) {
+        float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
+        int acc[NT_KV][4], pv[8][4];
+        wait_tile(j, sv);
+        take_turn();
+        wgmma_fence();
+        issue_s(j, acc);
+        pass_turn();
+        wgmma_wait<0>();
+        softmax(j, sv, acc, u, pcoef, pv_next);
+        rebase_o();
+        pv_factor[0] = pv_next[0];
+        pv_factor[1] = pv_next[1];
+        code_p(u, pcoef, pf);
+        take_turn();
+        wgmma_fence();
+        issue_pv(j, 0, pv);
+        pass_turn();
+        finish_pv(j, pv, [] {});
     }
 
     // O = acc / l and the base-2 LSE, as forward.cu.
@@ -396,4 +455,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
                 p.lse2[seq.lse_row0(h) + row] = l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[half] + log2_approx(l) : nan);
         }
     }
+    it0 += n_tiles;
+    }
+    if (PINGPONG && c == 0) take_turn();  // the last consumer's final pass
 }

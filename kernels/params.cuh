@@ -28,6 +28,8 @@
 #define SB_MAP_PARAM0(type, name) const __grid_constant__ type name
 #define SB_MAP_PARAM(type, name) , const __grid_constant__ type name
 #define SB_KERNEL_MAPS(fields) fields(SB_MAP_PARAM0, SB_MAP_PARAM)
+// A further list of plain parameters after a first one (written with no comma before it).
+#define SB_KERNEL_PARAMS_MORE(fields) fields(SB_PARAM, SB_PARAM)
 // Names a parameter list that has no struct view, for the host.
 #define SB_PARAM_LIST(name, fields)
 
@@ -57,6 +59,12 @@ SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
     F0(TensorMap, tm_k)                       /* K̂ bytes [B·Hkv·Nk_pad][DP], box DP x 128 rows */ \
     F(TensorMap, tm_vt)                       /* V̂ᵀ bytes [B·Hkv·DP][Nk_pad], box 128 x DP */
 SB_PARAM_LIST(ForwardMaps, SB_FORWARD_MAPS)
+
+// forward_ws.cu attention_forward, last: its static schedule's work tiles (query block, head, batch entry)
+#define SB_FORWARD_SCHEDULE(F0, F) \
+    F0(int, batch)                            /* batch entries (packed: sequences) */ \
+    F(int, q_blocks)                          /* query blocks of CTA_Q rows (packed: of the longest sequence) */
+SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
 
 // backward.cu and backward_wgmma.cu attention_backward
 #define SB_BACKWARD_FIELDS(F0, F) \

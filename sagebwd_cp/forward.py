@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import numerics, params, specs
 from .arrays import ArrayDesc
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch, tensor_map
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch, sm_count, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
@@ -34,24 +34,29 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     dp, dev = prob.padded_head_dim, prob.q.device_id
     arch = device_arch(dev)
     ws = specs.forward_ws_tiles(dp, arch, prob.smooth_q)
-    if ws is not None:
-        tiles, maps = ws, _key_tile_maps(prob, qz, ws.key_tile)
-        spec = specs.forward_ws_spec(dp, prob.dtype, prob.causal, ws, prob.varlen)
-    else:
-        tiles, maps = specs.forward_tiles(dp, arch), []
-        spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
-    grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
-                          HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
+    args = params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
+                       vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
+                       ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
+                       D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
+                       q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_lengths())
+    if ws is not None:
+        # A 1-D grid over the work tiles (kernels/forward_ws.cu's schedule), or a CTA per SM for each.
+        q_blocks = -(-prob.len_q // ws.cta_q)
+        work = q_blocks * prob.heads_q * prob.batch
+        grid = (min(work, ws.ctas_per_sm * sm_count(dev)) if ws.persistent else work, 1, 1)
+        spec = specs.forward_ws_spec(dp, prob.dtype, prob.causal, ws, prob.varlen)
+        args += _key_tile_maps(prob, qz, ws.key_tile)
+        args += params.args("ForwardSchedule", batch=prob.batch, q_blocks=q_blocks)
+    else:
+        tiles = specs.forward_tiles(dp, arch)
+        spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
+        grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
+                              HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
     # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_q.cuh).
-    plan.launch(spec, "attention_forward", grid, (tiles.threads, 1, 1),
-                params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
-                               vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
-                               ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
-                               D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
-                               q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_lengths()) + maps,
-                shared=KERNEL_LAYOUT)
+    threads = ws.threads if ws is not None else tiles.threads
+    plan.launch(spec, "attention_forward", grid, (threads, 1, 1), args, shared=KERNEL_LAYOUT)
 
 
 def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, lse) -> None:

@@ -115,10 +115,12 @@ def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTi
 class WsForwardTiles:
     """The warp-specialized sm_90 forward (kernels/forward_ws.cu): a producer warpgroup and
     ``consumers`` warpgroups of 64 query rows, ``stages`` 128-key tiles in flight, the consumers
-    taking turns to issue their products (``pingpong``)."""
+    taking turns to issue their products (``pingpong``), one CTA per work tile or a ``persistent``
+    grid of ``ctas_per_sm`` CTAs an SM."""
     consumers: int = 2
     stages: int = 3
     pingpong: bool = True
+    persistent: bool = True
     key_tile: int = 128
 
     @property
@@ -129,24 +131,30 @@ class WsForwardTiles:
     def threads(self) -> int:
         return 128 * (self.consumers + 1)
 
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs an SM (the kernel's register split: two with one consumer)."""
+        return 2 if self.consumers == 1 else 1
+
 
 def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles where it runs (sm_90, no Q-smoothing), else None.
-    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1, 2),
-    SAGEBWD_FORWARD_STAGES (2-4) and SAGEBWD_FORWARD_PINGPONG (0, 1) override its shape."""
+    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1-3),
+    SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
+    override its shape."""
     if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) == 0:
         return None
     tiles = WsForwardTiles()
-    consumers = _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2))
-    stages = _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4))
-    pingpong = _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1))
-    return dataclasses.replace(tiles, consumers=tiles.consumers if consumers is None else consumers,
-                               stages=tiles.stages if stages is None else stages,
-                               pingpong=tiles.pingpong if pingpong is None else bool(pingpong))
+    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
+                 "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
+                 "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
+                 "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1))}
+    return dataclasses.replace(tiles, **{k: type(getattr(tiles, k))(v) for k, v in overrides.items() if v is not None})
 
 
 def forward_ws_spec(dp: int, dtype: str, causal: bool, tiles: WsForwardTiles, varlen: bool = False) -> KernelSpec:
     suffix, defines = _varlen(varlen)
+    # The grid (persistent or not) is the launch's choice: one kernel serves both.
     key = (f"forward_ws.hd{dp}.{dtype}.{'causal' if causal else 'full'}.c{tiles.consumers}s{tiles.stages}"
            f"{'.pp' if tiles.pingpong and tiles.consumers > 1 else ''}{suffix}")
     return make_spec(key, "forward_ws.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),

@@ -6,7 +6,7 @@ cache is cleared between them, so every variant and the peer run side by side.
     python tools/probe_forward_ws.py time [--shapes 8x16x2048x128 ...] [--variants ws=0 ws=1 ...]
 
 A variant is comma-separated NAME=VALUE settings: ws (SAGEBWD_FORWARD_WS), c (CONSUMERS), s
-(STAGES), pp (PINGPONG). ``time`` prints ms per forward (training forward: O and LSE; K and V's
+(STAGES), pp (PINGPONG), ps (PERSISTENT), kt (KEY_TILE). ``time`` prints ms per forward (training forward: O and LSE; K and V's
 quantization included) and the ratio to SDPA on cuDNN, interleaving the variants over rounds.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 import sys
 
 ENV = {"ws": "SAGEBWD_FORWARD_WS", "c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES",
-       "pp": "SAGEBWD_FORWARD_PINGPONG", "kt": "SAGEBWD_FORWARD_KEY_TILE"}
+       "pp": "SAGEBWD_FORWARD_PINGPONG", "ps": "SAGEBWD_FORWARD_PERSISTENT", "kt": "SAGEBWD_FORWARD_KEY_TILE"}
 # (B, Hq, Hkv, Lq, Lk, D, causal): N = 1, ragged N, Lq != Lk both ways, GQA, padded head dims.
 CASES = [
     (1, 2, 2, 1, 1, 64, False), (1, 2, 2, 1, 1, 128, True),
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     if args.mode == "check":
-        return check(args.variants or ["ws=0", "ws=1", "ws=1,c=1", "ws=1,pp=0", "ws=1,s=2"])
+        return check(args.variants or ["ws=0", "ws=1", "ws=1,c=1", "ws=1,c=3", "ws=1,c=3,pp=0", "ws=1,pp=0",
+                                        "ws=1,ps=0", "ws=1,s=2", "ws=1,s=4"])
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     time_variants(args.shapes, args.variants or ["ws=0", "ws=1"], args.rounds, args.reps, modes, args.dtype, args.gqa)
     return 0
