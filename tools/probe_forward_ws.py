@@ -4,6 +4,8 @@ cache is cleared between them, so every variant and the peer run side by side.
 
     python tools/probe_forward_ws.py check             # outputs bit for bit those of the old kernel
     python tools/probe_forward_ws.py time [--shapes 8x16x2048x128 ...] [--variants ws=0 ws=1 ...]
+    ncu --kernel-name attention_forward --launch-skip 1 --launch-count 1 \
+        python tools/probe_forward_ws.py one --shapes 1x32x16384x64 --causal yes --variants ws=1
 
 A variant is comma-separated NAME=VALUE settings: ws (SAGEBWD_FORWARD_WS), c (CONSUMERS), s
 (STAGES), pp (PINGPONG), ps (PERSISTENT), kt (KEY_TILE). ``time`` prints ms per forward (training forward: O and LSE; K and V's
@@ -152,7 +154,7 @@ def time_variants(shapes, variants, rounds: int, reps: int, causal_modes, dtype_
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("check", "time"))
+    ap.add_argument("mode", choices=("check", "time", "one"))
     ap.add_argument("--variants", nargs="+", default=None)
     ap.add_argument("--shapes", nargs="+", default=["8x16x2048x128", "2x16x8192x128", "8x32x2048x64", "1x32x16384x64"])
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
@@ -165,6 +167,18 @@ def main(argv=None) -> int:
         return check(args.variants or ["ws=0", "ws=1", "ws=1,c=1", "ws=1,c=3", "ws=1,c=3,pp=0", "ws=1,pp=0",
                                         "ws=1,ps=0", "ws=1,s=2", "ws=1,s=4"])
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    if args.mode == "one":  # two forwards of the first shape and variant (for a profiler: skip the first)
+        import torch
+
+        import sagebwd_cp
+
+        _apply((args.variants or ["ws=1"])[0])
+        b, h, n, d = (int(x) for x in args.shapes[0].split("x"))
+        q, k, v = (torch.randn((b, hh, n, d), device="cuda", dtype=getattr(torch, args.dtype)) for hh in (h, h // args.gqa, h // args.gqa))
+        for _ in range(2):
+            sagebwd_cp.attention_forward(q, k, v, causal=modes[0], layout="HND")
+        torch.cuda.synchronize()
+        return 0
     time_variants(args.shapes, args.variants or ["ws=0", "ws=1"], args.rounds, args.reps, modes, args.dtype, args.gqa)
     return 0
 
