@@ -107,6 +107,11 @@ SB_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 
 template <int REGS>
 SB_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 // A work tile: query block qb (CTA_Q rows) of head h and batch entry b (WsForwardParams's order).
 struct WorkTile {
     int qb, h, b;
@@ -279,18 +284,24 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + ((it0 + j) % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
         const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > qc0 + shift);
         float rmax[2] = {NEG_INF, NEG_INF};
+        // u = Ŝ·s_K[key], masked keys -inf; the mask's tests only on the tiles that need them (a branch
+        // around two copies of the loop: as one loop the compiler keeps the tests on every tile).
+        auto scale_scores = [&](auto masked) {
 #pragma unroll
-        for (int n = 0; n < NT_KV; ++n) {
-            const float2 ksn = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
+            for (int n = 0; n < NT_KV; ++n) {
+                const float2 ksn = *reinterpret_cast<const float2*>(ks_s + n * 8 + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e >> 1, key = j * TILE + n * 8 + 2 * t + (e & 1);
-                const bool ok = !need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= rbase + 8 * half + shift));
-                const float x = static_cast<float>(acc[n][e]) * ((e & 1) ? ksn.y : ksn.x);
-                u[n][e] = ok ? x : NEG_INF;
-                rmax[half] = fmaxf(rmax[half], u[n][e]);
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e >> 1, key = j * TILE + n * 8 + 2 * t + (e & 1);
+                    const float x = static_cast<float>(acc[n][e]) * ((e & 1) ? ksn.y : ksn.x);
+                    u[n][e] = !decltype(masked)::value || (key < seq.len_k() && (!SB_CAUSAL || key <= rbase + 8 * half + shift))
+                                  ? x : NEG_INF;
+                    rmax[half] = fmaxf(rmax[half], u[n][e]);
+                }
             }
-        }
+        };
+        if (need_mask) scale_scores(Flag<true>{});
+        else scale_scores(Flag<false>{});
         float r_use[2], beta[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
