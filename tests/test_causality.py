@@ -29,8 +29,7 @@ def _inputs(lq, lk, hq=2, hk=1, seed=0):
 
 
 def _change_after(q, k, v, do, p, seed=99):
-    """Copies with every query, key, value and dO row after token p redrawn (keys bottom-right aligned:
-    key j is token j - (lk - lq) of the queries' numbering... here lq == lk unless said)."""
+    """Copies with every query, key, value and dO row after token p redrawn (lq == lk)."""
     rng = np.random.default_rng(seed)
     out = []
     for x in (q, k, v, do):
@@ -83,7 +82,9 @@ def test_a_loss_on_early_rows_gives_later_positions_exactly_zero_gradients(mean,
 def test_rows_before_the_block_of_the_first_changed_token_are_bit_identical(mean, smooth_q):
     q, k, v, do = _inputs(300, 300)
     o1, lse1, dq1, _, _ = _run(q, k, v, do, mean, smooth_q=smooth_q)
-    o2, lse2, dq2, _, _ = _run(*_change_after(q, k, v, do, P), mean, smooth_q=smooth_q)
+    q2, k2, v2, do2 = _change_after(q, k, v, do, P)
+    v2[:, :, P + 1:] *= 2  # so that the changed V block's scale surely changes
+    o2, lse2, dq2, _, _ = _run(q2, k2, v2, do2, mean, smooth_q=smooth_q)
     np.testing.assert_array_equal(o2[:, :, :BOUNDARY], o1[:, :, :BOUNDARY])
     np.testing.assert_array_equal(lse2[:, :, :BOUNDARY], lse1[:, :, :BOUNDARY])
     np.testing.assert_array_equal(dq2[:, :, :BOUNDARY], dq1[:, :, :BOUNDARY])
@@ -98,7 +99,7 @@ def test_bottom_right_alignment_moves_the_boundary_by_the_offset():
     q, k, v, do = _inputs(lq, lk)
     k2, v2 = k.copy(), v.copy()
     rng = np.random.default_rng(5)
-    k2[:, :, P + 1:], v2[:, :, P + 1:] = _rand(rng, k2[:, :, P + 1:].shape), _rand(rng, v2[:, :, P + 1:].shape)
+    k2[:, :, P + 1:], v2[:, :, P + 1:] = _rand(rng, k2[:, :, P + 1:].shape), 2 * _rand(rng, v2[:, :, P + 1:].shape)
     o1 = _run(q, k, v, do, "none")[0]
     o2 = _run(q, k2, v2, do, "none")[0]
     rows = BOUNDARY - (lk - lq)
