@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .numerics import LOG2E, default_softmax_scale
+from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
 from .problem import check_layout, check_options
 
 _INF = float("inf")
@@ -67,6 +67,21 @@ def key_mean(ks, layout: str = "HND", xp=None):
         total = total + key_sum(k, layout, xp)
     count = sum(int(k.shape[axis]) for k in ks)
     return _cast(xp, total / float(max(count, 1)), "float32")
+
+
+def prefix_key_mean(k, layout: str = "HND", tokens: int = BLOCK_KV, xp=None):
+    """μ_K of the first ``tokens`` keys of k (B, Hkv, Lk, D) in ``layout`` (all of them if Lk is
+    shorter), float32 (B, Hkv, D), computed as ``key_mean`` computes it.  Passed as ``k_mean`` to a
+    causal ``attention`` or ``attention_forward`` (whose saved state hands it to the backward), it
+    makes K-smoothing add no dependence on later tokens: with the default 64, the first V block,
+    which every row that sees a key already reads, the outputs are as causal as without K-smoothing
+    (row i depends on no key beyond the end of the forward's key tile holding key i;
+    docs/ALGORITHM.md, causality)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+    axis = _seq_axis(layout)
+    first = k[:, :, :tokens] if axis == 2 else k[:, :tokens]
+    return key_mean([first], layout, xp)
 
 
 def _check_lse(lse, q, layout: str) -> None:
@@ -189,5 +204,5 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
                                      deterministic=deterministic, k_mean=mean)
 
 
-__all__ = ["array_namespace", "key_sum", "key_mean", "key_shift", "lse_to_lse2", "merge_attention", "causal_pieces",
+__all__ = ["array_namespace", "key_sum", "key_mean", "prefix_key_mean", "key_shift", "lse_to_lse2", "merge_attention", "causal_pieces",
            "attention_backward_lse"]
