@@ -335,20 +335,22 @@ def cached_plan(key):
         return None
 
 
+_plans_lock = threading.Lock()  # writers take it; a reader's lookup is one dict.get of a finished plan
+
+
 def remember_plan(key, plan: LaunchPlan) -> None:
-    if len(_plans) >= MAX_PLANS:
+    with _plans_lock:
+        if len(_plans) >= MAX_PLANS:
+            _plans.pop(next(iter(_plans), None), None)  # the oldest
         try:
-            _plans.pop(next(iter(_plans)), None)  # the oldest
-        except (RuntimeError, StopIteration):  # another thread changed the cache meanwhile
+            _plans[key] = plan
+        except TypeError:
             pass
-    try:
-        _plans[key] = plan
-    except TypeError:
-        pass
 
 
 def clear_plans() -> None:
-    _plans.clear()
+    with _plans_lock:
+        _plans.clear()
 
 
 def launch_now(spec, entry: str, device_id: int, stream: int, grid, block, args, shared: int = 0) -> None:
