@@ -23,6 +23,7 @@ import threading
 from . import compiler
 from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
 from .launch import PackedArgs, cuda, device_arch, shared_memory_limit
+from .launch_errors import launch_error
 
 WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
 MAX_PLANS = 1024  # cached plans; the oldest is dropped past this (e.g. many distinct sequence lengths)
@@ -162,7 +163,10 @@ class LaunchPlan:
                             words[word] = table[source] + offset
                         for address, encode, source, offset in step.maps:
                             encode(address, table[source] + offset)
-                        launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+                        try:
+                            launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+                        except Exception as exc:  # the driver's bare error, given the kernel and the call
+                            raise launch_error(self, step, exc) from exc
             finally:
                 if previous != dev:
                     runtime.setDevice(previous)
