@@ -50,3 +50,12 @@ def launch_error(plan, step, exc: BaseException) -> KernelLaunchError:
                f"The call: {describe_problem(plan.problem)}. An error left by an earlier kernel (an illegal "
                f"address, a trap) also surfaces here: CUDA_LAUNCH_BLOCKING=1 makes each launch report its own.")
     return KernelLaunchError(message, f"{step.spec.key}:{step.entry}", cuda_error)
+
+
+def note_allocation_failure(exc: BaseException, plan, nbytes: int) -> None:
+    """Add to a framework's out-of-memory error (raised as it is) which workspace failed and for what call."""
+    out_of_memory = isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__
+    if out_of_memory and hasattr(exc, "add_note"):  # Python 3.11+
+        kernels = ", ".join(dict.fromkeys(step.entry for step in plan.steps))
+        exc.add_note(f"sagebwd_cp: the workspace of {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for {kernels} on device "
+                     f"{plan.device_id}; the call: {describe_problem(plan.problem)}")

@@ -23,7 +23,7 @@ import threading
 from . import compiler
 from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
 from .launch import PackedArgs, cuda, device_arch, shared_memory_limit
-from .launch_errors import launch_error
+from .launch_errors import launch_error, note_allocation_failure
 
 WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
 MAX_PLANS = 1024  # cached plans; the oldest is dropped past this (e.g. many distinct sequence lengths)
@@ -178,7 +178,11 @@ class LaunchPlan:
         array, base = None, 0
         if nbytes:
             # Room to align the base: a user allocator need not return 256-byte aligned memory.
-            array, p = allocate((nbytes + WORKSPACE_ALIGN,), "uint8", self.framework, self.device_id)
+            try:
+                array, p = allocate((nbytes + WORKSPACE_ALIGN,), "uint8", self.framework, self.device_id)
+            except Exception as exc:  # torch's and CuPy's out-of-memory errors: raised as they are, with a note
+                note_allocation_failure(exc, self, nbytes + WORKSPACE_ALIGN)
+                raise
             base = _round_up(p, WORKSPACE_ALIGN)
         table.append(base)
         return array, len(table) - 1

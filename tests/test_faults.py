@@ -228,3 +228,38 @@ def test_calls_from_threads_launch_each_with_its_own_pointers(gpu, switch_often)
     _in_threads(call)
     assert not wrong
     assert sum(1 for c in gpu.launches()) == 8 * CALLS * 3  # token_sum, quantize, attention each call
+
+
+# ------------------------------------------------------------------------------ out of memory
+
+class OutOfMemoryError(RuntimeError):
+    """Stands in for torch's (a RuntimeError) and CuPy's (a MemoryError) out-of-memory errors."""
+
+
+def test_a_workspace_that_does_not_fit_raises_the_allocators_error_with_a_note(gpu, monkeypatch):
+    """The framework's own error comes through unchanged (its type and message), with a note naming the
+    workspace's size and the call; nothing is launched, and the next call (memory back) works."""
+    q, k, v = qkv(lq=100, lk=300)
+    sagebwd_cp.attention(q, k, v, out=cuda_desc(q.shape, base=9 << 44))
+    real = plan.allocate
+    full = []
+
+    def allocate(shape, dtype, framework, device_id):
+        if full and dtype == "uint8":
+            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {shape[0]} bytes")
+        return real(shape, dtype, framework, device_id)
+
+    monkeypatch.setattr(plan, "allocate", allocate)
+    built = next(iter(plan._plans.values()))
+    full.append(1)
+    gpu.calls.clear()
+    with pytest.raises(OutOfMemoryError, match=f"Tried to allocate {built.workspace_bytes + 256} bytes") as info:
+        sagebwd_cp.attention(q, k, v, out=cuda_desc(q.shape, base=9 << 44))
+    assert not gpu.launches()
+    notes = getattr(info.value, "__notes__", [])
+    if sys.version_info >= (3, 11):
+        assert len(notes) == 1 and f"the workspace of {built.workspace_bytes + 256} bytes" in notes[0]
+        assert "attention_forward" in notes[0] and "q (1, 2, 100, 64) float16" in notes[0]
+    full.clear()
+    sagebwd_cp.attention(q, k, v, out=cuda_desc(q.shape, base=9 << 44))
+    assert len(gpu.launches()) == len(built.steps)
