@@ -2,6 +2,7 @@
 serial calls; a damaged kernel cache is recompiled with a warning and the CUDA context stays usable; a
 workspace that does not fit raises the framework's own out-of-memory error and the next call works; a
 failed launch names its kernel, the shapes and the options."""
+import contextlib
 import shutil
 import sys
 import threading
@@ -110,7 +111,7 @@ def test_threads_on_their_own_torch_and_cupy_streams_give_the_bits_of_serial_cal
         torch.cuda.synchronize()
         plan.clear_plans()  # the threads build the plans again, concurrently
         results, errors = {}, []
-        barrier = threading.Barrier(n_threads)
+        barrier = threading.Barrier(n_threads, timeout=300)
 
         def worker(i):
             try:
@@ -235,7 +236,7 @@ def test_a_cubin_damaged_after_its_check_is_rejected_by_the_driver_then_recompil
     arrays, causal, cubins, first = private_forward_cache
     sagebwd_cp.attention(*arrays[:3], causal=causal)  # reads the private entries (checked) into memory
     for path in cubins:
-        path.write_bytes(b"garbage, not an ELF image\n" * 64)
+        path.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     _forget_loaded(monkeypatch, compiled_too=False)
     with pytest.warns(KernelCacheWarning, match="rejected") as record:
         again = _bits(sagebwd_cp.attention(*arrays[:3], causal=causal))
@@ -246,9 +247,24 @@ def test_a_cubin_damaged_after_its_check_is_rejected_by_the_driver_then_recompil
 
 # ------------------------------------------------------------------------------ out of memory
 
-def _fill_memory(headroom_blocks=0):
-    """Torch tensors holding nearly all free device memory (to 2 MiB), then ``headroom_blocks`` of 2 MiB
-    handed back to torch's cache: what a call may still take."""
+@contextlib.contextmanager
+def filled_memory(headroom=False):
+    """The device full for the block (``_fill_memory``), its memory back to the driver afterwards (for
+    CuPy's pool and the later tests)."""
+    import torch
+
+    blocks = _fill_memory(headroom)
+    try:
+        yield
+    finally:
+        del blocks[:]
+        torch.cuda.empty_cache()
+
+
+def _fill_memory(headroom=False):
+    """Torch tensors holding all free device memory but under 2 MiB (the last in 1 MiB pieces, which
+    torch takes from 2 MiB segments); with ``headroom``, 8 blocks of 2 MiB and 4 of 1 MiB handed back
+    to torch's cache, where a call's small outputs (not a large workspace) can take them."""
     import cupy
     import torch
 
@@ -265,12 +281,16 @@ def _fill_memory(headroom_blocks=0):
                 return
 
     fill(1 << 30)
-    if blocks:  # the last GiB in 2 MiB pieces, so that the headroom is made of them
+    if blocks:  # the last GiB in 2 MiB pieces (one segment), so that the headroom is made of them
         blocks.pop()
     fill(1 << 21)
-    if headroom_blocks:
-        assert all(b.numel() == 1 << 21 for b in blocks[-headroom_blocks:])
-        del blocks[-headroom_blocks:]
+    fill(1 << 20)
+    if headroom:
+        for size, count in ((1 << 21, 8), (1 << 20, 4)):
+            index = [i for i, b in enumerate(blocks) if b.numel() == size][-count:]
+            assert len(index) == count, f"fewer than {count} blocks of {size} bytes"
+            for i in reversed(index):
+                del blocks[i]
     return blocks
 
 
@@ -289,39 +309,33 @@ def test_a_forward_workspace_that_does_not_fit_raises_torchs_out_of_memory_error
     sagebwd_cp.attention(q, k, v, causal=causal, out=out)  # kernels loaded, plan built
     expected = _bits(out)
     out.fill_(float("nan"))
-    blocks = _fill_memory()
-    try:
+    with filled_memory():
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate \d") as info:
             sagebwd_cp.attention(q, k, v, causal=causal, out=out)
         assert _workspace_note(info.value)
-    finally:
-        del blocks
     sagebwd_cp.attention(q, k, v, causal=causal, out=out)
     assert np.array_equal(_bits(out), expected)
 
 
 def test_a_backward_workspace_that_does_not_fit_raises_torchs_out_of_memory_error():
     """GQA 16:1 keeps dK and dV small (2 MiB each, allocated before the workspace, within the 16 MiB
-    left); the backward's workspace (quantized Q, Qᵀ, dOᵀ, the FP32 dQ accumulator) is far larger."""
+    left); the backward's workspace (quantized Q, Qᵀ, dOᵀ, the FP32 dQ accumulator: over 100 MiB) is
+    far larger."""
     import torch
 
     (q, k, v, do), causal = _inputs((1, 16, 1, 8192, 128, True), 12, "torch")
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal)
     expected = [_bits(x) for x in sagebwd_cp.attention_backward(saved, do, deterministic=True)]
-    blocks = _fill_memory(headroom_blocks=8)
-    try:
+    with filled_memory(headroom=True):
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate \d") as info:
             sagebwd_cp.attention_backward(saved, do, deterministic=True)
         assert _workspace_note(info.value)
-    finally:
-        del blocks
     again = [_bits(x) for x in sagebwd_cp.attention_backward(saved, do, deterministic=True)]
     assert _same_bits(expected, again)
 
 
 def test_a_workspace_that_does_not_fit_raises_cupys_out_of_memory_error():
     import cupy
-    import torch
 
     (q, k, v, do), causal = _inputs((1, 16, 16, 8192, 128, False), 13, "cupy")
     out = cupy.empty_like(q)
@@ -330,16 +344,12 @@ def test_a_workspace_that_does_not_fit_raises_cupys_out_of_memory_error():
     _, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal)
     grads = [_bits(x) for x in sagebwd_cp.attention_backward(saved, do, deterministic=True)]
     cupy.cuda.get_current_stream().synchronize()
-    blocks = _fill_memory(headroom_blocks=0)
-    try:
+    with filled_memory():  # CuPy's pool takes its memory from the driver: torch holds it all
         with pytest.raises(cupy.cuda.memory.OutOfMemoryError, match=r"allocating [\d,]+ bytes") as info:
             sagebwd_cp.attention(q, k, v, causal=causal, out=out)
         assert _workspace_note(info.value)
         with pytest.raises(cupy.cuda.memory.OutOfMemoryError, match=r"allocating [\d,]+ bytes"):
             sagebwd_cp.attention_backward(saved, do, deterministic=True)
-    finally:
-        del blocks
-        torch.cuda.empty_cache()  # CuPy takes its memory from the driver, not from torch's cache
     sagebwd_cp.attention(q, k, v, causal=causal, out=out)
     assert np.array_equal(_bits(out), expected)
     assert _same_bits(grads, [_bits(x) for x in sagebwd_cp.attention_backward(saved, do, deterministic=True)])
