@@ -496,18 +496,21 @@ def main(argv=None) -> int:
 
     if args.smoke:
         args.contexts, args.head_dim, args.steps, args.warmup, args.rounds = [64], 64, 2, 0, 1
-        args.fsdp_hidden, args.fsdp_layers = 512, 1  # a size of its own, as on GPUs
+        args.fsdp_hidden, args.fsdp_layers = 256, 2  # a size of its own, as on GPUs
         args.ring_contexts, args.ring_heads, args.ring_head_dim, args.iters = [128], 2, 16, 1
     elif not torch.cuda.is_available():
         print("bench_distributed.py needs CUDA GPUs (or --smoke, on the CPU)", file=sys.stderr)
         return 2
     model_size = (bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP)
+    threads = torch.get_num_threads()
     if args.smoke:  # bench_model's decoder shrunk (the emulator is slow), restored on return
         bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = 256, 1, 256
+        torch.set_num_threads(1)  # W ranks on one CPU: a thread each (torch's many threads a rank oversubscribe it)
     try:
         return _run(args)
     finally:
         bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = model_size
+        torch.set_num_threads(threads)
 
 
 def _run(args) -> int:

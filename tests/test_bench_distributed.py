@@ -47,8 +47,8 @@ def test_smoke_model_part_in_a_world_of_one(tmp_path, monkeypatch):
     rows = data["records"]
     assert [(r["attn"], r["mode"]) for r in rows] == [("sdpa", "ddp"), ("sagebwd", "ddp"), ("sdpa", "fsdp2"),
                                                        ("sagebwd", "fsdp2")]
-    assert {r["hidden"] for r in rows if r["mode"] == "ddp"} == {256} and {r["hidden"] for r in rows
-                                                                           if r["mode"] == "fsdp2"} == {512}
+    assert {(r["hidden"], r["layers"]) for r in rows if r["mode"] == "ddp"} == {(256, 1)}
+    assert {(r["hidden"], r["layers"]) for r in rows if r["mode"] == "fsdp2"} == {(256, 2)}
     for r in rows:
         assert "error" not in r, r.get("error")
         assert len(r["step_times_ms"]) == 2 and r["p10_ms"] <= r["step_ms"] <= r["p90_ms"]
@@ -56,7 +56,7 @@ def test_smoke_model_part_in_a_world_of_one(tmp_path, monkeypatch):
     summary = data["summary"]
     assert len(summary) == 2 and all("ours_over_sdpa" in row for row in summary)
     text = (tmp_path / "distributed.md").read_text()
-    assert "ours/sdpa distributed" in text and "| 64 | 512x1 |" in text
+    assert "ours/sdpa distributed" in text and "| 64 | 256x2 |" in text
 
 
 def test_summary_pools_rounds_and_reports_the_spread():
