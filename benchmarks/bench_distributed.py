@@ -3,8 +3,24 @@
 model  bench_model.py's Llama-style decoder trained on one GPU (rank 0 alone), under DDP and under
        FSDP2 (``torch.distributed.fsdp.fully_shard``, every decoder layer and the root), with
        attention by SDPA and by sagebwd_cp: the same global batch and data each way, so the losses
-       should agree with the single GPU's; the median step time and the scaling (one GPU's step
-       time over the distributed one's: the global batch's speed-up).
+       should agree with the single GPU's; the step time and the scaling (one GPU's step time over
+       the distributed one's: the global batch's speed-up).
+
+       Step times: a step's time is the slowest rank's (each rank's time after a synchronize, the
+       maximum over ranks); each run has ``--warmup`` untimed steps (10: compiles, cuDNN/NCCL
+       set-up, the allocator's first growth) and ``--steps`` timed ones (50); the table gives the
+       median, the 10th-90th percentile band and (p90 - p10) / median, the per-step spread.  The
+       whole part runs ``--rounds`` times (2), SDPA and sagebwd_cp alternating within each round, and
+       the summary pools every round's steps, listing each round's median beside it: two runs that
+       disagree show it there rather than in two files.
+
+       FSDP is sized apart (``--fsdp-hidden`` 2048, ``--fsdp-layers`` 16: 0.45B parameters, with
+       its own single-GPU baseline at that size).  At bench_model's size (hidden 1024, 8 layers,
+       0.09B parameters) a step is too short to hide FSDP's per-layer all-gathers and
+       reduce-scatters (three transfers of the parameters a step against DDP's one all-reduce of
+       the gradients) and its parameters fit one GPU many times over: FSDP measured slower than one
+       GPU there (scaling 0.73-0.95 on 2x H100 and 2x H200) for either attention, which says
+       nothing about attention.  ``--fsdp-hidden 0`` runs FSDP at bench_model's size anyway.
 ring   ``sagebwd_cp.torch.ring_attention`` at long context (the sequence zig-zag sharded over the
        ranks), forward and forward+backward time, and correctness against single-GPU chunked
        attention (``chunked_attention`` over the same 2·W chunks, on rank 0) and against one SDPA
@@ -13,7 +29,8 @@ ring   ``sagebwd_cp.torch.ring_attention`` at long context (the sequence zig-zag
        reported), in the same run.
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py [--parts model ring]
-        [--contexts 2048 8192] [--head-dim 128] [--steps 20] [--warmup 3]
+        [--contexts 2048 8192] [--head-dim 128] [--steps 50] [--warmup 10] [--rounds 2]
+        [--modes ddp fsdp2] [--fsdp-hidden 2048] [--fsdp-layers 16]
         [--ring-contexts 32768 65536 131072] [--ring-heads 8] [--ring-head-dim 128] [--iters 5] [--out DIR]
 
 Prints a table and writes distributed.json and distributed.md into benchmarks/results/<device>/
@@ -117,8 +134,44 @@ def _batches(context: int, rows: int, steps: int, seed: int, device) -> list:
     return _BATCHES[key]
 
 
+def step_stats(times: list) -> dict:
+    """Median, 10th and 90th percentiles, min, max and (p90 - p10) / median of step times (ms)."""
+    xs = sorted(times)
+
+    def pct(p):
+        i = (len(xs) - 1) * p
+        lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+    med = statistics.median(xs)
+    return {"step_ms": med, "p10_ms": pct(0.1), "p90_ms": pct(0.9), "min_ms": xs[0], "max_ms": xs[-1],
+            "spread": (pct(0.9) - pct(0.1)) / med if med else None}
+
+
+class model_size:
+    """bench_model's decoder at ``hidden`` and ``layers`` inside the block (0: as it is)."""
+
+    def __init__(self, hidden: int, layers: int):
+        self.size = (hidden, layers)
+
+    def __enter__(self):
+        import bench_model
+
+        self.saved = (bench_model.HIDDEN, bench_model.LAYERS)
+        bench_model.HIDDEN = self.size[0] or self.saved[0]
+        bench_model.LAYERS = self.size[1] or self.saved[1]
+        return (bench_model.HIDDEN, bench_model.LAYERS)
+
+    def __exit__(self, *exc):
+        import bench_model
+
+        bench_model.HIDDEN, bench_model.LAYERS = self.saved
+        return False
+
+
 def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: int, warmup: int, seed: int) -> dict:
-    """Step times and per-step global losses of one run; ``mode`` "single" runs on rank 0 alone."""
+    """Step times (the slowest rank's) and per-step global losses of one run; ``mode`` "single" runs on
+    rank 0 alone."""
     import torch
     import torch.distributed as dist
 
@@ -126,6 +179,7 @@ def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: in
 
     rows = _global_rows(context, d.world)
     model = bench_model.build_model(head_dim, context, attn, seed).to(d.device)
+    params = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -145,50 +199,91 @@ def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: in
         t0 = time.perf_counter()
         loss = bench_model.train_step(model, opt, x, y, d.cuda)
         d.sync()
-        if step >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+        ms = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64, device=d.device)
         loss = loss.detach().double().reshape(1)
-        if mode != "single":  # the mean over equal shards: the global batch's loss
+        if mode != "single":  # the mean over equal shards: the global batch's loss; the slowest rank's time
             dist.all_reduce(loss)
             loss /= d.world
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            times.append(float(ms))
         losses.append(float(loss))
     del model, opt
     if d.cuda:
         torch.cuda.empty_cache()
-    return {"step_ms": statistics.median(times), "losses": losses}
+    return {**step_stats(times), "step_times_ms": times, "losses": losses, "params": params}
+
+
+def _single(d: Dist, attn: str, args, context: int) -> dict:
+    """The one-GPU run on rank 0, its result on every rank."""
+    import torch.distributed as dist
+
+    single = _train(d, "single", attn, args.head_dim, context, args.steps, args.warmup, args.seed) \
+        if d.rank == 0 else None
+    box = [single]
+    dist.broadcast_object_list(box, src=0)
+    d.barrier()
+    return box[0]
 
 
 def model_part(d: Dist, args) -> list:
+    """One record a (round, context, attention, mode): SDPA and sagebwd_cp alternate within a round."""
     import torch
-    import torch.distributed as dist
 
     records = []
-    for context in args.contexts:
-        for attn in ("sdpa", "sagebwd"):
-            single = None
-            if d.rank == 0:
-                single = _train(d, "single", attn, args.head_dim, context, args.steps, args.warmup, args.seed)
-            box = [single]
-            dist.broadcast_object_list(box, src=0)
-            single = box[0]
-            d.barrier()
-            for mode in ("ddp", "fsdp2"):
-                try:
-                    res = _train(d, mode, attn, args.head_dim, context, args.steps, args.warmup, args.seed)
-                except Exception as exc:  # noqa: BLE001 - an unsupported mode is reported, the rest still runs
-                    res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                rec = {"part": "model", "context": context, "head_dim": args.head_dim, "attn": attn, "mode": mode,
-                       "world": d.world, "global_rows": _global_rows(context, d.world),
-                       "single_step_ms": single["step_ms"], "single_losses": single["losses"], **res}
-                if "losses" in res:
-                    diffs = [abs(a - b) for a, b in zip(res["losses"], single["losses"])]
-                    rec.update(scaling=single["step_ms"] / res["step_ms"], max_loss_diff=max(diffs),
-                               final_loss=res["losses"][-1], single_final_loss=single["losses"][-1])
-                records.append(rec)
-                d.barrier()
-            if d.cuda:
-                torch.cuda.empty_cache()
+    sizes = {mode: (args.fsdp_hidden, args.fsdp_layers) if mode == "fsdp2" else (0, 0) for mode in args.modes}
+    for rnd in range(args.rounds):
+        for context in args.contexts:
+            for size in dict.fromkeys(sizes.values()):  # the modes of one model size share its baseline
+                for attn in ("sdpa", "sagebwd"):
+                    with model_size(*size) as (hidden, layers):
+                        single = _single(d, attn, args, context)
+                        for mode in [m for m in args.modes if sizes[m] == size]:
+                            try:
+                                res = _train(d, mode, attn, args.head_dim, context, args.steps, args.warmup,
+                                             args.seed)
+                            except Exception as exc:  # noqa: BLE001 - an unsupported mode is reported
+                                res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                            rec = {"part": "model", "round": rnd, "context": context, "head_dim": args.head_dim,
+                                   "attn": attn, "mode": mode, "world": d.world, "hidden": hidden, "layers": layers,
+                                   "params": single["params"], "global_rows": _global_rows(context, d.world),
+                                   **{f"single_{k}": v for k, v in single.items() if k != "params"}, **res}
+                            if "losses" in res:
+                                diffs = [abs(a - b) for a, b in zip(res["losses"], single["losses"])]
+                                rec.update(scaling=single["step_ms"] / res["step_ms"], max_loss_diff=max(diffs),
+                                           final_loss=res["losses"][-1], single_final_loss=single["losses"][-1])
+                            records.append(rec)
+                            d.barrier()
+                    if d.cuda:
+                        torch.cuda.empty_cache()
     return records
+
+
+def summarize(records: list) -> list:
+    """Per (context, model size, mode): each attention's step times pooled over the rounds (median and
+    band), each round's median, the one-GPU baseline pooled the same way, the scaling, and sagebwd_cp's
+    step over SDPA's, distributed and alone."""
+    groups = {}
+    for r in records:
+        if r["part"] == "model" and "step_times_ms" in r:
+            groups.setdefault((r["context"], r["hidden"], r["layers"], r["mode"]), {}).setdefault(r["attn"], []).append(r)
+    rows = []
+    for (context, hidden, layers, mode), by_attn in groups.items():
+        row = {"context": context, "hidden": hidden, "layers": layers, "mode": mode,
+               "params": next(iter(by_attn.values()))[0]["params"]}
+        for attn, recs in by_attn.items():
+            pooled = step_stats([t for r in recs for t in r["step_times_ms"]])
+            single = step_stats([t for r in recs for t in r["single_step_times_ms"]])
+            row[attn] = {**pooled, "round_medians": [r["step_ms"] for r in recs],
+                         "single_step_ms": single["step_ms"], "single_spread": single["spread"],
+                         "single_round_medians": [r["single_step_ms"] for r in recs],
+                         "scaling": single["step_ms"] / pooled["step_ms"],
+                         "max_loss_diff": max(r["max_loss_diff"] for r in recs)}
+        if "sdpa" in row and "sagebwd" in row:
+            row["ours_over_sdpa"] = row["sagebwd"]["step_ms"] / row["sdpa"]["step_ms"]
+            row["ours_over_sdpa_single"] = row["sagebwd"]["single_step_ms"] / row["sdpa"]["single_step_ms"]
+        rows.append(row)
+    return rows
 
 
 # ------------------------------------------------------------------------------ part 2: ring attention
@@ -324,19 +419,36 @@ def markdown(meta: dict, records: list) -> str:
              f"torch {meta['torch']}; {'smoke run (tiny shapes, CPU)' if meta['smoke'] else 'bfloat16'}", ""]
     model = [r for r in records if r["part"] == "model"]
     if model:
+        rounds = len({r["round"] for r in model})
         lines += ["## Model (bench_model.py's decoder), same global batch", "",
-                  "scaling: one GPU's step time over the distributed step's (the same global batch; ideal: the "
-                  "world size); losses: the global batch's mean, per step.", "",
-                  "| context | attn | mode | 1-GPU ms | ms | scaling | final loss | 1-GPU final loss | max loss diff |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in model:
-            if "error" in r:
-                lines.append(f"| {r['context']} | {r['attn']} | {r['mode']} | {_fmt(r['single_step_ms'])} | "
-                             f"failed: {r['error']} | | | | |")
-                continue
-            lines.append(f"| {r['context']} | {r['attn']} | {r['mode']} | {_fmt(r['single_step_ms'])} | "
-                         f"{_fmt(r['step_ms'])} | {_fmt(r['scaling'], '.2f')} | {_fmt(r['final_loss'], '.4f')} | "
-                         f"{_fmt(r['single_final_loss'], '.4f')} | {_fmt(r['max_loss_diff'], '.4f')} |")
+                  "ms: the median step (the slowest rank's time each step), pooled over "
+                  f"{rounds} round(s) of {model[0]['world']} ranks; p10-p90: the band of the steps; spread: "
+                  "(p90 - p10) / median; rounds: each round's median. scaling: one GPU's median step over the "
+                  "distributed one's (the same global batch; ideal: the world size). ours/sdpa: sagebwd_cp's "
+                  "median step over SDPA's, distributed and on one GPU.", "",
+                  "| context | model | mode | attn | 1-GPU ms (rounds) | ms | p10-p90 | spread | rounds | "
+                  "scaling | max loss diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        summary = summarize(records)
+        rounds_text = lambda xs: " / ".join(_fmt(x) for x in xs)  # noqa: E731
+        for row in summary:
+            size = f"{row['hidden']}x{row['layers']} ({row['params'] / 1e6:.0f}M)"
+            for attn in ("sdpa", "sagebwd"):
+                if attn not in row:
+                    continue
+                a = row[attn]
+                lines.append(f"| {row['context']} | {size} | {row['mode']} | {attn} | {_fmt(a['single_step_ms'])} "
+                             f"({rounds_text(a['single_round_medians'])}) | {_fmt(a['step_ms'])} | "
+                             f"{_fmt(a['p10_ms'])}-{_fmt(a['p90_ms'])} | {_fmt(a['spread'], '.1%')} | "
+                             f"{rounds_text(a['round_medians'])} | {_fmt(a['scaling'], '.2f')} | "
+                             f"{_fmt(a['max_loss_diff'], '.4f')} |")
+        lines += ["", "| context | model | mode | ours/sdpa distributed | ours/sdpa one GPU |", "|---|---|---|---|---|"]
+        for row in summary:
+            if "ours_over_sdpa" in row:
+                lines.append(f"| {row['context']} | {row['hidden']}x{row['layers']} | {row['mode']} | "
+                             f"{_fmt(row['ours_over_sdpa'], '.3f')} | {_fmt(row['ours_over_sdpa_single'], '.3f')} |")
+        failed = [r for r in model if "error" in r]
+        lines += [""] + [f"Failed: round {r['round']}, {r['context']}, {r['attn']}, {r['mode']}: {r['error']}"
+                         for r in failed]
         lines.append("")
     ring = [r for r in records if r["part"] == "ring"]
     if ring:
@@ -358,8 +470,14 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", nargs="+", default=["model", "ring"], choices=["model", "ring"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192], help="model part: context lengths")
     ap.add_argument("--head-dim", type=int, default=128, choices=[64, 128], help="model part")
-    ap.add_argument("--steps", type=int, default=20, help="model part: timed steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="model part: untimed first steps")
+    ap.add_argument("--steps", type=int, default=50, help="model part: timed steps per run")
+    ap.add_argument("--warmup", type=int, default=10, help="model part: untimed first steps of each run")
+    ap.add_argument("--rounds", type=int, default=2, help="model part: times the whole part runs (pooled)")
+    ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"], help="model part")
+    ap.add_argument("--fsdp-hidden", type=int, default=2048,
+                    help="model part: the decoder's hidden size under FSDP2 (0: bench_model's)")
+    ap.add_argument("--fsdp-layers", type=int, default=16,
+                    help="model part: the decoder's layers under FSDP2 (0: bench_model's)")
     ap.add_argument("--ring-contexts", type=int, nargs="+", default=[32768, 65536, 131072],
                     help="ring part: total tokens (divisible by 2 x world size)")
     ap.add_argument("--ring-heads", type=int, default=8)
@@ -369,24 +487,30 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/<device>)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU with gloo (a correctness run)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error(f"--steps, --rounds: at least 1, --warmup: at least 0; got {args.steps}, {args.rounds}, {args.warmup}")
 
     import torch
 
     import bench_model
 
     if args.smoke:
-        args.contexts, args.head_dim, args.steps, args.warmup = [64], 64, 2, 0
+        args.contexts, args.head_dim, args.steps, args.warmup, args.rounds = [64], 64, 2, 0, 1
+        args.fsdp_hidden, args.fsdp_layers = 256, 2  # a size of its own, as on GPUs
         args.ring_contexts, args.ring_heads, args.ring_head_dim, args.iters = [128], 2, 16, 1
     elif not torch.cuda.is_available():
         print("bench_distributed.py needs CUDA GPUs (or --smoke, on the CPU)", file=sys.stderr)
         return 2
     model_size = (bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP)
+    threads = torch.get_num_threads()
     if args.smoke:  # bench_model's decoder shrunk (the emulator is slow), restored on return
         bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = 256, 1, 256
+        torch.set_num_threads(1)  # W ranks on one CPU: a thread each (torch's many threads a rank oversubscribe it)
     try:
         return _run(args)
     finally:
         bench_model.HIDDEN, bench_model.LAYERS, bench_model.TOKENS_PER_STEP = model_size
+        torch.set_num_threads(threads)
 
 
 def _run(args) -> int:
@@ -410,7 +534,7 @@ def _run(args) -> int:
                            os.path.join(HERE, "results", device_slug(d.name)))
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "distributed.json"), "w") as f:
-            json.dump({**meta, "records": records}, f, indent=1)
+            json.dump({**meta, "summary": summarize(records), "records": records}, f, indent=1)
         text = markdown(meta, records)
         with open(os.path.join(out, "distributed.md"), "w") as f:
             f.write(text)

@@ -12,6 +12,8 @@ from .arrays import ArrayDesc, describe, set_allocator
 from .chunked import (attention_backward_lse, causal_pieces, key_mean, lse_to_lse2, merge_attention,
                       prefix_key_mean)
 from .guard import AccuracyWarning, score_step, set_accuracy_guard
+from .kernel_cache import KernelCacheWarning
+from .launch_errors import KernelLaunchError
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "attention_varlen",
@@ -19,3 +21,4 @@ __all__ = ["attention", "attention_forward", "attention_backward", "attention_ba
            "k_mean_shape", "attention_backward_lse", "merge_attention", "key_mean", "prefix_key_mean", "lse_to_lse2", "causal_pieces",
            "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "score_step", "set_accuracy_guard", "AccuracyWarning", "__version__"]
+__all__ += ["KernelCacheWarning", "KernelLaunchError"]

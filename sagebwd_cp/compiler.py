@@ -14,11 +14,10 @@ import hashlib
 import importlib.util
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 
-from . import numerics
+from . import kernel_cache, numerics
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -196,16 +195,11 @@ def compile_spec(spec: KernelSpec, arch: str, *, use_disk_cache: bool = True) ->
         return hit
     directory = cache_dir()
     cubin_path = directory / f"{spec.key}.{arch}.{key}.cubin"
-    log_path = cubin_path.with_suffix(".log")
-    if use_disk_cache and cubin_path.is_file() and log_path.is_file():
-        log = log_path.read_text()
-    else:
-        cubin, log = _nvrtc_compile(source, spec, arch)
-        _atomic_write(cubin_path, cubin)
-        _atomic_write(log_path, log.encode())
+    # checked against the size and hashes recorded at write time; a damaged entry is recompiled
+    log = kernel_cache.load_or_compile(cubin_path, lambda: _nvrtc_compile(source, spec, arch), use_disk_cache)
     result = CompiledKernel(spec, arch, key, cubin_path, log, parse_ptxas_report(log))
-    with _lock:
-        _memory_cache[key] = result
+    with _lock:  # threads that raced here all get the first one's entry
+        result = _memory_cache.setdefault(key, result)
     return result
 
 
@@ -231,13 +225,6 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
     return cubin, log
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def device_arch(device_id: int) -> str:
     import cupy
 
@@ -253,8 +240,16 @@ def dynamic_shared_bytes(spec: KernelSpec, arch: str) -> int:
     return compile_spec(spec, arch).shared_bytes
 
 
+_function_lock = threading.Lock()  # the loaded functions and their shared memory opt-ins change together
+
+
 def get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int = 0):
-    """The loaded kernel ``entry`` of ``spec`` on ``device_id`` (compiled on first use)."""
+    """The loaded kernel ``entry`` of ``spec`` on ``device_id`` (compiled on first use; thread-safe)."""
+    with _function_lock:
+        return _get_function(spec, entry, device_id, dynamic_smem)
+
+
+def _get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int = 0):
     mkey = (spec, entry, device_id)
     fn = _modules.get(mkey)
     if fn is None:
@@ -262,8 +257,12 @@ def get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: int
 
         with cupy.cuda.Device(device_id):
             compiled = compile_spec(spec, device_arch(device_id))
-            module = cupy.RawModule(path=str(compiled.cubin_path))
-            fn = module.get_function(entry)
+            fn = kernel_cache.load_function(  # an image the driver rejects is recompiled once
+                lambda: cupy.RawModule(path=str(compiled.cubin_path)).get_function(entry),
+                lambda: kernel_cache.load_or_compile(
+                    compiled.cubin_path, lambda: _nvrtc_compile(flatten_source(spec.filename), spec, compiled.arch),
+                    use_disk_cache=False),
+                compiled.cubin_path)
         _modules[mkey] = fn
         _smem_opt_in[mkey] = 48 * 1024
     if dynamic_smem > _smem_opt_in[mkey]:

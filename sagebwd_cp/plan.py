@@ -23,6 +23,7 @@ import threading
 from . import compiler
 from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
 from .launch import PackedArgs, cuda, device_arch, shared_memory_limit
+from .launch_errors import launch_error, note_allocation_failure
 
 WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
 MAX_PLANS = 1024  # cached plans; the oldest is dropped past this (e.g. many distinct sequence lengths)
@@ -162,7 +163,10 @@ class LaunchPlan:
                             words[word] = table[source] + offset
                         for address, encode, source, offset in step.maps:
                             encode(address, table[source] + offset)
-                        launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+                        try:
+                            launch_kernel(*step.head, stream, step.args.params_ptr, 0)
+                        except Exception as exc:  # the driver's bare error, given the kernel and the call
+                            raise launch_error(self, step, exc) from exc
             finally:
                 if previous != dev:
                     runtime.setDevice(previous)
@@ -174,7 +178,11 @@ class LaunchPlan:
         array, base = None, 0
         if nbytes:
             # Room to align the base: a user allocator need not return 256-byte aligned memory.
-            array, p = allocate((nbytes + WORKSPACE_ALIGN,), "uint8", self.framework, self.device_id)
+            try:
+                array, p = allocate((nbytes + WORKSPACE_ALIGN,), "uint8", self.framework, self.device_id)
+            except Exception as exc:  # torch's and CuPy's out-of-memory errors: raised as they are, with a note
+                note_allocation_failure(exc, self, nbytes + WORKSPACE_ALIGN)
+                raise
             base = _round_up(p, WORKSPACE_ALIGN)
         table.append(base)
         return array, len(table) - 1
@@ -335,20 +343,22 @@ def cached_plan(key):
         return None
 
 
+_plans_lock = threading.Lock()  # writers take it; a reader's lookup is one dict.get of a finished plan
+
+
 def remember_plan(key, plan: LaunchPlan) -> None:
-    if len(_plans) >= MAX_PLANS:
+    with _plans_lock:
+        if len(_plans) >= MAX_PLANS:
+            _plans.pop(next(iter(_plans), None), None)  # the oldest
         try:
-            _plans.pop(next(iter(_plans)), None)  # the oldest
-        except (RuntimeError, StopIteration):  # another thread changed the cache meanwhile
+            _plans[key] = plan
+        except TypeError:
             pass
-    try:
-        _plans[key] = plan
-    except TypeError:
-        pass
 
 
 def clear_plans() -> None:
-    _plans.clear()
+    with _plans_lock:
+        _plans.clear()
 
 
 def launch_now(spec, entry: str, device_id: int, stream: int, grid, block, args, shared: int = 0) -> None:
