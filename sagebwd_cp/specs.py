@@ -139,13 +139,13 @@ class WsForwardTiles:
 
 def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles where it runs (sm_90, no Q-smoothing), else None.
-    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1-3),
+    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1-4),
     SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
     override its shape."""
     if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) == 0:
         return None
     tiles = WsForwardTiles()
-    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
+    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3, 4)),
                  "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
                  "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
                  "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1))}
