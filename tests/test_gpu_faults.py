@@ -185,24 +185,33 @@ def _forget_loaded(monkeypatch, compiled_too=True):
     monkeypatch.setattr(plan, "_plans", {})
 
 
+class PrivateCache(tuple):
+    """(arrays, causal, cubins, first), and ``specs``: the (spec, arch) of each entry."""
+
+    def __new__(cls, arrays, causal, cubins, first, specs):
+        self = super().__new__(cls, (arrays, causal, cubins, first))
+        self.specs = specs
+        return self
+
+
 @pytest.fixture
 def private_forward_cache(tmp_path, monkeypatch):
-    """``(arrays, causal, cubins)``: a forward's kernels compiled (or found in the session's cache),
-    their entries copied into a private cache directory that the process then uses, and the forward's
-    first result (bits) computed from them."""
+    """``(arrays, causal, cubins, first)``: a forward's kernels compiled (or found in the session's
+    cache), their entries copied into a private cache directory that the process then uses, and the
+    forward's first result (bits) computed from them; ``.specs``: each entry's (spec, arch)."""
     arrays, causal = _inputs(CASES[0], 3, "torch")
     _forget_loaded(monkeypatch)
     first = _bits(sagebwd_cp.attention(*arrays[:3], causal=causal))
     private = tmp_path / "cache"
     private.mkdir()
-    cubins = []
-    for compiled in list(compiler._memory_cache.values()):
+    cubins, entries = [], list(compiler._memory_cache.values())
+    for compiled in entries:
         for src in (compiled.cubin_path, kernel_cache.record_path(compiled.cubin_path)):
             shutil.copy(src, private / src.name)
         cubins.append(private / compiled.cubin_path.name)
     monkeypatch.setenv("SAGEBWD_CP_CACHE_DIR", str(private))
     _forget_loaded(monkeypatch)
-    return arrays, causal, sorted(cubins), first
+    return PrivateCache(arrays, causal, sorted(cubins), first, [(c.spec, c.arch) for c in entries])
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -230,11 +239,14 @@ def test_damaged_cubins_are_recompiled_and_the_results_are_unchanged(private_for
 
 def test_a_cubin_damaged_after_its_check_is_rejected_by_the_driver_then_recompiled(private_forward_cache,
                                                                                     monkeypatch):
-    """The cubins change on disk after the process checked them (the compiled entries are still in
-    memory, so they are not checked again): the driver rejects each image (CUDA_ERROR_INVALID_IMAGE),
-    the entry is recompiled with a warning and loaded, and the results are unchanged."""
+    """The cubins change on disk after the process checked them and before it loads them (the compiled
+    entries are in memory, so they are not checked again): the driver rejects each image
+    (CUDA_ERROR_INVALID_IMAGE), the entry is recompiled with a warning and loaded, and the results are
+    unchanged. (Once CuPy has loaded a cubin it keeps the module for that path: the entries are
+    checked here without loading them.)"""
     arrays, causal, cubins, first = private_forward_cache
-    sagebwd_cp.attention(*arrays[:3], causal=causal)  # reads the private entries (checked) into memory
+    for spec, arch in private_forward_cache.specs:
+        compiler.compile_spec(spec, arch)  # checks the private entries into memory, loads no module
     for path in cubins:
         path.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     _forget_loaded(monkeypatch, compiled_too=False)

@@ -173,7 +173,8 @@ for spec in (specs.ceiling_spec(), specs.bias_spec("bfloat16")):
         compiler._memory_cache.clear()
         c = compiler.compile_spec(spec, "sm_80")
         log, why = kernel_cache.check_entry(c.cubin_path)
-        assert why is None and log == c.log, (c.cubin_path, why)
+        # sound (its log may be another writer's: logs carry ptxas's timings)
+        assert why is None and log is not None, (c.cubin_path, why)
 print("ok")
 """
 
