@@ -16,7 +16,8 @@ import timeit
 import torch
 
 import sagebwd_cp
-from sagebwd_cp import arrays, compiler, launch, plan, tensor_map
+from sagebwd_cp import arrays
+from sagebwd_cp.gpu import compiler, device, launch, plan, tensor_map
 from sagebwd_cp.api import run_backward, run_forward
 
 
@@ -35,9 +36,9 @@ def mock_the_gpu():
     arrays._TORCH_DEVICES[0] = torch.device("cpu")  # "CUDA device 0" allocations: torch.empty on the CPU
     plan.stream_reader = lambda framework: (lambda device_id: 0)
     compiler.get_function_pointer = lambda spec, entry, device_id, shared=0: 0x1000 + len(entry)
-    launch._device_limits[0] = 232448  # an H200's opt-in shared memory per block
-    launch._device_archs[0] = "sm_90"
-    launch._device_sms[0] = 132  # an H100's or H200's multiprocessors
+    device._device_limits[0] = 232448  # an H200's opt-in shared memory per block
+    device._device_archs[0] = "sm_90"
+    device._device_sms[0] = 132  # an H100's or H200's multiprocessors
     runtime.getDevice = lambda: 0
     runtime.memsetAsync = lambda ptr, value, nbytes, stream: None
     driver.ctxGetCurrent = lambda: 1

@@ -11,11 +11,13 @@ import dataclasses
 
 import numpy as np
 
-from . import emulator, guard, varlen as packed
+from . import guard
 from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
-from .plan import cached_plan, remember_plan
+from .gpu import backward as gpu_backward, forward as gpu_forward
+from .gpu.plan import cached_plan, remember_plan
+from .host import emulator, packed
 from .problem import (AttentionProblem, check_granularity, check_options, check_output, make_problem,
                       make_varlen_problem)
 
@@ -112,8 +114,6 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         _check_k_mean(mean_desc, prob)
     if not prob.on_gpu:
         return _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
-    from .forward import forward_plan
-
     out_desc = check_output(out, prob) if out is not None else None
     descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc, prob.cu_q, prob.cu_k) if d is not None]
     plan = None
@@ -121,7 +121,7 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         key = (options, _signatures(descs)[1])
         plan = cached_plan(key)
     if plan is None:
-        plan = forward_plan(prob, out_desc, training, return_lse, mean_desc)
+        plan = gpu_forward.forward_plan(prob, out_desc, training, return_lse, mean_desc)
         remember_plan(key, plan)
     return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
                         mean_desc.obj if given else None, varlen)
@@ -362,8 +362,6 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
     if given:
         _check_k_mean(k_mean, prob)
     if prob.on_gpu:
-        from .backward import backward_plan
-
         descs = (prob.q, prob.k, prob.v, out, lse2, dd) + ((k_mean,) if given else ()) + (
             (prob.cu_q, prob.cu_k) if prob.varlen else ())
         plan = None
@@ -371,7 +369,7 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
             key = (options, _signatures(descs)[1])
             plan = cached_plan(key)
         if plan is None:
-            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
+            plan = gpu_backward.backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
     if prob.varlen:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .api import attention_backward_arrays
 from .numerics import LOG2E, default_softmax_scale
 from .problem import check_layout, check_options
 
@@ -172,8 +173,6 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     and ``merge_attention`` give it.  ``k_mean``: the μ_K the forward used (``key_mean`` of every
     chunk); None computes this chunk's own, right only for a single chunk.  Options as in
     ``attention_backward_arrays``.  NumPy, torch and CuPy arrays."""
-    from .api import attention_backward_arrays
-
     causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(causal, softmax_scale, smooth_k, smooth_q,
                                                                              deterministic=deterministic)
     layout = check_layout(layout)

@@ -10,14 +10,14 @@ import numbers
 
 import numpy as np
 
-from . import specs
 from .arrays import ArrayDesc, describe, host_numpy
+from .numerics import PADDED_HEAD_DIMS, padded_head_dim
 
 LAYOUTS = ("HND", "NHD")  # and "THD": packed batches (make_varlen_problem)
 GRANULARITIES = ("fine", "paper")
 KERNEL_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
-MAX_HEAD_DIM = specs.PADDED_HEAD_DIMS[-1]
+MAX_HEAD_DIM = PADDED_HEAD_DIMS[-1]
 
 
 @dataclasses.dataclass
@@ -45,7 +45,7 @@ class AttentionProblem:
 
     @property
     def padded_head_dim(self) -> int:
-        return specs.padded_head_dim(self.head_dim)
+        return padded_head_dim(self.head_dim)
 
     @property
     def varlen(self) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sagebwd_cp import compiler, device, specs
+from sagebwd_cp.gpu import compiler, device, specs
 from sagebwd_cp.__main__ import compile_all, compile_pairs, main, representative_spec
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")

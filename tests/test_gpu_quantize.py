@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from gpu_helpers import make_qkv, poisoned_workspaces, to_hnd_numpy
-from sagebwd_cp import emulator, numerics
+from sagebwd_cp import numerics
+from sagebwd_cp.host import emulator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -34,7 +35,7 @@ def test_quantize_matches_emulator_bitwise(case):
     import torch
 
     from sagebwd_cp.arrays import current_stream
-    from sagebwd_cp.pieces import quantize_inputs_gpu
+    from sagebwd_cp.gpu.pieces import quantize_inputs_gpu
     from sagebwd_cp.problem import make_problem
 
     b, hq, hk, lq, lk, d, dtype, layout, strided, smooth_q = case
@@ -93,7 +94,7 @@ def test_quantize_grad_output_matches_psi(lq, dtype, layout):
     import torch
 
     from sagebwd_cp.arrays import current_stream, describe
-    from sagebwd_cp.pieces import quantize_grad_output_gpu
+    from sagebwd_cp.gpu.pieces import quantize_grad_output_gpu
     from sagebwd_cp.problem import make_problem
 
     q, k, v = make_qkv(2, 4, 2, lq, 77, 64, dtype, layout, seed=lq)

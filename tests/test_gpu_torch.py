@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import sagebwd_cp.torch as st  # noqa: E402
-from sagebwd_cp import reference  # noqa: E402
+from sagebwd_cp.host import reference  # noqa: E402
 
 from gpu_helpers import cos_sim, rel_l2  # noqa: E402
 
@@ -31,8 +31,8 @@ def _gpu_backward_missing():
     except NotImplementedError as exc:
         return f"GPU backward not implemented: {exc}"
     except ModuleNotFoundError as exc:
-        if exc.name == "sagebwd_cp.backward":
-            return "GPU backward not available: sagebwd_cp.backward is missing"
+        if exc.name == "sagebwd_cp.gpu.backward":
+            return "GPU backward not available: sagebwd_cp.gpu.backward is missing"
         raise
     return None
 

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 import sagebwd_cp  # noqa: E402
 import sagebwd_cp.torch as st  # noqa: E402
-from sagebwd_cp import reference  # noqa: E402
+from sagebwd_cp.host import reference  # noqa: E402
 from sagebwd_cp.torch import _ops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,7 +245,8 @@ def stubbed_cuda(monkeypatch):
     """CPU tensors take the adapter's CUDA path: described as CUDA arrays, plans built and cached,
     outputs from the library's allocation code ("device 0" mapped to the CPU), launches recorded
     instead of run (outputs hold no results: only their metadata is meaningful)."""
-    from sagebwd_cp import arrays, compiler, launch, plan, tensor_map
+    from sagebwd_cp import arrays
+    from sagebwd_cp.gpu import compiler, device, launch, plan, tensor_map
 
     real = arrays._from_torch
 
@@ -275,9 +276,9 @@ def stubbed_cuda(monkeypatch):
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0))
     monkeypatch.setattr(plan, "_plans", {})
     monkeypatch.setattr(compiler, "get_function_pointer", lambda spec, entry, device_id, shared=0: 0x1000)
-    monkeypatch.setitem(launch._device_limits, 0, 232448)
-    monkeypatch.setitem(launch._device_archs, 0, "sm_90")
-    monkeypatch.setitem(launch._device_sms, 0, 132)
+    monkeypatch.setitem(device._device_limits, 0, 232448)
+    monkeypatch.setitem(device._device_archs, 0, "sm_90")
+    monkeypatch.setitem(device._device_sms, 0, 132)
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setattr(tensor_map, "_encoder", lambda layout: (lambda out, address: None))  # the driver's job
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -285,7 +286,7 @@ def stubbed_cuda(monkeypatch):
 
 
 def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda):
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     def call(dtype=torch.float16, layout="HND", **opts):
         q, k, v = qkv(hq=2, hk=1, lq=64, lk=96, layout=layout, dtype=dtype)

@@ -27,9 +27,9 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from sagebwd_cp.pieces import attend_launcher
-    from sagebwd_cp.quantize import quantize_inputs
-    from sagebwd_cp.plan import PlanBuilder
+    from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.gpu.quantize import quantize_inputs
+    from sagebwd_cp.gpu.plan import PlanBuilder
     from sagebwd_cp.problem import make_problem
 
     main_stream = torch.cuda.current_stream()

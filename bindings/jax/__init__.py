@@ -28,10 +28,10 @@ except ImportError as exc:  # pragma: no cover - older jax
 
 import numpy as np
 
-from .api import run_backward, run_forward
-from .arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
-from .numerics import k_mean_shape
-from .problem import check_granularity, make_problem
+from sagebwd_cp.api import run_backward, run_forward
+from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
+from sagebwd_cp.numerics import k_mean_shape
+from sagebwd_cp.problem import check_granularity, make_problem
 
 __all__ = ["attention"]
 

@@ -3,13 +3,14 @@ quantize dO in one launch, gather (LSE2, δ) per query row, run the key-block-ow
 records these launches into the plan a call replays (plan.py)."""
 from __future__ import annotations
 
-from . import numerics, params, specs
-from .arrays import ArrayDesc
-from .launch import (BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, device_arch, shared_memory_limit,
-                     sm_count, tensor_map)
-from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .problem import AttentionProblem
+from .. import numerics
+from ..arrays import ArrayDesc
+from ..problem import AttentionProblem
+from . import params, specs
+from .device import device_arch, shared_memory_limit, sm_count
 from .forward import varlen_inputs
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
+from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .quantize import quantize_inputs
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 

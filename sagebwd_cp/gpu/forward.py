@@ -6,11 +6,13 @@ outputs as symbolic pointers; ``forward_plan`` assembles them into the plan a ca
 """
 from __future__ import annotations
 
-from . import numerics, params, specs
-from .arrays import ArrayDesc
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch
+from .. import numerics
+from ..arrays import ArrayDesc
+from ..problem import AttentionProblem
+from . import params, specs
+from .device import device_arch
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
 
 

@@ -5,19 +5,13 @@ import dataclasses
 import math
 import os
 
-from . import compiler, numerics
+from .. import numerics
+from ..numerics import PADDED_HEAD_DIMS, padded_head_dim  # noqa: F401 (the kernels' head dims, here with the tiles)
+from . import compiler
 from .compiler import KernelSpec, make_spec
 
 DTYPES = ("float16", "bfloat16")
-PADDED_HEAD_DIMS = (64, 128)
 TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (key-side: BackwardTiles.key_pad in the backward)
-
-
-def padded_head_dim(head_dim: int) -> int:
-    for dp in PADDED_HEAD_DIMS:
-        if head_dim <= dp:
-            return dp
-    raise ValueError(f"head_dim: expected at most {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
 
 
 def _varlen(varlen: bool) -> tuple:
@@ -227,3 +221,13 @@ def all_specs(arch: str | None = None) -> list:
                                 specs.append(backward_spec(dp, dt, causal, bias, fine, det,
                                                            BackwardTiles(2, True, wgmma_groups(dp, det, varlen)), varlen))
     return specs
+
+
+def all_specs_many(archs, *, jobs: int = 1) -> dict:
+    """``{arch: all_specs(arch)}``, the archs listed in ``jobs`` processes at once: listing compiles
+    the kernels whose tiles are read back from a compiled layout, which fills the disk cache."""
+    archs = list(dict.fromkeys(archs))
+    if jobs <= 1 or len(archs) <= 1:
+        return {arch: all_specs(arch) for arch in archs}
+    with compiler.spawn_pool(min(jobs, len(archs))) as pool:
+        return dict(zip(archs, pool.map(all_specs, archs)))

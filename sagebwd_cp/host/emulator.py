@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from .numerics import (
+from ..numerics import (
     BLOCK_KV,
     BLOCK_Q,
     INT8_MAX,
