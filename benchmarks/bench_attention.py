@@ -132,6 +132,7 @@ def bench_forward(d, n, causal, tiles_list, reps):
     import sagebwd_cp
     from sagebwd_cp.gpu import specs
     from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     b, h, _, sets = make_inputs(d, n, 2)
@@ -162,7 +163,7 @@ def bench_forward(d, n, causal, tiles_list, reps):
         label = "sagebwd" if tiles is None else f"sagebwd[{tiles.warps}x{tiles.m_tiles}]"
         ms = timed(lambda: sagebwd_cp.attention(*pick(), causal=causal), reps)
         rows.append((label, ms, tops(ms)))
-        ms_attend = timed(attend_launcher(make_problem(*sets[0], causal=causal)), reps)
+        ms_attend = timed(attend_launcher(make_problem(*sets[0], AttentionOptions(causal=causal))), reps)
         rows.append((label + " attend-only", ms_attend, tops(ms_attend)))
         specs.FORWARD_TILES.update(saved_tiles)
     return b, h, rows

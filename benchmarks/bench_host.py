@@ -19,6 +19,7 @@ import sagebwd_cp
 from sagebwd_cp import arrays
 from sagebwd_cp.gpu import compiler, device, launch, plan, tensor_map
 from sagebwd_cp.api import run_backward, run_forward
+from sagebwd_cp.options import AttentionOptions
 
 
 def mock_the_gpu():
@@ -70,7 +71,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(shape, generator=g).half() for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _, (lse2, k_mean) = run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)
+    out, _, (lse2, k_mean) = run_forward(q, k, v, AttentionOptions(causal=True), training=True)
     # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense)
     options = ("forward", True, None, True, False, "HND", False, False, False, None)
 
@@ -102,11 +103,11 @@ def main(argv=None):
         ("sagebwd_cp.attention_forward (training, saved state)",
          lambda: sagebwd_cp.attention_forward(q, k, v, causal=True)),
         ("run_forward (training, as the adapter calls it)",
-         lambda: run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)),
+         lambda: run_forward(q, k, v, AttentionOptions(causal=True), training=True)),
         ("sagebwd_cp.attention_backward_arrays",
          lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True, k_mean=k_mean)),
         ("run_backward (as the adapter calls it)",
-         lambda: run_backward(q, k, v, out, lse2, do, True, None, True, False, "HND", "fine", False, k_mean=k_mean)),
+         lambda: run_backward(q, k, v, out, lse2, do, AttentionOptions(causal=True), k_mean=k_mean)),
         ("adapter inference (sagebwd_cp.torch.attention)", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
         ("custom op attention_forward (torch.library, with autograd)",

@@ -11,10 +11,11 @@ from .api import (AttentionSaved, attention, attention_backward, attention_backw
 from .arrays import ArrayDesc, describe, set_allocator
 from .chunked import attention_backward_lse, causal_pieces, key_mean, lse_to_lse2, merge_attention
 from .guard import AccuracyWarning, score_step, set_accuracy_guard
+from .options import AttentionOptions
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "attention_varlen",
            "attention_varlen_forward", "attention_varlen_backward_arrays", "lse2_shape",
            "k_mean_shape", "attention_backward_lse", "merge_attention", "key_mean", "lse_to_lse2", "causal_pieces",
-           "AttentionSaved", "ArrayDesc", "describe",
+           "AttentionOptions", "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "score_step", "set_accuracy_guard", "AccuracyWarning", "__version__"]

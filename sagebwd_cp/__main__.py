@@ -15,6 +15,7 @@ import sys
 import time
 
 from . import __version__
+from .options import AttentionOptions
 from .gpu import compiler, specs as kernel_specs
 from .gpu.device import cuda_device
 
@@ -85,7 +86,7 @@ def compile_all(arch: str, specs=None, *, use_disk_cache: bool = True, jobs: int
 
 def representative_spec(arch: str):
     """The kernel ``info`` compiles: the forward a float16 call at head dim 128 launches on ``arch``."""
-    return kernel_specs.forward_spec(128, "float16", False, False, kernel_specs.forward_tiles(128, arch=arch))
+    return kernel_specs.forward_spec(128, "float16", AttentionOptions(), kernel_specs.forward_tiles(128, arch=arch))
 
 
 def _table(header, rows) -> str:

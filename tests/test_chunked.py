@@ -7,6 +7,7 @@ import pytest
 
 import sagebwd_cp
 from sagebwd_cp.host import reference
+from sagebwd_cp.options import AttentionOptions
 
 torch = pytest.importorskip("torch")
 import sagebwd_cp.torch as st  # noqa: E402
@@ -300,7 +301,7 @@ def test_attention_lse_op_passes_opcheck():
     q, k, v, _ = _torch_inputs("HND", torch.float16, hq=2, hk=1, lq=64, lk=64, d=16)
     mean = st.key_mean([k.detach()])
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_lse.default,
-                          (q.detach(), k.detach(), v.detach(), mean, True, None, True, False, "HND"))
+                          (q.detach(), k.detach(), v.detach(), mean, *AttentionOptions(causal=True)))
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -315,10 +315,11 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
     """Two calls of one plan: every pointer argument holds this call's array, output or workspace
     sub-buffer (base + carved offset); nothing else in the arguments changes."""
     from sagebwd_cp.gpu.forward import forward_plan
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     q, k, v = qkv(lq=100, lk=600)  # two token-sum parts, stored apart (nothing to zero) and added by the K job
-    prob = make_problem(q, k, v, causal=True)
+    prob = make_problem(q, k, v, AttentionOptions(causal=True))
     built = forward_plan(prob, None, True, False)
     names = {b.name: b for b in _buffers(built)}
     snapshots = []
@@ -685,11 +686,12 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     default grid keep key blocks in x."""
     from sagebwd_cp.gpu.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.gpu.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     def grid(b, hq, hk, n, causal, det=False, wgmma=True):
         q, k = np.zeros((b, hq, n, 8), np.float16), np.zeros((b, hk, n, 8), np.float16)
-        return backward_grid(make_problem(q, k, k, causal=causal), 128, det, wgmma, 132)
+        return backward_grid(make_problem(q, k, k, AttentionOptions(causal=causal)), 128, det, wgmma, 132)
 
     assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # 256 CTAs, 32 an entry
     assert grid(2, 8, 2, 8192, True) == ((2, 64, 2), HEADS_FIRST)  # 128 CTAs an entry

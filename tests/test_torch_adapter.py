@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 import sagebwd_cp  # noqa: E402
 import sagebwd_cp.torch as st  # noqa: E402
 from sagebwd_cp.host import reference  # noqa: E402
+from sagebwd_cp.options import AttentionOptions  # noqa: E402
 from sagebwd_cp.torch import _ops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +103,8 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     real = _ops.run_backward
 
     def spy(*args, k_mean=None):
-        seen.append(args[6:] + (None if k_mean is None else k_mean.shape,))  # after q, k, v, out, lse2, dout
+        (options,) = args[6:]  # after q, k, v, out, lse2, dout
+        seen.append(tuple(options) + (None if k_mean is None else k_mean.shape,))
         return real(*args, k_mean=k_mean)
 
     monkeypatch.setattr(_ops, "run_backward", spy)
@@ -189,10 +191,10 @@ def test_no_grad_saves_nothing_and_skips_the_training_forward(monkeypatch, mode)
     calls = []
     real = _ops.run_forward
 
-    def spy(*args):
-        if args[9]:  # training
+    def spy(*args, **kwargs):
+        if kwargs.get("training"):
             calls.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(_ops, "run_forward", spy)
     q, k, v = qkv(lq=64, lk=64, grad=mode != "inputs_without_grad")
@@ -370,26 +372,26 @@ def test_opcheck_forward_operator(layout, needs):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90, layout=layout, grad=False)
     q, k, v = (x.requires_grad_(n) for x, n in zip((q, k, v), needs))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_forward.default,
-                          (q, k, v, True, None, True, False, layout, "fine", False))
+                          (q, k, v, *AttentionOptions(causal=True, layout=layout)))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_opcheck_inference_and_backward_operators(layout):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90, layout=layout, grad=False)
-    torch.library.opcheck(torch.ops.sagebwd_cp.attention.default, (q, k, v, False, 0.2, True, False, layout))
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, True, layout, "paper",
-                                                               False)
+    torch.library.opcheck(torch.ops.sagebwd_cp.attention.default, (q, k, v, *AttentionOptions(softmax_scale=0.2, layout=layout)))
+    paper = AttentionOptions(causal=True, smooth_q=True, layout=layout, granularity="paper")
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *paper)
     assert lse2.shape == (2, 4, 70) and lse2.dtype == torch.float32 and out.shape == q.shape
     assert k_mean.shape == (2, 2, q.shape[-1]) and k_mean.dtype == torch.float32
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
-                          (q, k, v, out, lse2, k_mean, do, True, None, True, True, layout, "paper", False))
+                          (q, k, v, out, lse2, k_mean, do, *paper))
     # Without K-smoothing there is no μ_K: an empty tensor stands in for it.
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, False, False, layout, "fine",
-                                                               False)
+    unsmoothed = AttentionOptions(causal=True, smooth_k=False, layout=layout)
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *unsmoothed)
     assert k_mean.shape == (0,)
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
-                          (q, k, v, out, lse2, k_mean, do, True, None, False, False, layout, "fine", False))
+                          (q, k, v, out, lse2, k_mean, do, *unsmoothed))
 
 
 def test_operator_autograd_matches_the_eager_function():

@@ -24,7 +24,7 @@ def varlen_inputs(prob: AttentionProblem) -> list:
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
     tiles = specs.forward_tiles(dp, device_arch(dev))
-    spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
+    spec = specs.forward_spec(dp, prob.dtype, prob.options, tiles, prob.varlen)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,

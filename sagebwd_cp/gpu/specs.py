@@ -7,6 +7,7 @@ import os
 
 from .. import numerics
 from ..numerics import PADDED_HEAD_DIMS, padded_head_dim  # noqa: F401 (the kernels' head dims, here with the tiles)
+from ..options import AttentionOptions
 from . import compiler
 from .compiler import KernelSpec, make_spec
 
@@ -94,7 +95,9 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     return FORWARD_TILES[dp]
 
 
-def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
+def forward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
+    """The forward of ``options``' causal mask and Q-smoothing (its other options do not change the kernel)."""
+    causal, bias = options.causal, options.smooth_q
     assert not (bias and varlen), "Q-smoothing takes dense batches"
     suffix, defines = _varlen(varlen)
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
@@ -163,21 +166,23 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
-def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                    tiles: BackwardTiles, arch: str, shared_limit: int, varlen: bool = False) -> tuple:
+def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
+                    varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128).
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
     if not tiles.wgmma:
-        probe = backward_spec(dp, "float16", False, False, True, False, tiles)
+        probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
             tiles = BackwardTiles(stages=1)
-    return tiles, backward_spec(dp, dtype, causal, bias, fine, deterministic, tiles, varlen)
+    return tiles, backward_spec(dp, dtype, options, tiles, varlen)
 
 
-def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                  tiles: BackwardTiles, varlen: bool = False) -> KernelSpec:
+def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles,
+                  varlen: bool = False) -> KernelSpec:
+    """The backward of ``options``' causal mask, Q-smoothing, granularity and deterministic order."""
+    causal, bias, fine, deterministic = options.causal, options.smooth_q, options.fine, options.deterministic
     assert not (bias and varlen), "Q-smoothing takes dense batches"
     suffix, defines = _varlen(varlen)
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
@@ -209,17 +214,18 @@ def all_specs(arch: str | None = None) -> list:
         for dt in DTYPES:
             for causal in (False, True):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    specs.append(forward_spec(dp, dt, causal, bias, FORWARD_TILES[dp], varlen))
+                    fwd = AttentionOptions(causal=causal, smooth_q=bias)
+                    specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
-                            specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile), varlen))
-                    for fine in (True, False):
+                            specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
+                    for granularity in ("fine", "paper"):
                         for det in (False, True):
-                            specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit,
-                                                         varlen)[1])
+                            bwd = fwd._replace(granularity=granularity, deterministic=det)
+                            specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(2, True, wgmma_groups(dp, det, varlen)), varlen))
+                                specs.append(backward_spec(dp, dt, bwd, BackwardTiles(2, True, wgmma_groups(dp, det, varlen)),
+                                                           varlen))
     return specs
 
 
