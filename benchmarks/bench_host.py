@@ -73,7 +73,7 @@ def main(argv=None):
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out, _, (lse2, k_mean) = run_forward(q, k, v, AttentionOptions(causal=True), training=True)
     # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense)
-    options = ("forward", True, None, True, False, "HND", False, False, False, None)
+    options = ("forward", AttentionOptions(causal=True), False, False, False, None)
 
     def lookup():
         return plan.cached_plan((options, tuple(arrays.signature(x)[1] for x in (q, k, v))))
@@ -111,7 +111,7 @@ def main(argv=None):
         ("adapter inference (sagebwd_cp.torch.attention)", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
         ("custom op attention_forward (torch.library, with autograd)",
-         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, True, None, True, False, "HND", "fine", False)),
+         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, *AttentionOptions(causal=True))),
         ("adapter forward + backward", grad_step),
     ]
     print(f"shape (B, H, N, D) = {shape}, float16, causal; GPU calls stubbed; µs per call (best of 7)")

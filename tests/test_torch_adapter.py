@@ -396,7 +396,7 @@ def test_opcheck_inference_and_backward_operators(layout):
 
 def test_operator_autograd_matches_the_eager_function():
     q, k, v = qkv(b=1, hq=4, hk=1, lq=100, lk=120)
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, False, "HND", "fine", False)
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *AttentionOptions(causal=True))
     assert not lse2.requires_grad and not k_mean.requires_grad
     assert len(out.grad_fn.saved_tensors) == 6
     out.sum().backward()
