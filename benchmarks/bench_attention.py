@@ -65,9 +65,10 @@ def measure_ceilings() -> dict:
     Hopper kernels run, warpgroup products from shared memory (kernels/ceiling.cu)."""
     import torch
 
-    from sagebwd_cp import specs
-    from sagebwd_cp.launch import device_arch, i32, ptr
-    from sagebwd_cp.plan import launch_now
+    from sagebwd_cp.gpu import specs
+    from sagebwd_cp.gpu.device import device_arch
+    from sagebwd_cp.gpu.launch import i32, ptr
+    from sagebwd_cp.gpu.plan import launch_now
 
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -129,8 +130,9 @@ def bench_forward(d, n, causal, tiles_list, reps):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import sagebwd_cp
-    from sagebwd_cp import specs
-    from sagebwd_cp.pieces import attend_launcher
+    from sagebwd_cp.gpu import specs
+    from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     b, h, _, sets = make_inputs(d, n, 2)
@@ -161,7 +163,7 @@ def bench_forward(d, n, causal, tiles_list, reps):
         label = "sagebwd" if tiles is None else f"sagebwd[{tiles.warps}x{tiles.m_tiles}]"
         ms = timed(lambda: sagebwd_cp.attention(*pick(), causal=causal), reps)
         rows.append((label, ms, tops(ms)))
-        ms_attend = timed(attend_launcher(make_problem(*sets[0], causal=causal)), reps)
+        ms_attend = timed(attend_launcher(make_problem(*sets[0], AttentionOptions(causal=causal))), reps)
         rows.append((label + " attend-only", ms_attend, tops(ms_attend)))
         specs.FORWARD_TILES.update(saved_tiles)
     return b, h, rows
@@ -245,7 +247,7 @@ def main(argv=None):
 
     import torch
 
-    from sagebwd_cp import specs
+    from sagebwd_cp.gpu import specs
 
     extra = [specs.ForwardTiles(*map(int, t.split("x"))) for t in args.tiles]
     ceilings = measure_ceilings()

@@ -16,8 +16,10 @@ import timeit
 import torch
 
 import sagebwd_cp
-from sagebwd_cp import arrays, compiler, launch, plan, tensor_map
+from sagebwd_cp import arrays
+from sagebwd_cp.gpu import compiler, device, launch, plan, tensor_map
 from sagebwd_cp.api import run_backward, run_forward
+from sagebwd_cp.options import AttentionOptions
 
 
 def mock_the_gpu():
@@ -35,9 +37,9 @@ def mock_the_gpu():
     arrays._TORCH_DEVICES[0] = torch.device("cpu")  # "CUDA device 0" allocations: torch.empty on the CPU
     plan.stream_reader = lambda framework: (lambda device_id: 0)
     compiler.get_function_pointer = lambda spec, entry, device_id, shared=0: 0x1000 + len(entry)
-    launch._device_limits[0] = 232448  # an H200's opt-in shared memory per block
-    launch._device_archs[0] = "sm_90"
-    launch._device_sms[0] = 132  # an H100's or H200's multiprocessors
+    device._device_limits[0] = 232448  # an H200's opt-in shared memory per block
+    device._device_archs[0] = "sm_90"
+    device._device_sms[0] = 132  # an H100's or H200's multiprocessors
     runtime.getDevice = lambda: 0
     runtime.memsetAsync = lambda ptr, value, nbytes, stream: None
     driver.ctxGetCurrent = lambda: 1
@@ -69,9 +71,9 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(shape, generator=g).half() for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _, (lse2, k_mean) = run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)
+    out, _, (lse2, k_mean) = run_forward(q, k, v, AttentionOptions(causal=True), training=True)
     # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense)
-    options = ("forward", True, None, True, False, "HND", False, False, False, None)
+    options = ("forward", AttentionOptions(causal=True), False, False, False, None)
 
     def lookup():
         return plan.cached_plan((options, tuple(arrays.signature(x)[1] for x in (q, k, v))))
@@ -101,15 +103,15 @@ def main(argv=None):
         ("sagebwd_cp.attention_forward (training, saved state)",
          lambda: sagebwd_cp.attention_forward(q, k, v, causal=True)),
         ("run_forward (training, as the adapter calls it)",
-         lambda: run_forward(q, k, v, True, None, True, False, "HND", None, True, False, False)),
+         lambda: run_forward(q, k, v, AttentionOptions(causal=True), training=True)),
         ("sagebwd_cp.attention_backward_arrays",
          lambda: sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True, k_mean=k_mean)),
         ("run_backward (as the adapter calls it)",
-         lambda: run_backward(q, k, v, out, lse2, do, True, None, True, False, "HND", "fine", False, k_mean=k_mean)),
+         lambda: run_backward(q, k, v, out, lse2, do, AttentionOptions(causal=True), k_mean=k_mean)),
         ("adapter inference (sagebwd_cp.torch.attention)", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
         ("custom op attention_forward (torch.library, with autograd)",
-         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, True, None, True, False, "HND", "fine", False)),
+         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, *AttentionOptions(causal=True))),
         ("adapter forward + backward", grad_step),
     ]
     print(f"shape (B, H, N, D) = {shape}, float16, causal; GPU calls stubbed; µs per call (best of 7)")

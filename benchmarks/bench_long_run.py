@@ -73,7 +73,7 @@ def host_rss_bytes() -> int:
 
 def cache_state() -> dict:
     """The kernel cache on disk and the in-memory caches."""
-    from sagebwd_cp import compiler, kernel_cache, plan
+    from sagebwd_cp.gpu import compiler, kernel_cache, plan
 
     directory = compiler.cache_dir()
     return {"cache_dir": str(directory), "cache_files": len(kernel_cache.entry_files(directory)),

@@ -80,7 +80,7 @@ def main(argv=None):
         ("adapter inference forward", lambda: st.attention(q, k, v, causal=True)),
         ("adapter training forward (autograd.Function)", lambda: st.attention(qg, kg, vg, causal=True)),
         ("custom op attention_forward (dispatcher)",
-         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, True, None, True, False, "HND", "fine", False)),
+         lambda: torch.ops.sagebwd_cp.attention_forward(qg, kg, vg, *sagebwd_cp.AttentionOptions(causal=True))),
     ]
     if not args.no_backward:
         cases.append(("adapter forward + backward", grad_step))

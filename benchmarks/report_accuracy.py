@@ -6,7 +6,7 @@
    draws them (torch CUDA generator, seeds 2026 and 2027), so the d=64 numbers are that test's.
 2. Intermediate tensors (Table 2): δ, P, dS, the 8-bit P̂ and dŜ, O, dQ, dK, dV on inputs whose K has
    a strong per-channel bias.  The kernels do not expose δ, P or dS, so this table always comes from
-   the NumPy emulator (sagebwd_cp.emulator), which quantizes exactly as the kernels do.
+   the NumPy emulator (sagebwd_cp.host.emulator), which quantizes exactly as the kernels do.
 3. Smoothing ablation on the same inputs: none / K (default) / Q+K, measured with the kernels.
 
 Writes <results-dir>/<device>/accuracy.json.  ``--host`` runs everything through the emulator on
@@ -101,7 +101,7 @@ class Backend:
     def exact(self, q, k, v, do, causal=False):
         """FP64 (o, dq, dk, dv) of the 16-bit inputs, as NumPy arrays."""
         if self.host:
-            from sagebwd_cp import reference
+            from sagebwd_cp.host import reference
 
             q, k, v, do = (self.numpy64(x) for x in (q, k, v, do))
             o, _ = reference.attention_reference(q, k, v, causal=causal)
@@ -220,7 +220,7 @@ def emulated_intermediates(q, k, v, do, granularities) -> dict:
     the INT8 logits (Q̂K̂ᵀ·s_K[key])·s_Q[query] and the forward's base-2 LSE; then the 8-bit P̂ (read by
     dV), and the dS that dQ and dK read: dS quantized with each granularity's scales (Ŷ per query,
     Ẑ per key, or per tile; numerics.py)."""
-    from sagebwd_cp import emulator
+    from sagebwd_cp.host import emulator
     from sagebwd_cp.numerics import BLOCK_KV, BLOCK_Q
 
     n = q.shape[2]
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     meta = report_common.metadata(
         be.name, seconds=round(time.time() - start, 1),
         sources={"sigma": kernels, "intermediates": "the NumPy emulator", "smoothing": kernels,
-                 "reference": "float64 NumPy (sagebwd_cp.reference)" if args.host
+                 "reference": "float64 NumPy (sagebwd_cp.host.reference)" if args.host
                  else "float64 torch autograd on the GPU (SDPA math backend)"},
         inputs={"sigma": {"description": "q, k ~ N(0, σ²); v, dO ~ N(0, 1); fp16; seeds "
                                          f"{SIGMA_SEED} (q, k, v) and {SIGMA_SEED + 1} (dO)"},

@@ -101,10 +101,11 @@ def _ours(pass_, cfg, causal, granularity):
 def _ours_kernel_only(cfg, causal):
     """Our forward kernel alone, on K and V quantized beforehand (the pre-pass excluded; the kernel
     quantizes Q itself)."""
-    from sagebwd_cp.pieces import attend_launcher
+    from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
-    runs = [attend_launcher(make_problem(q, k, v, causal=causal)) for q, k, v, _ in cfg.sets]
+    runs = [attend_launcher(make_problem(q, k, v, AttentionOptions(causal=causal))) for q, k, v, _ in cfg.sets]
     return alternate(lambda i: runs[i]())
 
 

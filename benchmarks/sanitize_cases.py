@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first three cases only")
     args = ap.parse_args(argv)
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     for setting in SETTINGS:
         os.environ.pop("SAGEBWD_WGMMA", None)

@@ -19,7 +19,7 @@
 // others go query block fastest, so that CTAs running together read one key head.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
-// Q-smoothing); SB_CONSUMERS (1-4), SB_KV_STAGES (2-4), SB_PINGPONG.
+// Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG.
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
@@ -54,17 +54,20 @@ constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key t
 constexpr int NT_D = DP / 8;                 // n-tiles of O over the head dim
 constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS > 1;
 // S_j in flight with (P̂V̂)_{j-1} inside each consumer (registers for both products): with one or two
-// consumers; three or four hold one product at a time at their 160 or 120 registers.
+// consumers; three hold one product at a time at their 160 registers.
 constexpr bool OVERLAP = CONSUMERS < 3;
-static_assert(CONSUMERS >= 1 && CONSUMERS <= 4, "one to four consumer warpgroups");
+static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
 static_assert(BKV == 64 && VBLOCKS == 2, "two V scale blocks a tile");
 // Registers: the producer keeps 24; the consumers take the rest of the SM's 64K (one CTA an SM with
-// two to four consumers; with one, two CTAs an SM: specs.WsForwardTiles.ctas_per_sm).
+// two or three consumers; with one, two CTAs an SM: specs.WsForwardTiles.ctas_per_sm).
 constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1;
 constexpr int PRODUCER_REGS = 24;
-constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : CONSUMERS == 2 ? 240 : CONSUMERS == 3 ? 160 : 120;
-static_assert(MIN_BLOCKS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) * 128 <= 65536, "the register file");
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : CONSUMERS == 2 ? 240 : 160;
+// setmaxnreg moves registers inside the CTA's allocation, which the launch sizes from the kernel's
+// register count (launch bounds: 64K over the CTAs' threads, in steps of 8).
+constexpr int LAUNCH_REGS = 65536 / (MIN_BLOCKS * THREADS) / 8 * 8;
+static_assert((PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) * 128 <= LAUNCH_REGS * THREADS, "the CTA's registers");
 
 // Shared memory: the consumers' Q̂ tiles, then the stages (K̂ [TILE][DP], V̂ᵀ [DP][TILE], the tile's
 // K scales in 1024 bytes), then the mbarriers. wgmma and TMA tiles start on 1024 bytes.

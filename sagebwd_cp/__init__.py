@@ -12,13 +12,14 @@ from .arrays import ArrayDesc, describe, set_allocator
 from .chunked import (attention_backward_lse, causal_pieces, key_mean, lse_to_lse2, merge_attention,
                       prefix_key_mean)
 from .guard import AccuracyWarning, score_step, set_accuracy_guard
-from .kernel_cache import KernelCacheWarning
-from .launch_errors import KernelLaunchError
+from .gpu.kernel_cache import KernelCacheWarning
+from .gpu.launch_errors import KernelLaunchError
+from .options import AttentionOptions
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "attention_varlen",
            "attention_varlen_forward", "attention_varlen_backward_arrays", "lse2_shape",
-           "k_mean_shape", "attention_backward_lse", "merge_attention", "key_mean", "prefix_key_mean", "lse_to_lse2", "causal_pieces",
-           "AttentionSaved", "ArrayDesc", "describe",
+           "k_mean_shape", "attention_backward_lse", "merge_attention", "key_mean", "prefix_key_mean", "lse_to_lse2",
+           "causal_pieces", "AttentionOptions", "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "score_step", "set_accuracy_guard", "AccuracyWarning", "__version__"]
 __all__ += ["KernelCacheWarning", "KernelLaunchError"]

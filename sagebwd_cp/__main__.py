@@ -14,8 +14,10 @@ import platform
 import sys
 import time
 
-from . import __version__, compiler
-from .device import cuda_device
+from . import __version__
+from .options import AttentionOptions
+from .gpu import compiler, specs as kernel_specs
+from .gpu.device import cuda_device
 
 CHECK_ARCH_WITHOUT_GPU = "sm_90"
 
@@ -78,17 +80,13 @@ def compile_pairs(pairs, *, use_disk_cache: bool = True, jobs: int = 1, progress
 def compile_all(arch: str, specs=None, *, use_disk_cache: bool = True, jobs: int = 1) -> list:
     """Compile every specialization for ``arch``; one row per kernel entry, failures included."""
     if specs is None:
-        from . import specs as specs_module
-
-        specs = specs_module.all_specs(arch)
+        specs = kernel_specs.all_specs(arch)
     return compile_pairs([(spec, arch) for spec in specs], use_disk_cache=use_disk_cache, jobs=jobs)
 
 
 def representative_spec(arch: str):
     """The kernel ``info`` compiles: the forward a float16 call at head dim 128 launches on ``arch``."""
-    from . import specs
-
-    return specs.forward_spec(128, "float16", False, False, specs.forward_tiles(128, arch=arch))
+    return kernel_specs.forward_spec(128, "float16", AttentionOptions(), kernel_specs.forward_tiles(128, arch=arch))
 
 
 def _table(header, rows) -> str:
@@ -197,7 +195,7 @@ def cmd_compile(args) -> int:
     print(f"kernel cache: {_cache_dir_text()}", flush=True)
     start = time.perf_counter()
     try:
-        listed = compiler.all_specs_many(archs, jobs=jobs)
+        listed = kernel_specs.all_specs_many(archs, jobs=jobs)
         pairs = [(spec, arch) for arch in archs for spec in listed[arch]
                  if not args.only or any(fnmatch.fnmatchcase(spec.key, p) for p in args.only)]
         if not pairs:

@@ -11,16 +11,15 @@ import dataclasses
 
 import numpy as np
 
-from . import emulator, guard, varlen as packed
+from . import guard
 from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
                      signature)
 from .numerics import k_mean_shape
-from .plan import cached_plan, remember_plan
-from .problem import (AttentionProblem, check_granularity, check_options, check_output, make_problem,
-                      make_varlen_problem)
-
-
-DEFAULT_GRANULARITY = "fine"
+from .gpu import backward as gpu_backward, forward as gpu_forward
+from .gpu.plan import cached_plan, remember_plan
+from .host import emulator, packed
+from .options import AttentionOptions, check_flag
+from .problem import AttentionProblem, check_output, make_problem, make_varlen_problem
 
 
 @dataclasses.dataclass
@@ -62,12 +61,10 @@ def _signatures(arrays):
     return ptrs, tuple(keys)
 
 
-def _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen) -> AttentionProblem:
+def _problem(q, k, v, options: AttentionOptions, varlen) -> AttentionProblem:
     if varlen is None:
-        return make_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                            smooth_q=smooth_q, layout=layout)
-    return make_varlen_problem(q, k, v, *varlen, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                               smooth_q=smooth_q)
+        return make_problem(q, k, v, options)
+    return make_varlen_problem(q, k, v, *varlen, options)
 
 
 def _with_offsets(arrays: tuple, varlen) -> tuple:
@@ -75,9 +72,11 @@ def _with_offsets(arrays: tuple, varlen) -> tuple:
     return arrays if varlen is None else arrays + tuple(varlen[:2])
 
 
-def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, training, return_lse, want_saved,
-                k_mean=None, varlen=None):
-    """(out, lse or None, saved): ``saved`` is an AttentionSaved (training and want_saved), the pair
+def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool = False, return_lse: bool = False,
+                want_saved: bool = False, k_mean=None, varlen=None):
+    """(out, lse or None, saved) of attention with ``options`` (an AttentionOptions, checked when made).
+    ``out``: a buffer to write, or None; ``training``: keep what the backward needs; ``return_lse``:
+    also the natural-log LSE; ``want_saved``: that state as an AttentionSaved.  ``saved`` is an AttentionSaved (training and want_saved), the pair
     (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.  ``k_mean``:
     a μ_K to quantize K with instead of K's own token mean (chunked attention shares one over the
     chunks; ALGORITHM.md, chunked attention), returned as the saved μ_K.  ``varlen``:
@@ -86,23 +85,17 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
-    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
-            and return_lse.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
-        # Checked before the plan lookup, which would otherwise take causal="no" for causal=True.
-        causal, softmax_scale, smooth_k, smooth_q, return_lse = check_options(
-            causal, softmax_scale, smooth_k, smooth_q, return_lse=return_lse)
     given = k_mean is not None
-    options = ("forward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, bool(training),
-               bool(return_lse), given, None if varlen is None else tuple(varlen[2:]))
+    key_options = ("forward", options, training, return_lse, given, None if varlen is None else tuple(varlen[2:]))
     arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ())
     sig = _signatures(_with_offsets(arrays, varlen))
     key = None
     if sig is not None:
-        key = (options, sig[1])
+        key = (key_options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
             return _run_forward(plan, sig[0], q, k, v, out, training, return_lse, want_saved, k_mean, varlen)
-    prob = _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen)
+    prob = _problem(q, k, v, options, varlen)
     mean_desc = None
     if given:
         if varlen is not None:
@@ -112,16 +105,14 @@ def run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out,
         _check_k_mean(mean_desc, prob)
     if not prob.on_gpu:
         return _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
-    from .forward import forward_plan
-
     out_desc = check_output(out, prob) if out is not None else None
     descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc, prob.cu_q, prob.cu_k) if d is not None]
     plan = None
     if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
-        key = (options, _signatures(descs)[1])
+        key = (key_options, _signatures(descs)[1])
         plan = cached_plan(key)
     if plan is None:
-        plan = forward_plan(prob, out_desc, training, return_lse, mean_desc)
+        plan = gpu_forward.forward_plan(prob, out_desc, training, return_lse, mean_desc)
         remember_plan(key, plan)
     return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
                         mean_desc.obj if given else None, varlen)
@@ -188,11 +179,12 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved,
     return o, (host_result(lse, prob.q, "float32") if return_lse else None), saved
 
 
-def _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout) -> None:
+def _guard(q, k, accuracy_guard, options: AttentionOptions) -> None:
     """The accuracy guard (guard.py) where this call's argument or the global setting turns it on."""
     threshold = guard.accuracy_guard_threshold(accuracy_guard)
     if threshold is not None:
-        guard.check_scores(q, k, threshold, softmax_scale=softmax_scale, smooth_k=smooth_k, layout=layout)
+        guard.check_scores(q, k, threshold, softmax_scale=options.softmax_scale, smooth_k=options.smooth_k,
+                           layout=options.layout)
 
 
 @jax_boundary
@@ -213,10 +205,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     ``set_accuracy_guard`` turns it on; True; False; or a threshold): warn once per shape where INT8
     scores get coarse (guard.py).
     """
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=layout)
+    return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
-        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
-    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, False, return_lse, False,
-                            k_mean)
+        _guard(q, k, accuracy_guard, options)
+    o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, k_mean=k_mean)
     return (o, lse) if return_lse else o
 
 
@@ -225,15 +219,18 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
                       out=None, return_lse=False, k_mean=None, accuracy_guard=None):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
     ``k_mean`` and ``accuracy_guard`` as in ``attention``."""
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=layout)
+    return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
-        _guard(q, k, accuracy_guard, softmax_scale, smooth_k, layout)
-    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, out, True, return_lse, True,
-                                k_mean)
+        _guard(q, k, accuracy_guard, options)
+    o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
+                                k_mean=k_mean)
     return (o, lse, saved) if return_lse else (o, saved)
 
 
 @jax_boundary
-def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULARITY, deterministic=False):
+def attention_backward(saved: AttentionSaved, do, *, granularity="fine", deterministic=False):
     """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO.
 
     granularity: "fine" (per-key P scales for dV, per-query / per-key dS scales for dQ / dK) or
@@ -242,22 +239,24 @@ def attention_backward(saved: AttentionSaved, do, *, granularity=DEFAULT_GRANULA
     if not isinstance(saved, AttentionSaved):
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
     p = saved.problem
+    options = p.options._replace(granularity=granularity, deterministic=deterministic)
     varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
-    return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, p.causal, p.softmax_scale, p.smooth_k, p.smooth_q,
-                        p.layout, granularity, deterministic, p, saved.k_mean, varlen)
+    return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
+                        varlen=varlen)
 
 
 @jax_boundary
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
-                              smooth_q=False, layout="HND", granularity=DEFAULT_GRANULARITY, deterministic=False,
+                              smooth_q=False, layout="HND", granularity="fine", deterministic=False,
                               k_mean=None):
     """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
     ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
     and dO.  The options must be those of the forward.  ``k_mean`` (optional, K-smoothing only):
     that forward's μ_K (``k_mean_shape``, float32; ``saved.k_mean``), which spares the backward a
     pass over K; without it μ_K is computed again."""
-    return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                        deterministic, k_mean=k_mean)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=layout, granularity=granularity, deterministic=deterministic)
+    return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean)
 
 
 _VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn_varlen_func`` convention:
@@ -273,9 +272,10 @@ _VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, smooth_k=True, out=None, return_lse=False):
     """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
+    return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, False, return_lse, False,
-                            varlen=varlen)
+    o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, varlen=varlen)
     return (o, lse) if return_lse else o
 
 
@@ -284,8 +284,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              softmax_scale=None, smooth_k=True, out=None, return_lse=False):
     """Training forward over a packed batch: ``(out, saved)`` (or ``(out, lse, saved)``); the backward
     is ``attention_backward(saved, do)``."""
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
+    return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse, saved = run_forward(q, k, v, causal, softmax_scale, smooth_k, False, "THD", out, True, return_lse, True,
+    o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
                                 varlen=varlen)
     return (o, lse, saved) if return_lse else (o, saved)
 
@@ -293,11 +295,12 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 @jax_boundary
 def attention_varlen_backward_arrays(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      *, causal=False, softmax_scale=None, smooth_k=True,
-                                     granularity=DEFAULT_GRANULARITY, deterministic=False, k_mean=None):
+                                     granularity="fine", deterministic=False, k_mean=None):
     """``attention_backward_arrays`` for a packed batch: ``lse2`` (Hq, total_q), ``k_mean`` (batch, Hkv, D)."""
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
+                               granularity=granularity, deterministic=deterministic)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, False, "THD", granularity,
-                        deterministic, k_mean=k_mean, varlen=varlen)
+    return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean, varlen=varlen)
 
 
 for _f in (attention_varlen, attention_varlen_forward, attention_varlen_backward_arrays):
@@ -333,45 +336,37 @@ def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
     _check_float32_array(lse2, "lse2", prob.lse_shape(), prob)
 
 
-def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                 prob: AttentionProblem | None = None, k_mean=None, varlen=None):
-    """(dq, dk, dv).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
+def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: AttentionProblem | None = None,
+                 k_mean=None, varlen=None):
+    """(dq, dk, dv) of attention with ``options`` (an AttentionOptions, checked when made).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
-    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
-            and deterministic.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
-        causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
-            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     given = k_mean is not None
-    options = ("backward", bool(causal), softmax_scale, bool(smooth_k), bool(smooth_q), layout, granularity,
-               bool(deterministic), given, None if varlen is None else tuple(varlen[2:]))
+    key_options = ("backward", options, given, None if varlen is None else tuple(varlen[2:]))
     sig = _signatures(_with_offsets((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do), varlen))
     key = None
     if sig is not None:
-        key = (options, sig[1])
+        key = (key_options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
             return tuple(plan.run(sig[0])[0])
     if prob is None:
-        prob = _problem(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, varlen)
+        prob = _problem(q, k, v, options, varlen)
         out, lse2 = check_output(out, prob), describe(lse2, "lse2")
         k_mean = describe(k_mean, "k_mean") if given else None
-    check_granularity(granularity)
     dd = check_output(do, prob, "do")
     _check_lse2(lse2, prob)
     if given:
         _check_k_mean(k_mean, prob)
     if prob.on_gpu:
-        from .backward import backward_plan
-
         descs = (prob.q, prob.k, prob.v, out, lse2, dd) + ((k_mean,) if given else ()) + (
             (prob.cu_q, prob.cu_k) if prob.varlen else ())
         plan = None
         if key is None:  # arrays without a cheap signature: key the plan by their descriptors
-            key = (options, _signatures(descs)[1])
+            key = (key_options, _signatures(descs)[1])
             plan = cached_plan(key)
         if plan is None:
-            plan = backward_plan(prob, out, lse2, dd, granularity, bool(deterministic), k_mean)
+            plan = gpu_backward.backward_plan(prob, out, lse2, dd, options, k_mean)
             remember_plan(key, plan)
         return tuple(plan.run([d.ptr for d in descs])[0])
     if prob.varlen:
@@ -380,7 +375,7 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
         qh, kh, vh, oh, doh = arrays
         grads = packed.emulate_backward(qh, kh, vh, oh, host_numpy(lse2, "lse2"), doh, _host_offsets(prob),
                                         causal=prob.causal, softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k,
-                                        dtype=_emulator_dtype(prob.dtype), granularity=granularity,
+                                        dtype=_emulator_dtype(prob.dtype), granularity=options.granularity,
                                         k_mean=host_numpy(k_mean, "k_mean") if given else None)
         return tuple(host_result(g, prob.q, prob.dtype) for g in grads)
     state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
@@ -388,5 +383,5 @@ def run_backward(q, k, v, out, lse2, do, causal, softmax_scale, smooth_k, smooth
                                     host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,
                                     smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
                                     k_mean=host_numpy(k_mean, "k_mean") if given else None)
-    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=granularity)
+    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=options.granularity)
     return tuple(_to_layout(g, prob.layout, prob.q, prob.dtype) for g in (dq, dk, dv))

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .api import attention_backward_arrays
 from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
-from .problem import check_layout, check_options
+from .options import AttentionOptions, check_layout
 
 _INF = float("inf")
 
@@ -187,22 +188,18 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     and ``merge_attention`` give it.  ``k_mean``: the μ_K the forward used (``key_mean`` of every
     chunk); None computes this chunk's own, right only for a single chunk.  Options as in
     ``attention_backward_arrays``.  NumPy, torch and CuPy arrays."""
-    from .api import attention_backward_arrays
-
-    causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(causal, softmax_scale, smooth_k, smooth_q,
-                                                                             deterministic=deterministic)
-    layout = check_layout(layout)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
     xp = array_namespace(lse, "lse")
     mean = None
-    if smooth_k:
-        mean = k_mean if k_mean is not None else key_mean([k], layout, xp)
-    lse2 = lse_to_lse2(lse, q, mean, softmax_scale, layout, xp)
+    if options.smooth_k:
+        mean = k_mean if k_mean is not None else key_mean([k], options.layout, xp)
+    lse2 = lse_to_lse2(lse, q, mean, options.softmax_scale, options.layout, xp)
     if xp.__name__ == "torch":
         lse2 = lse2.contiguous()
-    return attention_backward_arrays(q, k, v, out, lse2, do, causal=causal, softmax_scale=softmax_scale,
-                                     smooth_k=smooth_k, smooth_q=smooth_q, layout=layout, granularity=granularity,
-                                     deterministic=deterministic, k_mean=mean)
+    # Through the public function, which also takes JAX arrays; the options as checked here.
+    return attention_backward_arrays(q, k, v, out, lse2, do, **options._asdict(), k_mean=mean)
 
 
-__all__ = ["array_namespace", "key_sum", "key_mean", "prefix_key_mean", "key_shift", "lse_to_lse2", "merge_attention", "causal_pieces",
-           "attention_backward_lse"]
+__all__ = ["array_namespace", "key_sum", "key_mean", "prefix_key_mean", "key_shift", "lse_to_lse2", "merge_attention",
+           "causal_pieces", "attention_backward_lse"]

@@ -59,6 +59,16 @@ import math
 
 import numpy as np
 
+PADDED_HEAD_DIMS = (64, 128)  # the kernels' head dims; a head dim runs padded to the next of them
+
+
+def padded_head_dim(head_dim: int) -> int:
+    for dp in PADDED_HEAD_DIMS:
+        if head_dim <= dp:
+            return dp
+    raise ValueError(f"head_dim: expected at most {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
+
+
 BLOCK_Q = 64  # rows per quantization block of Q and dO; the backward's query tile
 BLOCK_KV = 64  # rows per quantization block of K and V; the forward's and backward's key tile
 INT8_MAX = 127

@@ -1,4 +1,5 @@
-"""Argument checking: turn user arrays and options into one validated ``AttentionProblem``.
+"""Argument checking: turn user arrays and an ``AttentionOptions`` (checked when it was made) into
+one validated ``AttentionProblem``.
 
 Every error names the argument, what was expected and what came.
 """
@@ -10,14 +11,13 @@ import numbers
 
 import numpy as np
 
-from . import specs
 from .arrays import ArrayDesc, describe, host_numpy
+from .numerics import PADDED_HEAD_DIMS, padded_head_dim
+from .options import AttentionOptions
 
-LAYOUTS = ("HND", "NHD")  # and "THD": packed batches (make_varlen_problem)
-GRANULARITIES = ("fine", "paper")
 KERNEL_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
-MAX_HEAD_DIM = specs.PADDED_HEAD_DIMS[-1]
+MAX_HEAD_DIM = PADDED_HEAD_DIMS[-1]
 
 
 @dataclasses.dataclass
@@ -25,7 +25,7 @@ class AttentionProblem:
     q: ArrayDesc
     k: ArrayDesc
     v: ArrayDesc
-    layout: str
+    options: AttentionOptions  # layout "THD" for packed batches
     batch: int
     heads_q: int
     heads_kv: int
@@ -33,10 +33,7 @@ class AttentionProblem:
     len_k: int
     head_dim: int
     dtype: str
-    causal: bool
-    softmax_scale: float
-    smooth_k: bool
-    smooth_q: bool
+    softmax_scale: float  # the option, or its default 1/sqrt(head_dim)
     on_gpu: bool
     # Packed batches (layout "THD"): [B + 1] int32 first tokens of each sequence, the last the total
     # (FlashAttention's cu_seqlens); len_q and len_k are then the longest sequence's lengths.
@@ -44,8 +41,24 @@ class AttentionProblem:
     cu_k: ArrayDesc | None = None
 
     @property
+    def causal(self) -> bool:
+        return self.options.causal
+
+    @property
+    def smooth_k(self) -> bool:
+        return self.options.smooth_k
+
+    @property
+    def smooth_q(self) -> bool:
+        return self.options.smooth_q
+
+    @property
+    def layout(self) -> str:
+        return self.options.layout
+
+    @property
     def padded_head_dim(self) -> int:
-        return specs.padded_head_dim(self.head_dim)
+        return padded_head_dim(self.head_dim)
 
     @property
     def varlen(self) -> bool:
@@ -90,43 +103,6 @@ class AttentionProblem:
                     cu_q=self.cu_q, cu_k=self.cu_k)
 
 
-def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    return layout
-
-
-def check_flag(value, name: str) -> bool:
-    """``value`` as a bool; only True, False and NumPy's bools are taken (a string such as "no" is truthy)."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-
-
-def check_softmax_scale(value) -> float | None:
-    """``value`` as a float, or None (the default 1/sqrt(head_dim)); strings and bools are refused."""
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softmax_scale: expected a finite positive number, got {value}")
-    return value
-
-
-def check_options(causal, softmax_scale, smooth_k, smooth_q, **flags) -> tuple:
-    """(causal, softmax_scale, smooth_k, smooth_q, *flags' values), each checked by name."""
-    return (check_flag(causal, "causal"), check_softmax_scale(softmax_scale), check_flag(smooth_k, "smooth_k"),
-            check_flag(smooth_q, "smooth_q"), *(check_flag(v, n) for n, v in flags.items()))
-
-
-def check_granularity(granularity) -> str:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
-    return granularity
-
-
 def _dims(desc: ArrayDesc, name: str, layout: str):
     if desc.ndim != 4:
         raise ValueError(f"{name}: expected a rank-4 array ({'batch, heads, seqlen, head_dim' if layout == 'HND' else 'batch, seqlen, heads, head_dim'}), got shape {desc.shape}")
@@ -134,10 +110,12 @@ def _dims(desc: ArrayDesc, name: str, layout: str):
     return (b, x, y, d) if layout == "HND" else (b, y, x, d)
 
 
-def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                 layout="HND") -> AttentionProblem:
-    layout = check_layout(layout)
-    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
+def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
+    """A dense batch: q (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise."""
+    layout = options.layout
+    if layout == "THD":
+        raise ValueError("layout: 'THD' is the layout of packed batches; call the varlen functions "
+                         "(attention_varlen, flash_attn_varlen_func) with cu_seqlens")
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     devices = {(d.device_type, d.device_id) for d in (qd, kd, vd)}
     if len(devices) != 1:
@@ -169,10 +147,10 @@ def make_problem(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, sm
     for name, d in (("q", qd), ("k", kd), ("v", vd)):
         if d.strides[3] != 1 and d.shape[3] > 1:
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {d.strides}")
+    softmax_scale = options.softmax_scale
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dq)
-    return AttentionProblem(qd, kd, vd, layout, bq, hq, hk, lq, lk, dq, qd.dtype, causal, softmax_scale,
-                            smooth_k, smooth_q, on_gpu)
+    return AttentionProblem(qd, kd, vd, options, bq, hq, hk, lq, lk, dq, qd.dtype, softmax_scale, on_gpu)
 
 
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:
@@ -228,14 +206,15 @@ def _check_host_offsets(d: ArrayDesc, name: str, total: int, max_seqlen: int, ma
                          f"got {max_seqlen}")
 
 
-def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                        softmax_scale=None, smooth_k=True, smooth_q=False) -> AttentionProblem:
+def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        options: AttentionOptions) -> AttentionProblem:
     """A packed batch (FlashAttention's varlen convention): q (total_q, heads_q, head_dim), k and v
     (total_k, heads_kv, head_dim); sequence b is tokens cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
     cu_seqlens_k[b].. of k and v; max_seqlen_* at least the longest (it sizes the grids; on a GPU it is
     not checked, as the offsets are not read back)."""
-    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
-    if smooth_q:
+    if options.layout != "THD":
+        raise ValueError(f"layout: packed batches take layout 'THD', got {options.layout!r}")
+    if options.smooth_q:
         raise ValueError("smooth_q: packed batches (cu_seqlens) take smooth_q=False")
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     for name, d in (("q", qd), ("k", kd), ("v", vd)):
@@ -244,7 +223,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                              f"sequences, got shape {d.shape}")
     # The dense checks on (1, tokens, heads, dim) views of the same arrays: devices, dtypes, heads, head dim.
     views = [dataclasses.replace(d, shape=(1,) + tuple(d.shape), strides=(0,) + tuple(d.strides)) for d in (qd, kd, vd)]
-    dense = make_problem(*views, causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="NHD")
+    dense = make_problem(*views, options._replace(layout="NHD"))
     cq, ck = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", qd), _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", qd)
     if cq.shape != ck.shape:
         raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected one batch size, got {cq.shape[0] - 1} and {ck.shape[0] - 1} "
@@ -253,5 +232,5 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if not dense.on_gpu:
         _check_host_offsets(cq, "cu_seqlens_q", qd.shape[0], max_q, "max_seqlen_q")
         _check_host_offsets(ck, "cu_seqlens_k", kd.shape[0], max_k, "max_seqlen_k")
-    return dataclasses.replace(dense, q=qd, k=kd, v=vd, layout="THD", batch=cq.shape[0] - 1, len_q=max_q,
+    return dataclasses.replace(dense, q=qd, k=kd, v=vd, options=options, batch=cq.shape[0] - 1, len_q=max_q,
                                len_k=max_k, cu_q=cq, cu_k=ck)

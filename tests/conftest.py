@@ -4,7 +4,7 @@ import pytest
 
 def _no_cuda_reason():
     """None when a CUDA device is usable, else why not (in the words of ``info``)."""
-    from sagebwd_cp.device import cuda_device
+    from sagebwd_cp.gpu.device import cuda_device
 
     found, why = cuda_device()
     return None if found else why

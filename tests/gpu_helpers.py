@@ -44,8 +44,8 @@ def poisoned_workspaces():
 
 def forward_key_tile(head_dim: int, device_id: int = 0) -> int:
     """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``)."""
-    from sagebwd_cp import specs
-    from sagebwd_cp.launch import device_arch
+    from sagebwd_cp.gpu import specs
+    from sagebwd_cp.gpu.device import device_arch
 
     return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id)).key_tile
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import emulator, reference
+from sagebwd_cp.host import emulator, reference
 from sagebwd_cp.arrays import ArrayDesc, describe
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import reference
+from sagebwd_cp.host import reference
+from sagebwd_cp.options import AttentionOptions
 
 torch = pytest.importorskip("torch")
 import sagebwd_cp.torch as st  # noqa: E402
@@ -300,7 +301,7 @@ def test_attention_lse_op_passes_opcheck():
     q, k, v, _ = _torch_inputs("HND", torch.float16, hq=2, hk=1, lq=64, lk=64, d=16)
     mean = st.key_mean([k.detach()])
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_lse.default,
-                          (q.detach(), k.detach(), v.detach(), mean, True, None, True, False, "HND"))
+                          (q.detach(), k.detach(), v.detach(), mean, *AttentionOptions(causal=True)))
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -390,7 +391,7 @@ def test_gpu_forward_with_a_given_key_mean_matches_the_emulator(smooth_q):
     """The kernels quantize K with the μ_K given (the pre-pass's MEAN_GIVEN path in the forward),
     the returned LSE adds back c·q·μ_K of that μ_K, and a training forward returns it as its saved μ_K."""
     from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, to_hnd_numpy
-    from sagebwd_cp import emulator
+    from sagebwd_cp.host import emulator
 
     q, k, v = make_qkv(1, 4, 2, 300, 333, 64, "float16", seed=6)
     mean = sagebwd_cp.key_mean([k]) + 0.25  # not K's own token mean

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sagebwd_cp import compiler, device, specs
+from sagebwd_cp.gpu import compiler, device, specs
+from sagebwd_cp.options import AttentionOptions
 from sagebwd_cp.__main__ import compile_all, compile_pairs, main, representative_spec
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -31,16 +32,16 @@ def _one_spec_per_kernel_file(arch):
     backward), built without listing all_specs, which compiles a mma.sync backward to read its tiles."""
     chosen = [specs.lse_spec("bfloat16"), specs.bias_spec("float16"), specs.ceiling_spec(),
               specs.backward_rows_spec("bfloat16"), representative_spec(arch),
-              specs.backward_spec(64, "float16", True, False, True, False, specs.BackwardTiles(2))]
+              specs.backward_spec(64, "float16", AttentionOptions(causal=True), specs.BackwardTiles(2))]
     if arch in ("sm_80", "sm_90"):
         # quantize.cu takes ~9 s a compile, and registers fall the same way on sm_80, 86 and 89 (its
         # spills have been seen on sm_80-89 or sm_90): the two families here, every arch in CI.
         chosen.append(specs.quantize_spec("float16"))
     if arch in specs.WGMMA_ARCHS:
         chosen += [specs.ceiling_spec(wgmma=True),
-                   specs.forward_spec(64, "bfloat16", True, True, specs.ForwardTiles(4, 1, True, 64)),
-                   specs.backward_spec(128, "bfloat16", False, False, True, True, specs.BackwardTiles(2, True, 2)),
-                   specs.backward_spec(64, "float16", True, False, False, True, specs.BackwardTiles(2, True, 3))]
+                   specs.forward_spec(64, "bfloat16", AttentionOptions(causal=True, smooth_q=True), specs.ForwardTiles(4, 1, True, 64)),
+                   specs.backward_spec(128, "bfloat16", AttentionOptions(deterministic=True), specs.BackwardTiles(2, True, 2)),
+                   specs.backward_spec(64, "float16", AttentionOptions(causal=True, granularity="paper", deterministic=True), specs.BackwardTiles(2, True, 3))]
     return chosen
 
 
@@ -313,7 +314,7 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
     """The stage count follows the compiled layout: two fit sm_80's and sm_90's shared memory at every
     head dim, and sm_86's at head dim 64; at 128 there it is one."""
     for arch, dp, stages in (("sm_80", 128, 2), ("sm_90", 128, 2), ("sm_86", 64, 2), ("sm_86", 128, 1), ("sm_89", 128, 1)):
-        tiles, spec = specs.backward_kernel(dp, "float16", False, False, True, False, specs.BackwardTiles(2), arch,
+        tiles, spec = specs.backward_kernel(dp, "float16", AttentionOptions(), specs.BackwardTiles(2), arch,
                                             specs.ARCH_SHARED_LIMIT[arch])
         assert tiles.stages == stages and dict(spec.defines)["SB_STAGES"] == stages
         assert compiler.dynamic_shared_bytes(spec, arch) <= specs.ARCH_SHARED_LIMIT[arch]
@@ -327,7 +328,7 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     assert len([s for s in wg if s.key.startswith("backward.")]) == 96
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
-    assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", False, False,
+    assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", AttentionOptions(),
                                                             specs.ForwardTiles(4, 1)).options("sm_90")
     for arch in ("sm_80", "sm_86", "sm_89"):
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
@@ -348,12 +349,12 @@ def test_shared_layouts_are_read_back_from_the_compiled_kernels():
     (no mirrored formula): a wgmma forward stage is K̂, V̂ᵀ and 1024 bytes, the 128-key kernel's three
     CTAs (and the 1 KB each reserves) fill an SM's 228 KB, and every wgmma backward fits Hopper."""
     hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
-    fwd = lambda dp, tiles: compiler.dynamic_shared_bytes(specs.forward_spec(dp, "float16", True, False, tiles), "sm_90")
+    fwd = lambda dp, tiles: compiler.dynamic_shared_bytes(specs.forward_spec(dp, "float16", AttentionOptions(causal=True), tiles), "sm_90")
     assert fwd(128, specs.ForwardTiles(4, 1, True, 64)) == 64 * 128 + 2 * (2 * 64 * 128 + 1024) + 1024
     assert 3 * (fwd(128, specs.ForwardTiles(4, 1, True, 128)) + 1024) <= 228 * 1024
     assert fwd(64, specs.ForwardTiles(4, 1)) == 64 * 64 + 2 * (2 * 64 * 64 + 4 * 64)  # mma.sync: no padding
     for dp, groups in ((64, 2), (128, 2), (64, 3)):
-        spec = specs.backward_spec(dp, "float16", True, False, True, groups == 3, specs.BackwardTiles(2, True, groups))
+        spec = specs.backward_spec(dp, "float16", AttentionOptions(causal=True, deterministic=groups == 3), specs.BackwardTiles(2, True, groups))
         assert compiler.dynamic_shared_bytes(spec, "sm_90") <= hopper_limit
     with pytest.raises(ValueError, match="no shared layout"):
         compiler.compile_spec(specs.lse_spec("float16"), "sm_90").shared_bytes

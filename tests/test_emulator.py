@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from sagebwd_cp import numerics
-from sagebwd_cp.emulator import emulate_backward, emulate_forward, quantize_inputs
+from sagebwd_cp.host.emulator import emulate_backward, emulate_forward, quantize_inputs
 from sagebwd_cp.numerics import BLOCK_KV, BLOCK_Q, quantize_block, round_to_dtype
-from sagebwd_cp.reference import attention_reference, attention_reference_backward
+from sagebwd_cp.host.reference import attention_reference, attention_reference_backward
 
 LENGTHS = (1, 17, 64, 100, 130)
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import compiler, kernel_cache, plan, specs
-from sagebwd_cp.launch_errors import KernelLaunchError
+from sagebwd_cp.gpu import compiler, kernel_cache, plan, specs
+from sagebwd_cp.gpu.launch_errors import KernelLaunchError
 from test_plan import cuda_desc, gpu, qkv  # noqa: F401  (gpu: the fixture)
 
 
@@ -63,7 +63,7 @@ def test_a_failed_backward_launch_names_its_kernel_and_options(gpu):
 
 
 def test_a_one_off_launch_failure_says_so():
-    from sagebwd_cp.launch_errors import describe_problem
+    from sagebwd_cp.gpu.launch_errors import describe_problem
 
     assert "one-off" in describe_problem(None)
 

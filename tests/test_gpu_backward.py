@@ -13,7 +13,7 @@ import pytest
 
 import sagebwd_cp
 from gpu_helpers import SHAPES, cos_sim, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
-from sagebwd_cp import emulator, reference
+from sagebwd_cp.host import emulator, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -131,7 +131,7 @@ def _assert_kernels_agree(monkeypatch, settings, labels, q, k, v, do, layout, ca
     quantization blocks and integer products and differ only in the order of FP32 sums."""
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     runs = []
     for env in settings:
@@ -175,8 +175,8 @@ def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
     dQ's columns split 24/24/16) for the deterministic kernels and 128-key CTAs of two for the
     others; SAGEBWD_BACKWARD_GROUPS forces either. Only FP32 sums of dQ over a CTA's key
     blocks differ in order."""
-    from sagebwd_cp import specs
-    from sagebwd_cp.launch import device_arch
+    from sagebwd_cp.gpu import specs
+    from sagebwd_cp.gpu.device import device_arch
 
     if not specs.use_wgmma(device_arch(0)):
         pytest.skip("the wgmma backward runs on sm_90 only")
@@ -313,7 +313,7 @@ def test_cached_plans_follow_each_calls_arrays():
     plans give, bit for bit (deterministic dQ)."""
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     cases = []
     for s in range(3):

@@ -21,7 +21,7 @@ KERNEL_IDS = ["default", "mma.sync"]
 
 @pytest.fixture
 def kernels(request, monkeypatch):
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     for name, value in request.param.items():
         monkeypatch.setenv(name, value)

@@ -13,9 +13,9 @@ import pytest
 
 import sagebwd_cp
 from gpu_helpers import POISON, make_qkv
-from sagebwd_cp import compiler, kernel_cache, plan
-from sagebwd_cp.kernel_cache import KernelCacheWarning
-from sagebwd_cp.launch_errors import KernelLaunchError
+from sagebwd_cp.gpu import compiler, kernel_cache, plan
+from sagebwd_cp.gpu.kernel_cache import KernelCacheWarning
+from sagebwd_cp.gpu.launch_errors import KernelLaunchError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 

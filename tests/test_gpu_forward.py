@@ -11,7 +11,7 @@ import pytest
 
 import sagebwd_cp
 from gpu_helpers import SHAPES, cos_sim, forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
-from sagebwd_cp import emulator, reference
+from sagebwd_cp.host import emulator, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -170,7 +170,7 @@ def test_cached_plans_follow_each_calls_arrays():
     """Calls that replay one launch plan (same shapes, other tensors) give what a new plan gives."""
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     inputs = [make_qkv(1, 4, 2, 300, 300, 64, "float16", seed=s) for s in range(3)]  # 300 keys: a memset
     plan.clear_plans()
@@ -244,7 +244,7 @@ def test_no_local_memory_on_this_device():
     """Spills show up as local memory in the cubin the device actually loads."""
     import torch
 
-    from sagebwd_cp import compiler, specs
+    from sagebwd_cp.gpu import compiler, specs
 
     dev = torch.cuda.current_device()
     for spec in specs.all_specs():
@@ -261,7 +261,7 @@ def test_mma_sync_path_equals_the_64_key_wgmma_kernel(monkeypatch, causal, d, dt
     equal. Each, and the default (128-key tiles on Hopper), matches the emulator of its tiling."""
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     q, k, v = make_qkv(2, 4, 2, 333, 517, d, dtype, "NHD", seed=d + causal)
     emu = {kt: emulator.emulate_forward(*(to_hnd_numpy(x, "NHD") for x in (q, k, v)), causal=causal, dtype=dtype,

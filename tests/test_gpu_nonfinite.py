@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 import torch.nn.functional as F  # noqa: E402
 
 import sagebwd_cp.torch as st  # noqa: E402
-from sagebwd_cp import plan  # noqa: E402
+from sagebwd_cp.gpu import plan  # noqa: E402
 
 from nonfinite_helpers import CASES, exact_nonfinite, heads_touched  # noqa: E402
 

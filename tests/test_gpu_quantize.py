@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from gpu_helpers import make_qkv, poisoned_workspaces, to_hnd_numpy
-from sagebwd_cp import emulator, numerics
+from sagebwd_cp import numerics
+from sagebwd_cp.host import emulator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -34,7 +35,8 @@ def test_quantize_matches_emulator_bitwise(case):
     import torch
 
     from sagebwd_cp.arrays import current_stream
-    from sagebwd_cp.pieces import quantize_inputs_gpu
+    from sagebwd_cp.gpu.pieces import quantize_inputs_gpu
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     b, hq, hk, lq, lk, d, dtype, layout, strided, smooth_q = case
@@ -44,7 +46,7 @@ def test_quantize_matches_emulator_bitwise(case):
     if lq > 2 and not smooth_q:  # a zero Q row and one under TINY_AMAX (bf16): codes 0, per-token scale 0
         tok = (slice(None), slice(None), slice(1, 3)) if layout == "HND" else (slice(None), slice(1, 3))
         q[tok] *= torch.tensor([0.0, 1e-37], device="cuda").view((2, 1) if layout == "HND" else (2, 1, 1)).to(q.dtype)
-    prob = make_problem(q, k, v, layout=layout, smooth_q=smooth_q, softmax_scale=0.3)
+    prob = make_problem(q, k, v, AttentionOptions(layout=layout, smooth_q=smooth_q, softmax_scale=0.3))
     with poisoned_workspaces():
         qz = quantize_inputs_gpu(prob, True, current_stream(prob.q))  # the backward's layouts
         qf = quantize_inputs_gpu(prob, False, current_stream(prob.q))  # the forward's
@@ -93,12 +95,13 @@ def test_quantize_grad_output_matches_psi(lq, dtype, layout):
     import torch
 
     from sagebwd_cp.arrays import current_stream, describe
-    from sagebwd_cp.pieces import quantize_grad_output_gpu
+    from sagebwd_cp.gpu.pieces import quantize_grad_output_gpu
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     q, k, v = make_qkv(2, 4, 2, lq, 77, 64, dtype, layout, seed=lq)
     do = make_qkv(2, 4, 2, lq, 77, 64, dtype, layout, sigma=1e-3, seed=lq + 1)[0]  # tiny gradients
-    prob = make_problem(q, k, v, layout=layout)
+    prob = make_problem(q, k, v, AttentionOptions(layout=layout))
     with poisoned_workspaces():
         dot8, scale = quantize_grad_output_gpu(prob, describe(do, "do"), current_stream(prob.q))
     torch.cuda.synchronize()

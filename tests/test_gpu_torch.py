@@ -15,7 +15,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import sagebwd_cp.torch as st  # noqa: E402
-from sagebwd_cp import reference  # noqa: E402
+from sagebwd_cp.host import reference  # noqa: E402
+from sagebwd_cp.options import AttentionOptions  # noqa: E402
 
 from gpu_helpers import cos_sim, rel_l2  # noqa: E402
 
@@ -31,8 +32,8 @@ def _gpu_backward_missing():
     except NotImplementedError as exc:
         return f"GPU backward not implemented: {exc}"
     except ModuleNotFoundError as exc:
-        if exc.name == "sagebwd_cp.backward":
-            return "GPU backward not available: sagebwd_cp.backward is missing"
+        if exc.name == "sagebwd_cp.gpu.backward":
+            return "GPU backward not available: sagebwd_cp.gpu.backward is missing"
         raise
     return None
 
@@ -298,10 +299,10 @@ def test_opcheck_on_cuda(gpu_backward):
     """deterministic=True: opcheck compares gradients of repeated runs."""
     q, k, v = (make((2, 4, 100, 64), torch.float16, s) for s in (1, 2, 3))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_forward.default,
-                          (q, k, v, True, None, True, False, "HND", "fine", True))
+                          (q, k, v, *AttentionOptions(causal=True, deterministic=True)))
     with torch.no_grad():
         torch.library.opcheck(torch.ops.sagebwd_cp.attention.default,
-                              (q.detach(), k.detach(), v.detach(), True, None, True, False, "HND"))
+                              (q.detach(), k.detach(), v.detach(), *AttentionOptions(causal=True)))
 
 
 def test_torch_compile_fullgraph_on_cuda(gpu_backward):

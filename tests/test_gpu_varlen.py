@@ -40,7 +40,7 @@ def _packed(lens_q, lens_k, hq, hk, d, dtype, seed):
 def test_each_packed_sequence_equals_its_dense_call(monkeypatch, kernels, lens, causal):
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     for name, value in kernels.items():
         monkeypatch.setenv(name, value)
@@ -73,7 +73,7 @@ def test_packed_emulator_agrees_with_the_kernels(monkeypatch):
     dense tests' (which feed the emulator the GPU's O and LSE)."""
     import torch
 
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "64")
     plan.clear_plans()

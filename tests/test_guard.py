@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import emulator, guard
+from sagebwd_cp import guard
+from sagebwd_cp.host import emulator
 from sagebwd_cp.numerics import SCORE_STEP_LIMIT
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import emulator, reference
+from sagebwd_cp.host import emulator, reference
 
 from gpu_helpers import cos_sim, rel_l2
 

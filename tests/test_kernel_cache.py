@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sagebwd_cp import compiler, kernel_cache, specs
-from sagebwd_cp.kernel_cache import KernelCacheWarning
+from sagebwd_cp.gpu import compiler, kernel_cache, specs
+from sagebwd_cp.gpu.kernel_cache import KernelCacheWarning
 
 ARCH = "sm_80"
 
@@ -164,7 +164,7 @@ _WORKER = r"""
 import sys, time, warnings
 from pathlib import Path
 warnings.simplefilter("error")  # a warning (a damaged entry seen) fails the worker
-from sagebwd_cp import compiler, kernel_cache, specs
+from sagebwd_cp.gpu import compiler, kernel_cache, specs
 start = Path(sys.argv[1])
 while not start.exists():
     time.sleep(0.005)

@@ -40,7 +40,8 @@ def test_wheel_ships_the_cuda_sources_and_the_adapter(wheel):
         assert sources, f"no {pattern} in {folder}/"
         missing = [s for s in sources if f"sagebwd_cp/{folder}/{s}" not in names]
         assert not missing, f"the wheel lacks {missing}"
-    for name in ("sagebwd_cp/torch/__init__.py", "sagebwd_cp/__main__.py",
+    for name in ("sagebwd_cp/torch/__init__.py", "sagebwd_cp/jax/__init__.py", "sagebwd_cp/gpu/plan.py",
+                 "sagebwd_cp/host/emulator.py", "sagebwd_cp/__main__.py",
                  "sagebwd_cp/kernels/__init__.py", "sagebwd_cp/ptx/__init__.py"):
         assert name in names
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -49,7 +50,7 @@ def test_wheel_ships_the_cuda_sources_and_the_adapter(wheel):
 
 SNIPPET = textwrap.dedent("""
     import json, sagebwd_cp
-    from sagebwd_cp import compiler, specs
+    from sagebwd_cp.gpu import compiler, specs
     compiled = compiler.compile_spec(specs.bias_spec("float16"), "sm_90", use_disk_cache=False)
     print(json.dumps({
         "module": sagebwd_cp.__file__,

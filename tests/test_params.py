@@ -1,4 +1,4 @@
-"""The host-kernel contract (kernels/params.cuh, sagebwd_cp/params.py): the host reads each kernel's
+"""The host-kernel contract (kernels/params.cuh, sagebwd_cp/gpu/params.py): the host reads each kernel's
 parameter list from the header and fills it by name."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from sagebwd_cp import compiler, params
-from sagebwd_cp.launch import PackedArgs, tensor_map
-from sagebwd_cp.tensor_map import DTYPE_UINT8, TensorMapLayout
+from sagebwd_cp.gpu import compiler, params
+from sagebwd_cp.gpu.launch import PackedArgs, tensor_map
+from sagebwd_cp.gpu.tensor_map import DTYPE_UINT8, TensorMapLayout
 
 HEADER = """
 #define SB_DEMO_FIELDS(F0, F) \\

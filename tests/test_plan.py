@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from sagebwd_cp import compiler, launch, numerics, params, plan, tensor_map
+from sagebwd_cp import numerics
+from sagebwd_cp.gpu import compiler, device, launch, params, plan, tensor_map
 from sagebwd_cp.arrays import ArrayDesc
-from sagebwd_cp.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
+from sagebwd_cp.gpu.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
 
 H200_SHARED = 232448
 
@@ -101,7 +102,7 @@ def test_pointer_updates_land_at_their_offsets():
 def test_quantize_job_matches_the_kernel_struct():
     """params.cuh QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes, the CTA count, the packed batch's offsets
     pointer and two ints: 128 bytes."""
-    from sagebwd_cp import params
+    from sagebwd_cp.gpu import params
 
     p = PackedArgs([params.zeros("QuantizeJob")])
     assert p.sizes == [128] and p.argument_bytes(0) == bytes(128)
@@ -144,9 +145,9 @@ def gpu(monkeypatch):
     """CUDA-looking ArrayDescs run their plans against FakeCuda; allocations come from a counter."""
     fake = FakeCuda()
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
-    monkeypatch.setitem(launch._device_limits, 0, H200_SHARED)
-    monkeypatch.setitem(launch._device_archs, 0, "sm_90")
-    monkeypatch.setitem(launch._device_sms, 0, 132)
+    monkeypatch.setitem(device._device_limits, 0, H200_SHARED)
+    monkeypatch.setitem(device._device_archs, 0, "sm_90")
+    monkeypatch.setitem(device._device_sms, 0, 132)
     monkeypatch.setattr(compiler, "get_function_pointer",
                         lambda spec, entry, device_id, shared=0: hash((spec.key, entry)) & 0xFFFFFFFF)
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0x5157))
@@ -194,7 +195,7 @@ def test_same_key_same_plan_and_no_second_check(gpu, monkeypatch):
 
 
 def test_arrays_without_a_cheap_signature_reuse_a_plan_keyed_by_their_descriptors(gpu, monkeypatch):
-    import sagebwd_cp.forward as forward
+    import sagebwd_cp.gpu.forward as forward
 
     builds = []
     real = forward.forward_plan
@@ -313,11 +314,12 @@ def _argument_bytes(params_ptr, sizes):
 def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
     """Two calls of one plan: every pointer argument holds this call's array, output or workspace
     sub-buffer (base + carved offset); nothing else in the arguments changes."""
-    from sagebwd_cp.forward import forward_plan
+    from sagebwd_cp.gpu.forward import forward_plan
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     q, k, v = qkv(lq=100, lk=600)  # two token-sum parts, stored apart (nothing to zero) and added by the K job
-    prob = make_problem(q, k, v, causal=True)
+    prob = make_problem(q, k, v, AttentionOptions(causal=True))
     built = forward_plan(prob, None, True, False)
     names = {b.name: b for b in _buffers(built)}
     snapshots = []
@@ -408,7 +410,7 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
 def test_backward_reuses_the_forwards_key_mean(gpu):
     """With the saved state the backward quantizes K with the forward's μ_K (QUANT_MEAN_GIVEN; no
     token sums); from plain arrays without k_mean it sums K again, into a workspace μ_K."""
-    from sagebwd_cp.quantize import MEAN_GIVEN, PER_TOKEN
+    from sagebwd_cp.gpu.quantize import MEAN_GIVEN, PER_TOKEN
 
     q, k, v = qkv(lq=100, lk=300)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
@@ -524,7 +526,7 @@ def test_backward_encodes_its_query_tile_maps_per_call(gpu):
 
 
 def test_tensor_map_layouts_are_checked():
-    from sagebwd_cp.tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
+    from sagebwd_cp.gpu.tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
     TensorMapLayout(DTYPE_UINT16, (80, 100, 4, 2), (160, 16000, 64000), (64, 64, 1, 1), 128)
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -653,7 +655,7 @@ def test_byte_view_of_a_torch_buffer():
 def test_token_sum_parts_cover_every_token_once(batch, heads, n):
     """token_sum's parts tile the tokens (the last may be short, none empty), at most SUM_MAX_PARTS of
     them (the K job adds them all), each over at least SUM_MIN_SPAN tokens unless there is one."""
-    from sagebwd_cp.quantize import SUM_MAX_PARTS, SUM_MIN_SPAN, token_sum_parts
+    from sagebwd_cp.gpu.quantize import SUM_MAX_PARTS, SUM_MIN_SPAN, token_sum_parts
 
     parts, span = token_sum_parts(batch, heads, n)
     assert 1 <= parts <= SUM_MAX_PARTS and (parts - 1) * span < n <= parts * span
@@ -682,13 +684,14 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     batch beside the heads where one entry fills at most half the SMs; the deterministic kernels go
     heads and batch first; a long many-head grid, every non-causal grid and the mma.sync kernel's
     default grid keep key blocks in x."""
-    from sagebwd_cp.backward import FEW_WAVES, backward_grid
-    from sagebwd_cp.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
+    from sagebwd_cp.gpu.backward import FEW_WAVES, backward_grid
+    from sagebwd_cp.gpu.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     def grid(b, hq, hk, n, causal, det=False, wgmma=True):
         q, k = np.zeros((b, hq, n, 8), np.float16), np.zeros((b, hk, n, 8), np.float16)
-        return backward_grid(make_problem(q, k, k, causal=causal), 128, det, wgmma, 132)
+        return backward_grid(make_problem(q, k, k, AttentionOptions(causal=causal)), 128, det, wgmma, 132)
 
     assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # 256 CTAs, 32 an entry
     assert grid(2, 8, 2, 8192, True) == ((2, 64, 2), HEADS_FIRST)  # 128 CTAs an entry
@@ -704,8 +707,8 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
 def test_grid_orders_match_the_kernels():
     """launch.py's grid-order values are the ones kernels/backward_common.cuh decodes."""
     import re
-    from sagebwd_cp import launch
-    from sagebwd_cp.compiler import source_dirs
+    from sagebwd_cp.gpu import launch
+    from sagebwd_cp.gpu.compiler import source_dirs
 
     text = (source_dirs()[0] / "backward_common.cuh").read_text()
     enum = dict((n, int(v)) for n, v in re.findall(r"(\w+) = (\d+)", re.search(r"enum GridOrder \{([^}]*)\}", text).group(1)))

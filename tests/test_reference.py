@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from sagebwd_cp.reference import attention_reference, attention_reference_backward
+from sagebwd_cp.host.reference import attention_reference, attention_reference_backward
 
 
 def _inputs(seed, b=1, hq=2, hkv=1, lq=5, lk=7, d=4):

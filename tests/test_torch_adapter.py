@@ -16,7 +16,8 @@ from torch import nn  # noqa: E402
 
 import sagebwd_cp  # noqa: E402
 import sagebwd_cp.torch as st  # noqa: E402
-from sagebwd_cp import reference  # noqa: E402
+from sagebwd_cp.host import reference  # noqa: E402
+from sagebwd_cp.options import AttentionOptions  # noqa: E402
 from sagebwd_cp.torch import _ops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +103,8 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     real = _ops.run_backward
 
     def spy(*args, k_mean=None):
-        seen.append(args[6:] + (None if k_mean is None else k_mean.shape,))  # after q, k, v, out, lse2, dout
+        (options,) = args[6:]  # after q, k, v, out, lse2, dout
+        seen.append(tuple(options) + (None if k_mean is None else k_mean.shape,))
         return real(*args, k_mean=k_mean)
 
     monkeypatch.setattr(_ops, "run_backward", spy)
@@ -189,10 +191,10 @@ def test_no_grad_saves_nothing_and_skips_the_training_forward(monkeypatch, mode)
     calls = []
     real = _ops.run_forward
 
-    def spy(*args):
-        if args[9]:  # training
+    def spy(*args, **kwargs):
+        if kwargs.get("training"):
             calls.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(_ops, "run_forward", spy)
     q, k, v = qkv(lq=64, lk=64, grad=mode != "inputs_without_grad")
@@ -245,7 +247,8 @@ def stubbed_cuda(monkeypatch):
     """CPU tensors take the adapter's CUDA path: described as CUDA arrays, plans built and cached,
     outputs from the library's allocation code ("device 0" mapped to the CPU), launches recorded
     instead of run (outputs hold no results: only their metadata is meaningful)."""
-    from sagebwd_cp import arrays, compiler, launch, plan, tensor_map
+    from sagebwd_cp import arrays
+    from sagebwd_cp.gpu import compiler, device, launch, plan, tensor_map
 
     real = arrays._from_torch
 
@@ -275,9 +278,9 @@ def stubbed_cuda(monkeypatch):
     monkeypatch.setattr(plan, "stream_reader", lambda framework: (lambda device_id: 0))
     monkeypatch.setattr(plan, "_plans", {})
     monkeypatch.setattr(compiler, "get_function_pointer", lambda spec, entry, device_id, shared=0: 0x1000)
-    monkeypatch.setitem(launch._device_limits, 0, 232448)
-    monkeypatch.setitem(launch._device_archs, 0, "sm_90")
-    monkeypatch.setitem(launch._device_sms, 0, 132)
+    monkeypatch.setitem(device._device_limits, 0, 232448)
+    monkeypatch.setitem(device._device_archs, 0, "sm_90")
+    monkeypatch.setitem(device._device_sms, 0, 132)
     monkeypatch.setattr(launch, "_cuda_modules", (fake, fake))
     monkeypatch.setattr(tensor_map, "_encoder", lambda layout: (lambda out, address: None))  # the driver's job
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -285,7 +288,7 @@ def stubbed_cuda(monkeypatch):
 
 
 def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda):
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     def call(dtype=torch.float16, layout="HND", **opts):
         q, k, v = qkv(hq=2, hk=1, lq=64, lk=96, layout=layout, dtype=dtype)
@@ -369,31 +372,31 @@ def test_opcheck_forward_operator(layout, needs):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90, layout=layout, grad=False)
     q, k, v = (x.requires_grad_(n) for x, n in zip((q, k, v), needs))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_forward.default,
-                          (q, k, v, True, None, True, False, layout, "fine", False))
+                          (q, k, v, *AttentionOptions(causal=True, layout=layout)))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_opcheck_inference_and_backward_operators(layout):
     q, k, v = qkv(b=2, hq=4, hk=2, lq=70, lk=90, layout=layout, grad=False)
-    torch.library.opcheck(torch.ops.sagebwd_cp.attention.default, (q, k, v, False, 0.2, True, False, layout))
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, True, layout, "paper",
-                                                               False)
+    torch.library.opcheck(torch.ops.sagebwd_cp.attention.default, (q, k, v, *AttentionOptions(softmax_scale=0.2, layout=layout)))
+    paper = AttentionOptions(causal=True, smooth_q=True, layout=layout, granularity="paper")
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *paper)
     assert lse2.shape == (2, 4, 70) and lse2.dtype == torch.float32 and out.shape == q.shape
     assert k_mean.shape == (2, 2, q.shape[-1]) and k_mean.dtype == torch.float32
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
-                          (q, k, v, out, lse2, k_mean, do, True, None, True, True, layout, "paper", False))
+                          (q, k, v, out, lse2, k_mean, do, *paper))
     # Without K-smoothing there is no μ_K: an empty tensor stands in for it.
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, False, False, layout, "fine",
-                                                               False)
+    unsmoothed = AttentionOptions(causal=True, smooth_k=False, layout=layout)
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *unsmoothed)
     assert k_mean.shape == (0,)
     torch.library.opcheck(torch.ops.sagebwd_cp.attention_backward.default,
-                          (q, k, v, out, lse2, k_mean, do, True, None, False, False, layout, "fine", False))
+                          (q, k, v, out, lse2, k_mean, do, *unsmoothed))
 
 
 def test_operator_autograd_matches_the_eager_function():
     q, k, v = qkv(b=1, hq=4, hk=1, lq=100, lk=120)
-    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, True, None, True, False, "HND", "fine", False)
+    out, lse2, k_mean = torch.ops.sagebwd_cp.attention_forward(q, k, v, *AttentionOptions(causal=True))
     assert not lse2.requires_grad and not k_mean.requires_grad
     assert len(out.grad_fn.saved_tensors) == 6
     out.sum().backward()

@@ -76,9 +76,10 @@ def test_bad_packed_arguments_name_themselves(change, match):
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         if smooth_q:
+            from sagebwd_cp.options import AttentionOptions
             from sagebwd_cp.problem import make_varlen_problem
 
-            make_varlen_problem(*args.values(), smooth_q=True)
+            make_varlen_problem(*args.values(), AttentionOptions(smooth_q=True, layout="THD"))
         else:
             sagebwd_cp.attention_varlen(*args.values())
 

@@ -34,7 +34,7 @@ import numpy as np
 try:  # the emulator and the reference, wherever the package keeps them
     from sagebwd_cp.host import emulator, reference
 except ImportError:
-    from sagebwd_cp import emulator, reference
+    from sagebwd_cp.host import emulator, reference
 from sagebwd_cp import prefix_key_mean
 
 MEANS = ("sequence", "none", "prefix64")

@@ -33,7 +33,7 @@ CASES = [
 
 
 def _apply(variant: str) -> None:
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     for name in ENV.values():
         os.environ.pop(name, None)

@@ -27,9 +27,10 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from sagebwd_cp.pieces import attend_launcher
-    from sagebwd_cp.quantize import quantize_inputs
-    from sagebwd_cp.plan import PlanBuilder
+    from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.gpu.quantize import quantize_inputs
+    from sagebwd_cp.gpu.plan import PlanBuilder
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     main_stream = torch.cuda.current_stream()
@@ -41,13 +42,13 @@ def main():
             b, h = max(1, 16384 // n), 2048 // d
             mk = lambda: tuple(torch.randn((b, h, n, d), device="cuda", dtype=torch.float16) for _ in range(3))
             (qa, ka, va), (qb, kb, vb) = mk(), mk()
-            prob_a = make_problem(qa, ka, va)
+            prob_a = make_problem(qa, ka, va, AttentionOptions())
             builder = PlanBuilder(prob_a.q.device_id, prob_a.q.framework,
                                   [("q", prob_a.q), ("k", prob_a.k), ("v", prob_a.v)])
             quantize_inputs(builder, prob_a, False, quantize_q=False)
             pre_plan = builder.build(cacheable=False)
             ptrs = [x.data_ptr() for x in (qa, ka, va)]
-            attend = attend_launcher(make_problem(qb, kb, vb))
+            attend = attend_launcher(make_problem(qb, kb, vb, AttentionOptions()))
             keep = []  # workspaces stay alive until the timing has synchronized
 
             def pre(stream):

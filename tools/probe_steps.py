@@ -23,7 +23,7 @@ from bench_attention import timed  # noqa: E402
 
 
 class _EventedCuda:
-    """Stands in for (runtime, driver) in sagebwd_cp.launch: each launch or memset is bracketed by
+    """Stands in for (runtime, driver) in sagebwd_cp.gpu.launch: each launch or memset is bracketed by
     events, recorded as (name, start, end) in ``marks``."""
 
     def __init__(self, runtime, driver, name_of):
@@ -67,7 +67,7 @@ def step_times(call, reps):
     median ms of a call without events."""
     import torch
 
-    from sagebwd_cp import launch, plan
+    from sagebwd_cp.gpu import launch, plan
 
     plain = timed(call, reps)  # also builds the plans
     names = {}

@@ -25,10 +25,11 @@ def inputs(h, n, d):
 
 def attend_ms(q, k, v, reps) -> float:
     """The forward kernel alone, on K and V quantized beforehand (it quantizes Q itself)."""
-    from sagebwd_cp.pieces import attend_launcher
+    from sagebwd_cp.gpu.pieces import attend_launcher
+    from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
-    return timed(attend_launcher(make_problem(q, k, v)), reps)
+    return timed(attend_launcher(make_problem(q, k, v, AttentionOptions())), reps)
 
 
 def main():

@@ -16,12 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import ArrayDesc
+from ..arrays import ArrayDesc
 from .tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapLayout
-
-_device_limits: dict = {}
-_device_archs: dict = {}  # device id -> "sm_XX"
-_device_sms: dict = {}  # device id -> multiprocessor count
 
 
 class KernelArg(NamedTuple):
@@ -161,36 +157,6 @@ def cuda() -> tuple:
 
         _cuda_modules = runtime, driver
     return _cuda_modules
-
-
-def device_arch(device_id: int) -> str:
-    """The device's ``sm_XX`` (cached: plan building asks once per plan)."""
-    arch = _device_archs.get(device_id)
-    if arch is None:
-        from .compiler import device_arch as query
-
-        arch = _device_archs[device_id] = query(device_id)
-    return arch
-
-
-def _device_property(cache: dict, device_id: int, name: str) -> int:
-    """The device's CUDA property ``name``, read once into ``cache``."""
-    value = cache.get(device_id)
-    if value is None:
-        import cupy
-
-        value = cache[device_id] = cupy.cuda.runtime.getDeviceProperties(device_id)[name]
-    return value
-
-
-def shared_memory_limit(device_id: int) -> int:
-    """The device's opt-in shared memory per block, in bytes."""
-    return _device_property(_device_limits, device_id, "sharedMemPerBlockOptin")
-
-
-def sm_count(device_id: int) -> int:
-    """The device's multiprocessor count."""
-    return _device_property(_device_sms, device_id, "multiProcessorCount")
 
 
 GRID_YZ_LIMIT = 65535  # CUDA's largest gridDim.y and gridDim.z

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sagebwd_cp import chunked as _neutral
-from sagebwd_cp.problem import check_granularity, check_layout, check_options
+from sagebwd_cp.options import AttentionOptions, check_flag, check_layout
 
 from . import _ops
 from .chunked import backward_chunks, forward_chunks
@@ -104,18 +104,17 @@ def _shared_key_mean(ring: _Ring, k: Tensor, layout: str) -> Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, options):
-        causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = options
+        layout = options.layout
         ring, seq = _Ring(group), _seq_dim(layout)
         k, v = k.contiguous(), v.contiguous()
-        k_mean = _shared_key_mean(ring, k, layout) if smooth_k else _ops._no_k_mean(q)
+        k_mean = _shared_key_mean(ring, k, layout) if options.smooth_k else _ops._no_k_mean(q)
         len_q, len_k = q.shape[seq], k.shape[seq]
         out = lse = None
         cur = (k, v)
         for step in range(ring.size):
             pending = ring.exchange(cur, 0) if step < ring.size - 1 else None
-            spans, pieces = _step(ring, step, causal, len_q, len_k)
-            out, lse = forward_chunks(q, _narrow([cur], spans, seq), pieces, k_mean,
-                                      (softmax_scale, smooth_k, smooth_q, layout), out, lse)
+            spans, pieces = _step(ring, step, options.causal, len_q, len_k)
+            out, lse = forward_chunks(q, _narrow([cur], spans, seq), pieces, k_mean, options, out, lse)
             if pending:
                 _wait(pending[0])
                 cur = tuple(pending[1])
@@ -128,18 +127,18 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, k_mean = ctx.saved_tensors
-        causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = ctx.options
-        ring, seq = _Ring(ctx.group), _seq_dim(layout)
+        options = ctx.options
+        ring, seq = _Ring(ctx.group), _seq_dim(options.layout)
         len_q, len_k = q.shape[seq], k.shape[seq]
         dout = dout.contiguous()
-        lse2 = _neutral.lse_to_lse2(lse, q, k_mean if smooth_k else None, softmax_scale, layout, xp=torch)
-        options = (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+        lse2 = _neutral.lse_to_lse2(lse, q, k_mean if options.smooth_k else None, options.softmax_scale,
+                                    options.layout, xp=torch)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur, arriving = (k, v), None  # arriving: the dK/dV accumulators of the shard held, on their way here
         for step in range(ring.size):
             pending = ring.exchange(cur, 0) if step < ring.size - 1 else None
             dkv = tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in cur)
-            spans, pieces = _step(ring, step, causal, len_q, len_k)
+            spans, pieces = _step(ring, step, options.causal, len_q, len_k)
             backward_chunks(q, _narrow([cur], spans, seq), pieces, out, lse2, dout, k_mean, options, dq,
                             _narrow([dkv], spans, seq))
             if arriving:
@@ -167,17 +166,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sof
     even local length; masking is over the whole sequence.  Returns this rank's output rows (and,
     with ``return_lse``, their natural-log LSE, float32, not differentiable).  CUDA tensors need the
     NCCL backend, CPU tensors gloo.  Options as in ``attention``."""
-    check_layout(layout)
-    check_granularity(granularity)
-    causal, softmax_scale, smooth_k, smooth_q, deterministic, return_lse = check_options(
-        causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic, return_lse=return_lse)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+    return_lse = check_flag(return_lse, "return_lse")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group first (torchrun sets up the environment)")
-    seq = _seq_dim(layout)
-    if causal and (q.shape[seq] != k.shape[seq] or q.shape[seq] % 2):
+    seq = _seq_dim(options.layout)
+    if options.causal and (q.shape[seq] != k.shape[seq] or q.shape[seq] % 2):
         raise ValueError(f"q, k: causal ring attention takes zig-zag shards (zigzag_shard) of equal, even length; got "
                          f"{q.shape[seq]} query and {k.shape[seq]} key tokens")
-    options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     out, lse = _RingAttention.apply(q, k, v, group, options)
     return (out, lse) if return_lse else out

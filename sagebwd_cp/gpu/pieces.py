@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .arrays import ArrayDesc, byte_view, current_stream, empty
+from ..arrays import ArrayDesc, byte_view, current_stream, empty
+from ..problem import AttentionProblem
 from .forward import attend
 from .plan import Buffer, PlanBuilder
-from .problem import AttentionProblem
 from .quantize import Quantized, quantize_grad_output, quantize_inputs
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 
+from .compiler import source_dirs
 from .launch import KernelArg, f32, i32, i64, ptr, struct_arg
 
 HEADER = "params.cuh"
@@ -40,8 +41,6 @@ def parse_lists(text: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def lists() -> dict:
-    from .compiler import source_dirs
-
     for d in source_dirs():
         path = d / HEADER
         if path.is_file():

@@ -30,6 +30,8 @@ def describe_problem(problem) -> str:
         value = getattr(problem, field.name)
         if hasattr(value, "shape") and hasattr(value, "strides"):
             arrays.append(_array_text(field.name, value))
+        elif hasattr(value, "_asdict"):  # the AttentionOptions
+            options += [f"{k}={v!r}" for k, v in value._asdict().items()]
         elif value is None or isinstance(value, (bool, int, float, str)):
             options.append(f"{field.name}={value!r}")
     return "; ".join(arrays) + "; " + ", ".join(options)

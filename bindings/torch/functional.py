@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sagebwd_cp import guard
-from sagebwd_cp.problem import check_flag, check_options
+from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag
 
 from . import _ops
 
@@ -39,16 +39,19 @@ def _once_differentiable(backward):
     return wrapper
 
 
-def _save(ctx, q, k, v, out, lse2, k_mean, options) -> None:
+def _save(ctx, q, k, v, out, lse2, k_mean, options: AttentionOptions) -> None:
     ctx.save_for_backward(q, k, v, out, lse2, k_mean)
-    ctx.options = options  # (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    ctx.options = options
 
 
 def _input_grads(ctx, dout) -> tuple:
     """(dq, dk, dv), None for an input that does not require grad."""
     q, k, v, out, lse2, k_mean = ctx.saved_tensors
-    backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
-    dq, dk, dv = backward(q, k, v, out, lse2, k_mean, dout, *ctx.options)  # dout made contiguous there if needed
+    # dout is made contiguous there if needed
+    if _compiling():
+        dq, dk, dv = _ops.attention_backward_op(q, k, v, out, lse2, k_mean, dout, *ctx.options)
+    else:
+        dq, dk, dv = _ops.backward_impl(q, k, v, out, lse2, k_mean, dout, ctx.options)
     need = ctx.needs_input_grad
     return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None
 
@@ -59,30 +62,29 @@ class SageAttentionFunction(torch.autograd.Function):
     returns None for the inputs that do not require grad.  Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
+    def forward(ctx, q, k, v, *fields):
+        options = AttentionOptions(*fields)  # the fields in AttentionOptions' order
         if _compiling():
-            out, lse2, k_mean = _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout,
-                                                          granularity, deterministic)
+            out, lse2, k_mean = _ops.attention_forward_op(q, k, v, *options)
         else:
-            out, lse2, k_mean = _ops.forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
-        _save(ctx, q, k, v, out, lse2, k_mean,
-              (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic))
+            out, lse2, k_mean = _ops.forward_impl(q, k, v, options)
+        _save(ctx, q, k, v, out, lse2, k_mean, options)
         return out
 
     @staticmethod
     @_once_differentiable
     def backward(ctx, dout):
-        return _input_grads(ctx, dout) + (None,) * 7
+        return _input_grads(ctx, dout) + (None,) * len(FIELDS)
 
 
 class _EagerAttention(torch.autograd.Function):
     """What ``attention`` applies outside ``torch.compile`` (which gets the custom operator instead):
-    SageAttentionFunction with its seven options in one tuple, since torch's ``apply`` costs about
-    0.2 µs per argument."""
+    SageAttentionFunction with its options as one AttentionOptions, since torch's ``apply`` costs
+    about 0.2 µs per argument."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
-        out, lse2, k_mean = _ops.forward_impl(q, k, v, *options[:5])
+        out, lse2, k_mean = _ops.forward_impl(q, k, v, options)
         _save(ctx, q, k, v, out, lse2, k_mean, options)
         return out
 
@@ -119,33 +121,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     or a threshold): warn once per shape where INT8 scores get coarse (sagebwd_cp/guard.py); not under
     ``torch.compile``.
     """
-    _ops.check_layout(layout)
-    _ops.check_granularity(granularity)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=layout, granularity=granularity, deterministic=deterministic)
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a
     # dimension of size <= 1, where .contiguous() would return the tensor itself anyway.
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
-            and deterministic.__class__ is bool and (softmax_scale is None or softmax_scale.__class__ is float)):
-        # A string scale or causal="no" is an error by name, not a float() or a truthy bool().
-        causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
-            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
     compiling = _compiling()
     if (accuracy_guard is not None or guard._threshold is not None) and not compiling:
         threshold = guard.accuracy_guard_threshold(accuracy_guard)
         if threshold is not None:
-            guard.check_scores(q, k, threshold, softmax_scale=softmax_scale, smooth_k=smooth_k, layout=layout)
+            guard.check_scores(q, k, threshold, softmax_scale=options.softmax_scale, smooth_k=options.smooth_k,
+                               layout=options.layout)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         if compiling:
-            return _ops.attention_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
-        return _ops.inference_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+            return _ops.attention_op(q, k, v, *options)
+        return _ops.inference_impl(q, k, v, options)
     if compiling:
-        return _ops.attention_forward_op(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                                         deterministic)[0]
-    return _EagerAttention.apply(q, k, v, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
-                                           deterministic))
+        return _ops.attention_forward_op(q, k, v, *options)[0]
+    return _EagerAttention.apply(q, k, v, options)
 
 
 # ------------------------------------------------------------------------------ drop-ins

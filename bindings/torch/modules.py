@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from sagebwd_cp.problem import check_options
+from sagebwd_cp.options import AttentionOptions
 
-from . import _ops
 from .functional import attention
 
 
@@ -20,15 +19,14 @@ class SageAttention(nn.Module):
                  smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
                  deterministic: bool = False):
         super().__init__()
-        self.causal, self.softmax_scale, self.smooth_k, self.smooth_q, self.deterministic = check_options(
-            causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
-        self.layout = _ops.check_layout(layout)
-        self.granularity = _ops.check_granularity(granularity)
+        self.options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                                        smooth_q=smooth_q, layout=layout, granularity=granularity,
+                                        deterministic=deterministic)
+        for name, value in self.options._asdict().items():
+            setattr(self, name, value)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout,
-                         smooth_k=self.smooth_k, smooth_q=self.smooth_q, granularity=self.granularity,
-                         deterministic=self.deterministic)
+        return attention(q, k, v, **self.options._asdict())
 
     def extra_repr(self) -> str:
         scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:g}"

@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from .numerics import (
+from ..numerics import (
     BLOCK_KV,
     BLOCK_Q,
     INT8_MAX,
@@ -29,10 +29,10 @@ from .numerics import (
     round_to_dtype,
     token_mean,
 )
+from ..options import GRANULARITIES, check_granularity
 
 __all__ = ["quantize_inputs", "emulate_forward", "backward_state", "emulate_backward", "GRANULARITIES"]
 
-GRANULARITIES = ("fine", "paper")
 _DTYPES = ("float16", "bfloat16", "float32")  # float32: no output rounding (testing)
 
 _F32 = np.float32
@@ -392,8 +392,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
 
     granularity="paper": one ψ scale per 64x64 tile for P and for each of dQ's and dK's dS operands.
     "fine": per-key scales for P (dV) and for dK's dS operand, per-query scales for dQ's."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     qi = saved["inputs"]
     causal, group = saved["causal"], saved["group"]
     lq, lk = saved["lq"], saved["lk"]

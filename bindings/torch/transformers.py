@@ -21,6 +21,11 @@ synchronization, as FlashAttention's integration does).
 """
 from __future__ import annotations
 
+import torch
+
+from .functional import attention
+from .varlen import flash_attn_varlen_func
+
 __all__ = ["register_transformers", "attention_forward"]
 
 
@@ -32,8 +37,6 @@ def _refuse(what: str) -> ValueError:
 def _packed_offsets(kwargs: dict, position_ids, batch: int):
     """(cu_q, cu_k, max_q, max_k) of a packed row from the collator's keywords or restarting
     position_ids, or None."""
-    import torch
-
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None or kwargs.get("max_length_k") is None:
@@ -52,10 +55,6 @@ def _packed_offsets(kwargs: dict, position_ids, batch: int):
 def _unpadded_attention(q, k, v, mask, causal: bool, scaling):
     """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
     valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
-    import torch
-
-    from .varlen import flash_attn_varlen_func
-
     b, n = mask.shape
     valid = mask.bool()
     index = valid.reshape(-1).nonzero().squeeze(1)  # the one host synchronization
@@ -71,9 +70,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention interface: query (B, Hq, N, D), key and value (B, Hkv, N, D) with Hq a
     multiple of Hkv; returns ((B, N, Hq, D), None)."""
-    from .functional import attention
-    from .varlen import flash_attn_varlen_func
-
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
     if sliding_window is not None:
@@ -140,8 +136,6 @@ def _causal_or_packed(mask_function, causal_mask_function) -> bool:
 def _nothing_padded(attention_mask) -> bool:
     """True for no 2-D padding mask or one of all ones (read on the host: while tracing, where that
     cannot be done, a mask counts as padding)."""
-    import torch
-
     if attention_mask is None:
         return True
     if torch.compiler.is_compiling() or attention_mask.ndim != 2:
@@ -150,8 +144,6 @@ def _nothing_padded(attention_mask) -> bool:
 
 
 def _nonzero(offset) -> bool:
-    import torch
-
     return bool(offset.ne(0).any()) if isinstance(offset, torch.Tensor) else bool(offset)
 
 

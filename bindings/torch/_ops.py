@@ -3,9 +3,10 @@ registrations (namespace ``sagebwd_cp``) with fake implementations and autograd.
 
 Three operators, all functional (no input is mutated, no output aliases an input):
 
-- ``sagebwd_cp::attention(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout) -> out``
-  (inference: computes no LSE, saves nothing);
-- ``sagebwd_cp::attention_forward(..., granularity, deterministic) -> (out, lse2, k_mean)``
+- ``sagebwd_cp::attention(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity,
+  deterministic) -> out`` (inference: computes no LSE, saves nothing; every operator takes the seven
+  fields of an ``AttentionOptions`` in its order, ``op(q, k, v, *options)``);
+- ``sagebwd_cp::attention_forward(q, k, v, *options) -> (out, lse2, k_mean)``
   (training forward; ``lse2`` is the base-2 LSE, (B, Hq, Lq) float32, and ``k_mean`` μ_K, (B, Hkv, D)
   float32 with K-smoothing and an empty (0,) tensor without; neither is differentiable; the two
   backward options ride along so the registered autograd formula can pass them on);
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from sagebwd_cp.api import run_backward, run_forward
-from sagebwd_cp.problem import check_granularity, check_layout
+from sagebwd_cp.options import FIELDS, AttentionOptions
 
 NAMESPACE = "sagebwd_cp"
 
@@ -56,29 +57,25 @@ def _as_tensor(x, dtype: Optional[torch.dtype] = None) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def inference_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
-                   smooth_q: bool, layout: str) -> Tensor:
+def inference_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Tensor:
     """Attention output only (no LSE, nothing kept for a backward)."""
     if q.is_cuda:
         # The core reads q's device and torch's current stream on it, and switches devices if needed.
-        out, _, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, False, False, False)
+        out, _, _ = run_forward(q, k, v, options)
         return _as_tensor(out)
-    out, _, _ = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
-                         False, False, False)
+    out, _, _ = run_forward(_host(q), _host(k), _host(v), options)
     return _as_tensor(out, q.dtype)
 
 
-def lse_impl(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
-             smooth_k: bool, smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
+def lse_impl(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, options: AttentionOptions) -> Tuple[Tensor, Tensor]:
     """(out, lse): the output and the natural-log LSE (B, Hq, Lq) float32 of the unsmoothed scores,
     K quantized with ``k_mean`` (empty: K's own token mean)."""
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
-        out, lse, _ = run_forward(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, None, False, True, False,
-                                  mean)
+        out, lse, _ = run_forward(q, k, v, options, return_lse=True, k_mean=mean)
         return _as_tensor(out), _as_tensor(lse)
-    out, lse, _ = run_forward(_host(q), _host(k), _host(v), causal, softmax_scale, smooth_k, smooth_q, layout, None,
-                              False, True, False, _host(mean) if mean is not None else None)
+    out, lse, _ = run_forward(_host(q), _host(k), _host(v), options, return_lse=True,
+                              k_mean=_host(mean) if mean is not None else None)
     return _as_tensor(out, q.dtype), _as_tensor(lse)
 
 
@@ -87,30 +84,25 @@ def _no_k_mean(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
-                 smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
     """(out, lse2, k_mean): the output, and what the backward needs besides the inputs: the base-2
     LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing)."""
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
-    out, _, (lse2, k_mean) = run_forward(*args, causal, softmax_scale, smooth_k, smooth_q, layout, None, True, False,
-                                         False)
+    out, _, (lse2, k_mean) = run_forward(*args, options, training=True)
     return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
             _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
-                  causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
-                  granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each in its input's layout and q's dtype.  An empty ``k_mean`` (a forward without
     K-smoothing) is no μ_K."""
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
-        dq, dk, dv = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
-                                  granularity, deterministic, k_mean=mean)
+        dq, dk, dv = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean)
         return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
-    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
-                         smooth_k, smooth_q, layout, granularity, deterministic,
+    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), options,
                          k_mean=_host(mean) if mean is not None else None)
     return tuple(_as_tensor(g, q.dtype) for g in grads)
 
@@ -118,7 +110,6 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_
 # ------------------------------------------------------------------------------ shape checks for tracing
 
 def _check_ranks(layout: str, **arrays) -> None:
-    check_layout(layout)
     for name, x in arrays.items():
         if x.dim() != 4:
             dims = "batch, heads, seqlen, head_dim" if layout == "HND" else "batch, seqlen, heads, head_dim"
@@ -140,29 +131,35 @@ def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
 
 
 # ------------------------------------------------------------------------------ registrations
+# Each operator takes the fields of an AttentionOptions in its order (FIELDS), called as
+# ``op(q, k, v, *options)``; the value is rebuilt (and so checked) once inside.
 
 @torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
-                 smooth_q: bool, layout: str) -> Tensor:
+                 smooth_q: bool, layout: str, granularity: str, deterministic: bool) -> Tensor:
     """Inference attention (see ``inference_impl``)."""
-    return inference_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return inference_impl(q, k, v, options)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout):
-    _check_ranks(layout, q=q, k=k, v=v)
+def _attention_fake(q, k, v, *fields):
+    _check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v)
     return q.new_empty(q.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_lse", mutates_args=())
 def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
-                     smooth_k: bool, smooth_q: bool, layout: str) -> Tuple[Tensor, Tensor]:
+                     smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
+                     deterministic: bool) -> Tuple[Tensor, Tensor]:
     """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
-    return lse_impl(q, k, v, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return lse_impl(q, k, v, k_mean, options)
 
 
 @attention_lse_op.register_fake
-def _attention_lse_fake(q, k, v, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout):
+def _attention_lse_fake(q, k, v, k_mean, *fields):
+    layout = AttentionOptions(*fields).layout
     _check_ranks(layout, q=q, k=k, v=v)
     return q.new_empty(q.shape), lse2_like(q, layout)
 
@@ -173,14 +170,15 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
                          deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
-    return forward_impl(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return forward_impl(q, k, v, options)
 
 
 @attention_forward_op.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic):
-    _check_ranks(layout, q=q, k=k, v=v)
-    check_granularity(granularity)
-    return q.new_empty(q.shape), lse2_like(q, layout), k_mean_like(q, k, layout, smooth_k)
+def _attention_forward_fake(q, k, v, *fields):
+    options = AttentionOptions(*fields)
+    _check_ranks(options.layout, q=q, k=k, v=v)
+    return q.new_empty(q.shape), lse2_like(q, options.layout), k_mean_like(q, k, options.layout, options.smooth_k)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
@@ -188,31 +186,29 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Te
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
-    return backward_impl(q, k, v, out, lse2, k_mean, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
-                         granularity, deterministic)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, out, lse2, k_mean, dout, causal, softmax_scale, smooth_k, smooth_q, layout,
-                             granularity, deterministic):
-    _check_ranks(layout, q=q, k=k, v=v, out=out, dout=dout)
-    check_granularity(granularity)
+def _attention_backward_fake(q, k, v, out, lse2, k_mean, dout, *fields):
+    _check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v, out=out, dout=dout)
     return q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = inputs
+    q, k, v, *fields = inputs
     out, lse2, k_mean = output
     ctx.save_for_backward(q, k, v, out, lse2, k_mean)
     ctx.mark_non_differentiable(lse2, k_mean)
-    ctx.options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    ctx.options = AttentionOptions(*fields)
 
 
 def _backward(ctx, dout, _dlse2, _dk_mean):
     q, k, v, out, lse2, k_mean = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(q, k, v, out, lse2, k_mean, dout, *ctx.options)  # dout made contiguous there
     need = ctx.needs_input_grad
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * len(FIELDS)
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -3,13 +3,15 @@ quantize dO in one launch, gather (LSE2, δ) per query row, run the key-block-ow
 records these launches into the plan a call replays (plan.py)."""
 from __future__ import annotations
 
-from . import numerics, params, specs
-from .arrays import ArrayDesc
-from .launch import (BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, device_arch, shared_memory_limit,
-                     sm_count, tensor_map)
-from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .problem import AttentionProblem
+from .. import numerics
+from ..arrays import ArrayDesc
+from ..options import AttentionOptions
+from ..problem import AttentionProblem
+from . import params, specs
+from .device import device_arch, shared_memory_limit, sm_count
 from .forward import varlen_inputs
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
+from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .quantize import quantize_inputs
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
@@ -97,9 +99,10 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets
 
 
-def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: ArrayDesc, granularity: str,
-                  deterministic: bool, k_mean: ArrayDesc | None = None) -> LaunchPlan:
-    """The plan of one backward: inputs BACKWARD_INPUTS (then "k_mean", the forward's μ_K, when
+def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: ArrayDesc, options: AttentionOptions,
+                  k_mean: ArrayDesc | None = None) -> LaunchPlan:
+    """The plan of one backward with ``options`` (its granularity and order; the rest are ``prob``'s):
+    inputs BACKWARD_INPUTS (then "k_mean", the forward's μ_K, when
     given: K's token sums are then not taken again), outputs dq, dk, dv (new arrays in q's layout
     and dtype)."""
     inputs = list(zip(BACKWARD_INPUTS, (prob.q, prob.k, prob.v, out, lse2, do)))
@@ -107,6 +110,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                        inputs + ([("k_mean", k_mean)] if k_mean else []) + varlen_inputs(prob))
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
+    deterministic = options.deterministic
     rows = specs.backward_rows_spec(prob.dtype, prob.varlen)
     S = 1 if prob.varlen else B  # [S][Hq][Nq_pad] rows (quantize.py)
     lengths = prob.kernel_lengths()
@@ -114,9 +118,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     dev = prob.q.device_id
     arch = device_arch(dev)
-    tiles, spec = specs.backward_kernel(dp, prob.dtype, prob.causal, prob.smooth_q, granularity == "fine", deterministic,
-                                        specs.backward_tiles(dp, arch, deterministic, prob.varlen), arch, shared_memory_limit(dev),
-                                        prob.varlen)
+    tiles, spec = specs.backward_kernel(dp, prob.dtype, options, specs.backward_tiles(dp, arch, deterministic, prob.varlen),
+                                        arch, shared_memory_limit(dev), prob.varlen)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 

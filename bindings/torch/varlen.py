@@ -4,12 +4,12 @@ Two functional operators (namespace ``sagebwd_cp``), with fake implementations a
 call traces under ``torch.compile(fullgraph=True)`` and replays in CUDA graphs (the offsets are
 read on the GPU only; ``max_seqlen_*`` are Python ints that size the grids):
 
-- ``varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-  softmax_scale, smooth_k, granularity, deterministic) -> (out, lse2, k_mean)``: ``lse2`` the base-2
+- ``varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options) ->
+  (out, lse2, k_mean)`` (``options`` an AttentionOptions with layout "THD", its fields in order): ``lse2`` the base-2
   LSE (Hq, total_q) and ``k_mean`` μ_K (batch, Hkv, D) float32 (empty (0,) without K-smoothing),
   neither differentiable;
 - ``varlen_backward(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal, softmax_scale, smooth_k, granularity, deterministic) -> (dq, dk, dv)``.
+  max_seqlen_k, *options) -> (dq, dk, dv)``.
 """
 # No ``from __future__ import annotations``: torch.library reads the signatures' type hints.
 from typing import Optional, Tuple
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sagebwd_cp.api import run_backward, run_forward
-from sagebwd_cp.problem import check_granularity
+from sagebwd_cp.options import FIELDS, AttentionOptions
 
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean
 from .functional import _autocast, check_flash_defaults
@@ -30,27 +30,25 @@ def _offsets(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, on_gpu: bool) -
     return (cu_q, cu_k, max_q, max_k) if on_gpu else (_host(cu_q), _host(cu_k), max_q, max_k)
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
-                 softmax_scale: Optional[float], smooth_k: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                 options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
-    out, _, (lse2, k_mean) = run_forward(*args, causal, softmax_scale, smooth_k, False, "THD", None, True, False, False,
+    out, _, (lse2, k_mean) = run_forward(*args, options, training=True,
                                          varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
     return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
             _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
-                  cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, softmax_scale: Optional[float],
-                  smooth_k: bool, granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                  options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
     dout = dout.contiguous()
     mean = k_mean if k_mean.numel() else None
     offsets = _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda)
     if q.is_cuda:
-        grads = run_backward(q, k, v, out, lse2, dout, causal, softmax_scale, smooth_k, False, "THD", granularity,
-                             deterministic, k_mean=mean, varlen=offsets)
+        grads = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean, varlen=offsets)
         return tuple(_as_tensor(g) for g in grads)
-    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), causal, softmax_scale,
-                         smooth_k, False, "THD", granularity, deterministic,
+    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), options,
                          k_mean=_host(mean) if mean is not None else None, varlen=offsets)
     return tuple(_as_tensor(g, q.dtype) for g in grads)
 
@@ -62,56 +60,57 @@ def _check_packed(**arrays) -> None:
                              f"{tuple(x.shape)}")
 
 
+# The operators take the fields of an AttentionOptions in its order (layout "THD"): ``op(..., *options)``.
+
 @torch.library.custom_op(f"{NAMESPACE}::varlen_forward", mutates_args=())
 def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                      max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
-                      granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                      max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
+                      layout: str, granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
-    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                        smooth_k)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
 
 @varlen_forward_op.register_fake
-def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, smooth_k,
-                  granularity, deterministic):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *fields):
+    options = AttentionOptions(*fields)
     _check_packed(q=q, k=k, v=v)
-    check_granularity(granularity)
     lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    k_mean = (q.new_empty((cu_seqlens_k.shape[0] - 1, k.shape[1], k.shape[2]), dtype=torch.float32) if smooth_k
-              else _no_k_mean(q))
+    k_mean = (q.new_empty((cu_seqlens_k.shape[0] - 1, k.shape[1], k.shape[2]), dtype=torch.float32)
+              if options.smooth_k else _no_k_mean(q))
     return q.new_empty(q.shape), lse2, k_mean
 
 
 @torch.library.custom_op(f"{NAMESPACE}::varlen_backward", mutates_args=())
 def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                       softmax_scale: Optional[float], smooth_k: bool, granularity: str,
+                       softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         causal, softmax_scale, smooth_k, granularity, deterministic)
+                         options)
 
 
 @varlen_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                   softmax_scale, smooth_k, granularity, deterministic):
+def _backward_fake(q, k, v, out, lse2, k_mean, dout, *_):
     _check_packed(q=q, k=k, v=v, out=out, dout=dout)
     return q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *options = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, *fields = inputs
     out, lse2, k_mean = output
     ctx.save_for_backward(q, k, v, out, lse2, k_mean, cu_q, cu_k)
     ctx.mark_non_differentiable(lse2, k_mean)
-    ctx.options = options  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, smooth_k, granularity, deterministic
+    ctx.lengths, ctx.options = (max_q, max_k), AttentionOptions(*fields)
 
 
 def _backward(ctx, dout, _dlse2, _dk_mean):
     q, k, v, out, lse2, k_mean, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = varlen_backward_op(q, k, v, out, lse2, k_mean, dout, cu_q, cu_k, *ctx.options)
+    dq, dk, dv = varlen_backward_op(q, k, v, out, lse2, k_mean, dout, cu_q, cu_k, *ctx.lengths, *ctx.options)
     need = ctx.needs_input_grad
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 9
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * (4 + len(FIELDS))
 
 
 varlen_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -133,10 +132,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     ``block_table`` must keep their defaults (ValueError otherwise); ``smooth_k`` and ``granularity``
     are this library's options (``sagebwd_cp.torch.attention``)."""
     check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
+                               granularity=granularity, deterministic=deterministic)
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
-    out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, smooth_k, granularity, deterministic)
+    out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
     return out

@@ -17,7 +17,9 @@ import re
 import threading
 from pathlib import Path
 
-from . import kernel_cache, numerics
+from .. import numerics
+from . import kernel_cache
+from .device import device_arch
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -225,10 +227,6 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
     return cubin, log
 
 
-def device_arch(device_id: int) -> str:
-    import cupy
-
-    return f"sm_{cupy.cuda.Device(device_id).compute_capability}"
 
 
 _modules: dict = {}
@@ -308,28 +306,12 @@ def _compile_in_worker(spec: KernelSpec, arch: str, use_disk_cache: bool):
     return result, time.perf_counter() - start
 
 
-def _spawn_pool(jobs: int):
+def spawn_pool(jobs: int):
     import concurrent.futures
     import multiprocessing
 
     # spawned, not forked: a forked child would share this process's CUDA context, if it has one
     return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-
-
-def _all_specs_in_worker(arch: str) -> list:
-    from . import specs
-
-    return specs.all_specs(arch)
-
-
-def all_specs_many(archs, *, jobs: int = 1) -> dict:
-    """``{arch: specs.all_specs(arch)}``, the archs listed in ``jobs`` processes at once: listing
-    compiles the kernels whose tiles are read back from a compiled layout, which fills the disk cache."""
-    archs = list(dict.fromkeys(archs))
-    if jobs <= 1 or len(archs) <= 1:
-        return {arch: _all_specs_in_worker(arch) for arch in archs}
-    with _spawn_pool(min(jobs, len(archs))) as pool:
-        return dict(zip(archs, pool.map(_all_specs_in_worker, archs)))
 
 
 def compile_many(items, *, jobs: int = 1, use_disk_cache: bool = True):
@@ -347,7 +329,7 @@ def compile_many(items, *, jobs: int = 1, use_disk_cache: bool = True):
     # The longest compiles first, so no process is left with one at the end: the backward kernels
     # take several times the others' time.
     order = sorted(range(len(items)), key=lambda i: not items[i][0].filename.startswith("backward"))
-    with _spawn_pool(min(jobs, len(items))) as pool:
+    with spawn_pool(min(jobs, len(items))) as pool:
         futures = {pool.submit(_compile_in_worker, *items[i], use_disk_cache): i for i in order}
         try:
             for future in concurrent.futures.as_completed(futures):

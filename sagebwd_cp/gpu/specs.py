@@ -5,19 +5,14 @@ import dataclasses
 import math
 import os
 
-from . import compiler, numerics
+from .. import numerics
+from ..numerics import PADDED_HEAD_DIMS, padded_head_dim  # noqa: F401 (the kernels' head dims, here with the tiles)
+from ..options import AttentionOptions
+from . import compiler
 from .compiler import KernelSpec, make_spec
 
 DTYPES = ("float16", "bfloat16")
-PADDED_HEAD_DIMS = (64, 128)
 TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (key-side: BackwardTiles.key_pad in the backward)
-
-
-def padded_head_dim(head_dim: int) -> int:
-    for dp in PADDED_HEAD_DIMS:
-        if head_dim <= dp:
-            return dp
-    raise ValueError(f"head_dim: expected at most {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
 
 
 def _varlen(varlen: bool) -> tuple:
@@ -100,7 +95,9 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     return FORWARD_TILES[dp]
 
 
-def forward_spec(dp: int, dtype: str, causal: bool, bias: bool, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
+def forward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
+    """The forward of ``options``' causal mask and Q-smoothing (its other options do not change the kernel)."""
+    causal, bias = options.causal, options.smooth_q
     assert not (bias and varlen), "Q-smoothing takes dense batches"
     suffix, defines = _varlen(varlen)
     key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
@@ -138,22 +135,27 @@ class WsForwardTiles:
 
 
 def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
-    """The warp-specialized forward's tiles where it runs (sm_90, no Q-smoothing), else None.
-    SAGEBWD_FORWARD_WS=0 selects the one-warpgroup kernel; SAGEBWD_FORWARD_CONSUMERS (1-4),
-    SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
-    override its shape."""
-    if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) == 0:
+    """The warp-specialized forward's tiles where it is asked for (SAGEBWD_FORWARD_WS=1; sm_90, no
+    Q-smoothing), else None: measured against the one-warpgroup kernel it is no faster yet
+    (docs/PERFORMANCE.md, forward ws), so that one stays the default. SAGEBWD_FORWARD_CONSUMERS
+    (1-3), SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
+    override its shape; the default shape per head dim is the fastest measured: three consumers, one
+    product at a time, at head dim 64; one consumer, two CTAs an SM, at 128."""
+    if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
         return None
-    tiles = WsForwardTiles()
-    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3, 4)),
+    tiles = WsForwardTiles(consumers=3, pingpong=False) if dp == 64 else WsForwardTiles(consumers=1, pingpong=False)
+    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
                  "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
                  "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
                  "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1))}
     return dataclasses.replace(tiles, **{k: type(getattr(tiles, k))(v) for k, v in overrides.items() if v is not None})
 
 
-def forward_ws_spec(dp: int, dtype: str, causal: bool, tiles: WsForwardTiles, varlen: bool = False) -> KernelSpec:
+def forward_ws_spec(dp: int, dtype: str, options: AttentionOptions, tiles: WsForwardTiles,
+                    varlen: bool = False) -> KernelSpec:
+    assert not options.smooth_q, "the warp-specialized forward has no Q-smoothing"
     suffix, defines = _varlen(varlen)
+    causal = options.causal
     # The grid (persistent or not) is the launch's choice: one kernel serves both.
     key = (f"forward_ws.hd{dp}.{dtype}.{'causal' if causal else 'full'}.c{tiles.consumers}s{tiles.stages}"
            f"{'.pp' if tiles.pingpong and tiles.consumers > 1 else ''}{suffix}")
@@ -220,21 +222,23 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
-def backward_kernel(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                    tiles: BackwardTiles, arch: str, shared_limit: int, varlen: bool = False) -> tuple:
+def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
+                    varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128).
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
     if not tiles.wgmma:
-        probe = backward_spec(dp, "float16", False, False, True, False, tiles)
+        probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
             tiles = BackwardTiles(stages=1)
-    return tiles, backward_spec(dp, dtype, causal, bias, fine, deterministic, tiles, varlen)
+    return tiles, backward_spec(dp, dtype, options, tiles, varlen)
 
 
-def backward_spec(dp: int, dtype: str, causal: bool, bias: bool, fine: bool, deterministic: bool,
-                  tiles: BackwardTiles, varlen: bool = False) -> KernelSpec:
+def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles,
+                  varlen: bool = False) -> KernelSpec:
+    """The backward of ``options``' causal mask, Q-smoothing, granularity and deterministic order."""
+    causal, bias, fine, deterministic = options.causal, options.smooth_q, options.fine, options.deterministic
     assert not (bias and varlen), "Q-smoothing takes dense batches"
     suffix, defines = _varlen(varlen)
     key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
@@ -266,17 +270,29 @@ def all_specs(arch: str | None = None) -> list:
         for dt in DTYPES:
             for causal in (False, True):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    specs.append(forward_spec(dp, dt, causal, bias, FORWARD_TILES[dp], varlen))
+                    fwd = AttentionOptions(causal=causal, smooth_q=bias)
+                    specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
-                            specs.append(forward_spec(dp, dt, causal, bias, ForwardTiles(4, 1, True, key_tile), varlen))
-                        if not bias:
-                            specs.append(forward_ws_spec(dp, dt, causal, WsForwardTiles(), varlen))
-                    for fine in (True, False):
+                            specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
+                        if not bias:  # the default shape of SAGEBWD_FORWARD_WS=1
+                            ws = WsForwardTiles(consumers=3 if dp == 64 else 1, pingpong=False)
+                            specs.append(forward_ws_spec(dp, dt, fwd, ws, varlen))
+                    for granularity in ("fine", "paper"):
                         for det in (False, True):
-                            specs.append(backward_kernel(dp, dt, causal, bias, fine, det, BackwardTiles(2), arch, limit,
-                                                         varlen)[1])
+                            bwd = fwd._replace(granularity=granularity, deterministic=det)
+                            specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                specs.append(backward_spec(dp, dt, causal, bias, fine, det,
-                                                           BackwardTiles(2, True, wgmma_groups(dp, det, varlen)), varlen))
+                                specs.append(backward_spec(dp, dt, bwd, BackwardTiles(2, True, wgmma_groups(dp, det, varlen)),
+                                                           varlen))
     return specs
+
+
+def all_specs_many(archs, *, jobs: int = 1) -> dict:
+    """``{arch: all_specs(arch)}``, the archs listed in ``jobs`` processes at once: listing compiles
+    the kernels whose tiles are read back from a compiled layout, which fills the disk cache."""
+    archs = list(dict.fromkeys(archs))
+    if jobs <= 1 or len(archs) <= 1:
+        return {arch: all_specs(arch) for arch in archs}
+    with compiler.spawn_pool(min(jobs, len(archs))) as pool:
+        return dict(zip(archs, pool.map(all_specs, archs)))

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import numerics, params, specs
-from .arrays import ArrayDesc
+from .. import numerics
+from ..arrays import ArrayDesc
+from ..problem import AttentionProblem
+from . import params, specs
 from .plan import PlanBuilder
-from .problem import AttentionProblem
 
 SUM_THREADS = 512  # kernels/quantize.cu SUM_THREADS (token_sum)
 # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)

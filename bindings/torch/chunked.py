@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sagebwd_cp import chunked as _neutral
-from sagebwd_cp.problem import check_granularity, check_layout, check_options
+from sagebwd_cp.options import AttentionOptions, check_flag, check_layout
 
 from . import _ops
 
@@ -53,16 +53,21 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, soft
     of its unsmoothed scores (−inf for a row that sees no key).  ``k_mean``: the μ_K shared by all
     chunks (``key_mean``), None for K's own.  Not differentiable (inputs are read detached):
     ``chunked_attention`` is."""
-    causal, softmax_scale, smooth_k, smooth_q = check_options(causal, softmax_scale, smooth_k, smooth_q)
-    check_layout(layout)
-    op = _ops.attention_lse_op if _compiling() else _ops.lse_impl
-    return op(q.detach(), k.detach(), v.detach(), _mean_arg(q, k_mean), causal, softmax_scale, smooth_k, smooth_q,
-              layout)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=check_layout(layout))
+    return _lse_call(q.detach(), k.detach(), v.detach(), _mean_arg(q, k_mean), options)
 
 
-def _backward_call(q, k, v, out, lse2, dout, k_mean, causal, options):
-    backward = _ops.attention_backward_op if _compiling() else _ops.backward_impl
-    return backward(q, k, v, out, lse2, k_mean, dout, causal, *options)
+def _lse_call(q, k, v, k_mean, options: AttentionOptions):
+    if _compiling():
+        return _ops.attention_lse_op(q, k, v, k_mean, *options)
+    return _ops.lse_impl(q, k, v, k_mean, options)
+
+
+def _backward_call(q, k, v, out, lse2, dout, k_mean, options: AttentionOptions):
+    if _compiling():
+        return _ops.attention_backward_op(q, k, v, out, lse2, k_mean, dout, *options)
+    return _ops.backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 
 
 def attention_backward_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
@@ -73,16 +78,13 @@ def attention_backward_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     of attention over all chunks: dq is this chunk's share (sum it over the chunks), dk and dv the
     chunk's own.  ``k_mean``: the μ_K the forward used (None: this chunk's own, right for a single
     chunk only).  Each in q's dtype."""
-    causal, softmax_scale, smooth_k, smooth_q, deterministic = check_options(
-        causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic)
-    check_layout(layout)
-    check_granularity(granularity)
-    if smooth_k and k_mean is None:
-        k_mean = key_mean([k], layout)
-    lse2 = _neutral.lse_to_lse2(lse, q, k_mean if smooth_k else None, softmax_scale, layout, xp=torch).contiguous()
-    options = (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
-    return _backward_call(q.detach(), k.detach(), v.detach(), out.detach(), lse2, dout, _mean_arg(q, k_mean), causal,
-                          options)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+    if options.smooth_k and k_mean is None:
+        k_mean = key_mean([k], options.layout)
+    lse2 = _neutral.lse_to_lse2(lse, q, k_mean if options.smooth_k else None, options.softmax_scale, options.layout,
+                                xp=torch).contiguous()
+    return _backward_call(q.detach(), k.detach(), v.detach(), out.detach(), lse2, dout, _mean_arg(q, k_mean), options)
 
 
 def chunk_pieces(len_q: int, chunk_lens: Sequence[int], causal: bool) -> list:
@@ -94,19 +96,25 @@ def chunk_pieces(len_q: int, chunk_lens: Sequence[int], causal: bool) -> list:
     return pieces
 
 
-def forward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, k_mean: Tensor, options: tuple, out=None, lse=None):
+def _with_causal(options: AttentionOptions) -> dict:
+    """{causal: options with that causal flag}: each piece of a chunk is causal or not (chunk_pieces)."""
+    return {c: options if options.causal == c else options._replace(causal=c) for c in (False, True)}
+
+
+def forward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, k_mean: Tensor, options: AttentionOptions, out=None,
+                   lse=None):
     """Merge the calls ``pieces`` ((chunk, row0, row1, causal), chunks ``kvs[chunk]`` = (k, v), rows of
     q) into the float32 accumulators ``out`` (q's shape) and ``lse`` (B, Hq, Lq), new when None
-    (out 0, lse −∞).  ``options``: (softmax_scale, smooth_k, smooth_q, layout).  Returns (out, lse)."""
-    layout = options[3]
+    (out 0, lse −∞); each call with ``options`` and the piece's causal flag.  Returns (out, lse)."""
+    layout = options.layout
     seq = _seq_dim(layout)
     if out is None:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = _ops.lse2_like(q, layout).fill_(float("-inf"))
-    op = _ops.attention_lse_op if _compiling() else _ops.lse_impl
+    by_causal = _with_causal(options)
     for c, r0, r1, causal in pieces:
         k, v = kvs[c]
-        o, l = op(q.narrow(seq, r0, r1 - r0), k, v, k_mean, causal, *options)
+        o, l = _lse_call(q.narrow(seq, r0, r1 - r0), k, v, k_mean, by_causal[causal])
         acc_o, acc_l = out.narrow(seq, r0, r1 - r0), lse[:, :, r0:r1]
         merged_o, merged_l = _neutral.merge_attention([acc_o, o], [acc_l, l], layout, xp=torch)
         acc_o.copy_(merged_o)
@@ -115,32 +123,32 @@ def forward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, k_mean: Tensor, opti
 
 
 def backward_chunks(q: Tensor, kvs: Sequence[tuple], pieces, out: Tensor, lse2: Tensor, dout: Tensor, k_mean: Tensor,
-                    options: tuple, dq: Tensor, dkvs: Sequence[tuple]) -> None:
+                    options: AttentionOptions, dq: Tensor, dkvs: Sequence[tuple]) -> None:
     """Add each call's gradients to the float32 accumulators ``dq`` (q's shape) and ``dkvs[chunk]``
-    = (dk, dv); ``lse2``: the merged LSE in the kernels' frame (``lse_to_lse2``).  ``options``:
-    (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)."""
-    seq = _seq_dim(options[3])
+    = (dk, dv); ``lse2``: the merged LSE in the kernels' frame (``lse_to_lse2``); each call with
+    ``options`` and the piece's causal flag."""
+    seq = _seq_dim(options.layout)
+    by_causal = _with_causal(options)
     for c, r0, r1, causal in pieces:
         k, v = kvs[c]
         rows = lambda x: x.narrow(seq, r0, r1 - r0)  # noqa: E731
         gq, gk, gv = _backward_call(rows(q), k, v, rows(out), lse2[:, :, r0:r1].contiguous(), rows(dout), k_mean,
-                                    causal, options)
+                                    by_causal[causal])
         rows(dq).add_(gq)
         dkvs[c][0].add_(gk)
         dkvs[c][1].add_(gv)
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """apply(q, options, n_chunks, *ks, *vs) -> (out, lse); options (causal, softmax_scale, smooth_k,
-    smooth_q, layout, granularity, deterministic)."""
+    """apply(q, options, n_chunks, *ks, *vs) -> (out, lse); options an AttentionOptions."""
 
     @staticmethod
     def forward(ctx, q, options, n, *kv):
-        causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic = options
+        layout = options.layout
         ks, vs = kv[:n], kv[n:]
-        k_mean = key_mean(ks, layout) if smooth_k else _ops._no_k_mean(q)
-        pieces = chunk_pieces(q.shape[_seq_dim(layout)], [k.shape[_seq_dim(layout)] for k in ks], causal)
-        out, lse = forward_chunks(q, list(zip(ks, vs)), pieces, k_mean, (softmax_scale, smooth_k, smooth_q, layout))
+        k_mean = key_mean(ks, layout) if options.smooth_k else _ops._no_k_mean(q)
+        pieces = chunk_pieces(q.shape[_seq_dim(layout)], [k.shape[_seq_dim(layout)] for k in ks], options.causal)
+        out, lse = forward_chunks(q, list(zip(ks, vs)), pieces, k_mean, options)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse, k_mean, *kv)
         ctx.n, ctx.pieces, ctx.options = n, pieces, options
@@ -150,14 +158,14 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, k_mean, *kv = ctx.saved_tensors
-        n, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic) = ctx.n, ctx.options
+        n, options = ctx.n, ctx.options
         ks, vs = kv[:n], kv[n:]
-        lse2 = _neutral.lse_to_lse2(lse, q, k_mean if smooth_k else None, softmax_scale, layout, xp=torch)
+        lse2 = _neutral.lse_to_lse2(lse, q, k_mean if options.smooth_k else None, options.softmax_scale,
+                                    options.layout, xp=torch)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkvs = [(torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)) for k, v in zip(ks, vs)]
-        backward_chunks(q, list(zip(ks, vs)), ctx.pieces, out, lse2, dout.contiguous(), k_mean,
-                        (softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic), dq, dkvs)
+        backward_chunks(q, list(zip(ks, vs)), ctx.pieces, out, lse2, dout.contiguous(), k_mean, options, dq, dkvs)
         grads = [dq.to(q.dtype)] + [g.to(q.dtype) for g, _ in dkvs] + [g.to(q.dtype) for _, g in dkvs]
         return (grads[0], None, None, *grads[1:])
 
@@ -176,10 +184,8 @@ def chunked_attention(q: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], *, 
     if not ks or len(ks) != len(vs):
         raise ValueError(f"ks, vs: expected the same positive number of key and value chunks, got {len(ks)} and "
                          f"{len(vs)}")
-    check_layout(layout)
-    check_granularity(granularity)
-    causal, softmax_scale, smooth_k, smooth_q, deterministic, return_lse = check_options(
-        causal, softmax_scale, smooth_k, smooth_q, deterministic=deterministic, return_lse=return_lse)
-    options = (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+    return_lse = check_flag(return_lse, "return_lse")
     out, lse = _ChunkedAttention.apply(q, options, len(ks), *ks, *vs)
     return (out, lse) if return_lse else out

@@ -20,9 +20,10 @@ import dataclasses
 import math
 import threading
 
+from ..arrays import ArrayDesc, allocate, contiguous_strides, describe, stream_reader
 from . import compiler
-from .arrays import ArrayDesc, allocate, contiguous_strides, stream_reader
-from .launch import PackedArgs, cuda, device_arch, shared_memory_limit
+from .device import device_arch, shared_memory_limit
+from .launch import PackedArgs, cuda
 from .launch_errors import launch_error, note_allocation_failure
 
 WORKSPACE_ALIGN = 256  # bytes: every sub-buffer starts 256-byte aligned (cp.async wants 16)
@@ -189,8 +190,6 @@ class LaunchPlan:
 
     def workspace_base_offset(self, workspace) -> int:
         """Where the aligned base lies in a workspace array that ``run`` returned."""
-        from .arrays import describe
-
         p = describe(workspace, "workspace").ptr
         return _round_up(p, WORKSPACE_ALIGN) - p
 

@@ -1,4 +1,5 @@
-"""Is there a CUDA GPU here, and if not, why not, in words a user can act on.
+"""Device queries, in one place: is there a CUDA GPU here (and if not, why not, in words a user can
+act on), and a device's arch, shared-memory limit and multiprocessor count (each read once).
 
 CuPy reports a machine without the NVIDIA driver as "CUDA driver version is insufficient", which
 reads as "upgrade the driver"; ``cuda_device`` tells that case apart (the driver library itself is
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import sys
+
+_device_limits: dict = {}  # device id -> opt-in shared memory per block
+_device_archs: dict = {}  # device id -> "sm_XX"
+_device_sms: dict = {}  # device id -> multiprocessor count
 
 NO_GPU = "no CUDA GPU found; host arrays run on the CPU emulator"
 _DRIVER_LIBRARIES = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
@@ -41,8 +46,6 @@ def cuda_device():
         return None, f"the CUDA driver failed: {exc}; host arrays run on the CPU emulator"
     if count == 0:
         return None, NO_GPU
-    from .compiler import device_arch
-
     device_id = cupy.cuda.Device().id
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     name = props["name"]
@@ -54,3 +57,33 @@ def cuda_device():
         "sms": props["multiProcessorCount"],
         "smem_optin": props["sharedMemPerBlockOptin"],
     }, ""
+
+
+def device_arch(device_id: int) -> str:
+    """The device's ``sm_XX`` (cached: plan building asks once per plan)."""
+    arch = _device_archs.get(device_id)
+    if arch is None:
+        import cupy
+
+        arch = _device_archs[device_id] = f"sm_{cupy.cuda.Device(device_id).compute_capability}"
+    return arch
+
+
+def _device_property(cache: dict, device_id: int, name: str) -> int:
+    """The device's CUDA property ``name``, read once into ``cache``."""
+    value = cache.get(device_id)
+    if value is None:
+        import cupy
+
+        value = cache[device_id] = cupy.cuda.runtime.getDeviceProperties(device_id)[name]
+    return value
+
+
+def shared_memory_limit(device_id: int) -> int:
+    """The device's opt-in shared memory per block, in bytes."""
+    return _device_property(_device_limits, device_id, "sharedMemPerBlockOptin")
+
+
+def sm_count(device_id: int) -> int:
+    """The device's multiprocessor count."""
+    return _device_property(_device_sms, device_id, "multiProcessorCount")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 try:
     import jax
@@ -28,22 +27,13 @@ except ImportError as exc:  # pragma: no cover - older jax
 
 import numpy as np
 
-from .api import run_backward, run_forward
-from .arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
-from .numerics import k_mean_shape
-from .problem import check_granularity, make_problem
+from sagebwd_cp.api import run_backward, run_forward
+from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
+from sagebwd_cp.numerics import k_mean_shape
+from sagebwd_cp.options import AttentionOptions
+from sagebwd_cp.problem import make_problem
 
 __all__ = ["attention"]
-
-
-class _Options(NamedTuple):
-    causal: bool
-    softmax_scale: float | None
-    smooth_k: bool
-    smooth_q: bool
-    layout: str
-    granularity: str
-    deterministic: bool
 
 
 def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None,
@@ -57,9 +47,9 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
     ``sagebwd_cp.attention_backward``.  Shapes, dtypes and options are checked when traced.
     """
+    opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                            layout=layout, granularity=granularity, deterministic=deterministic)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    opts = _Options(bool(causal), None if softmax_scale is None else float(softmax_scale), bool(smooth_k),
-                    bool(smooth_q), layout, check_granularity(granularity), bool(deterministic))
     _check(q, k, v, opts)
     return _attention(q, k, v, opts)
 
@@ -71,7 +61,7 @@ def _platform(x) -> str:
         return jax.default_backend()
 
 
-def _check(q, k, v, opts: _Options) -> None:
+def _check(q, k, v, opts: AttentionOptions) -> None:
     """The library's own checks (make_problem), on stand-ins with the arrays' shapes and dtypes."""
     device = "cpu" if _platform(q) == "cpu" else "cuda"
 
@@ -79,8 +69,7 @@ def _check(q, k, v, opts: _Options) -> None:
         shape = tuple(int(s) for s in x.shape)
         return ArrayDesc(0, shape, contiguous_strides(shape), str(x.dtype), device, 0, None, "jax")
 
-    make_problem(stand_in(q), stand_in(k), stand_in(v), causal=opts.causal, softmax_scale=opts.softmax_scale,
-                 smooth_k=opts.smooth_k, smooth_q=opts.smooth_q, layout=opts.layout)
+    make_problem(stand_in(q), stand_in(k), stand_in(v), opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -107,7 +96,7 @@ def _bhnd(shape, layout: str) -> tuple:
     return (b, x, y, d) if layout == "HND" else (b, y, x, d)
 
 
-def _forward(q, k, v, opts: _Options, training: bool):
+def _forward(q, k, v, opts: AttentionOptions, training: bool):
     b, hq, lq, d = _bhnd(q.shape, opts.layout)
     hkv = _bhnd(k.shape, opts.layout)[1]
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -118,13 +107,13 @@ def _forward(q, k, v, opts: _Options, training: bool):
     return buffer_callback(_bound(_forward_callback, opts, training), tuple(results))(q, k, v)
 
 
-def _backward(opts: _Options, q, k, v, out, lse2, *rest):
+def _backward(opts: AttentionOptions, q, k, v, out, lse2, *rest):
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     return buffer_callback(_bound(_backward_callback, opts, None), results)(q, k, v, out, lse2, *rest)
 
 
 @functools.lru_cache(maxsize=None)
-def _bound(fn, opts: _Options, training):
+def _bound(fn, opts: AttentionOptions, training):
     # The callable is a parameter of the primitive: the same one for the same options lets eager
     # calls (compiled once per parameters) and jit caches hit.
     return functools.partial(fn, opts=opts, training=training)
@@ -172,34 +161,31 @@ def _describe(buffers, names):
     return [describe(x, n) if x is not None else None for x, n in zip(buffers, names)]
 
 
-def _forward_callback(ctx, results, q, k, v, *, opts: _Options, training: bool):
-    args = (opts.causal, opts.softmax_scale, opts.smooth_k, opts.smooth_q, opts.layout)
+def _forward_callback(ctx, results, q, k, v, *, opts: AttentionOptions, training: bool):
     dev_type, dev = q.__dlpack_device__()
     if dev_type != KDL_CUDA:  # the emulator, on host buffers
-        o, _, state = run_forward(*_describe((q, k, v), "qkv"), *args, None, training, False, False)
+        o, _, state = run_forward(*_describe((q, k, v), "qkv"), opts, training=training)
         for buffer, array in zip(results, (o,) + (tuple(state) if training else ())):
             np.asarray(buffer)[...] = array
         return
     with _OnStream(ctx, dev) as stream:  # described inside: the DLPack handshake reads the stream
         out = describe(results[0], "out")  # the kernels write O in place
-        _, _, state = run_forward(*_describe((q, k, v), "qkv"), *args, out, training, False, False)
+        _, _, state = run_forward(*_describe((q, k, v), "qkv"), opts, out=out, training=training)
         for buffer, array in zip(results[1:], state if training else ()):
             _copy_into(buffer, array, stream)
 
 
-def _backward_callback(ctx, results, q, k, v, out, lse2, *rest, opts: _Options, training=None):
+def _backward_callback(ctx, results, q, k, v, out, lse2, *rest, opts: AttentionOptions, training=None):
     *k_mean, do = rest
     buffers, names = (q, k, v, out, lse2, do, k_mean[0] if k_mean else None), ("q", "k", "v", "out", "lse2", "do",
                                                                                "k_mean")
-    args = (opts.causal, opts.softmax_scale, opts.smooth_k, opts.smooth_q, opts.layout, opts.granularity,
-            opts.deterministic)
     dev_type, dev = q.__dlpack_device__()
     if dev_type != KDL_CUDA:
         *arrays, km = _describe(buffers, names)
-        for buffer, g in zip(results, run_backward(*arrays, *args, k_mean=km)):
+        for buffer, g in zip(results, run_backward(*arrays, opts, k_mean=km)):
             np.asarray(buffer)[...] = g
         return
     with _OnStream(ctx, dev) as stream:
         *arrays, km = _describe(buffers, names)
-        for buffer, g in zip(results, run_backward(*arrays, *args, k_mean=km)):
+        for buffer, g in zip(results, run_backward(*arrays, opts, k_mean=km)):
             _copy_into(buffer, g, stream)

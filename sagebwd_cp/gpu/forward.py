@@ -6,11 +6,13 @@ outputs as symbolic pointers; ``forward_plan`` assembles them into the plan a ca
 """
 from __future__ import annotations
 
-from . import numerics, params, specs
-from .arrays import ArrayDesc
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, device_arch, sm_count, tensor_map
+from .. import numerics
+from ..arrays import ArrayDesc
+from ..problem import AttentionProblem
+from . import params, specs
+from .device import device_arch, sm_count
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .problem import AttentionProblem
 from .quantize import Quantized, quantize_inputs
 from .tensor_map import DTYPE_UINT8, TensorMapLayout
 
@@ -46,12 +48,12 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
         q_blocks = -(-prob.len_q // ws.cta_q)
         work = q_blocks * prob.heads_q * prob.batch
         grid = (min(work, ws.ctas_per_sm * sm_count(dev)) if ws.persistent else work, 1, 1)
-        spec = specs.forward_ws_spec(dp, prob.dtype, prob.causal, ws, prob.varlen)
+        spec = specs.forward_ws_spec(dp, prob.dtype, prob.options, ws, prob.varlen)
         args += _key_tile_maps(prob, qz, ws.key_tile)
         args += params.args("ForwardSchedule", batch=prob.batch, q_blocks=q_blocks)
     else:
         tiles = specs.forward_tiles(dp, arch)
-        spec = specs.forward_spec(dp, prob.dtype, prob.causal, prob.smooth_q, tiles, prob.varlen)
+        spec = specs.forward_spec(dp, prob.dtype, prob.options, tiles, prob.varlen)
         grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
                               HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
     # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_q.cuh).
