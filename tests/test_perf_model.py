@@ -181,3 +181,16 @@ def test_real_forward_sass():
     assert i["macs_i8"] == 16 * 64 * 64 * 2 and i["tensor"] == 32
     assert i["xu"] >= 32  # one MUFU.EX2 a score at least (16 rows x 64 keys / 32 lanes)
     assert c["registers"] and c["shared_bytes"] and c["edge"]["issue"] >= i["issue"]
+
+
+def test_ncu_check_splits_calls_on_markers(tmp_path):
+    head = '"ID","Kernel Name","launch__grid_size","smsp__inst_executed.sum","gpu__time_duration.sum",' \
+           '"smsp__issue_active.avg.pct_of_peak_sustained_active"\n"","","","inst","nsecond","%"\n'
+    rows = ['"0","perfmodel_marker","1","10","1000","1"', '"1","token_sum","64","1,000","1000","50"',
+            '"2","attention_forward","4096","2,000,000","100000","60"', '"3","perfmodel_marker","2","10","1000","1"',
+            '"4","attention_backward","4096","5,000,000","300000","55"']
+    (tmp_path / "ncu_base.csv").write_text("==PROF== noise\n" + head + "\n".join(rows) + "\n")
+    cal = {"ncu_base": {"file": "ncu_base.csv", "calls": [[128, False, 4096, "ours_fwd"], [128, False, 4096, "ours_bwd"]]}}
+    checks = fit.ncu_check(cal, str(tmp_path), _counts(), cards.CARDS["H100"])
+    assert [c["pass"] for c in checks] == ["fwd", "bwd"]
+    assert checks[0]["ncu_inst"] == 2e6 and checks[1]["ncu_inst"] == 5e6 and checks[0]["model_inst"] > 0

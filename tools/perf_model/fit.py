@@ -209,6 +209,71 @@ def predict(card: cards_mod.Card, f: Fit, counts: dict, shape_list, arch: str | 
 
 
 # ---------------------------------------------------------------------------------------------
+# ncu's instruction counts against the SASS counts
+
+def ncu_rows(path: str) -> list:
+    """Rows of ncu's raw CSV (``--csv --page raw``): dicts of column -> text, in launch order."""
+    import csv
+
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    if len(lines) < 3:
+        return []
+    rows = list(csv.reader(lines))
+    header = rows[0]
+    return [dict(zip(header, r)) for r in rows[2:] if len(r) == len(header)]
+
+
+def _num(text) -> float | None:
+    try:
+        return float(str(text).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def ncu_check(cal: dict, cal_dir: str, counts: dict, card) -> list:
+    """Per profiled call of our kernels: ncu's warp instructions of the attention kernel against the
+    model's (SASS counts times the grid's units), and the issue activity ncu saw."""
+    info = cal.get("ncu_base") or {}
+    path = os.path.join(cal_dir, info.get("file") or "ncu_base.csv")
+    calls = info.get("calls")
+    if not calls or not os.path.exists(path):
+        return []
+    current, per_call = None, {}
+    for r in ncu_rows(path):
+        name = r.get("Kernel Name", "")
+        if "perfmodel_marker" in name:
+            grid = r.get("launch__grid_size") or r.get("Grid Size", "")
+            current = int(_num(grid.strip("()").split(",")[0]) or 0) - 1
+            continue
+        if current is not None and 0 <= current < len(calls):
+            per_call.setdefault(current, []).append(r)
+    out = []
+    for i, (d, causal, n, what) in enumerate(calls):
+        impl, pas = what.split("_")
+        entry = {"ours": {"fwd": "attention_forward", "bwd": "attention_backward"},
+                 "fa2": {"fwd": "flash_fwd", "bwd": "flash_bwd_dq_dk_dv"}}[impl][pas]
+        rows = [r for r in per_call.get(i, []) if entry in r.get("Kernel Name", "")]
+        if not rows:
+            continue
+        r = rows[0]
+        inst = _num(r.get("smsp__inst_executed.sum"))
+        bh = (16384 // n) * (2048 // d)
+        if impl == "ours":
+            k = model.ours_kernel(counts[sass_key(pas, d, causal, card.arch)])
+        else:
+            k = model.fa2_kernel(pas == "bwd", d, card.arch, causal, card.shared_per_block)
+        units = model.cta_units(k, n, causal)
+        pred = bh * k.warps * sum(a * k.interior["issue"] + e * k.edge["issue"] + k.per_cta.get("issue", 0)
+                                  for a, e in units)
+        out.append({"shape": (d, causal, n, bh), "impl": impl, "pass": pas, "ncu_inst": inst, "model_inst": pred,
+                    "issue_active_pct": _num(r.get("smsp__issue_active.avg.pct_of_peak_sustained_active")),
+                    "ncu_ms": (_num(r.get("gpu__time_duration.sum")) or 0) * 1e-6,
+                    "clock_hz": _num(r.get("sm__cycles_elapsed.avg.per_second"))})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 def tops(shape, pas, seconds) -> float:
@@ -326,7 +391,22 @@ def report(cal: dict, counts: dict, cal_path: str) -> tuple:
                 lines.append(f"| {name} | {impl} {pas} | {shape[0]} | " +
                              " | ".join(f"{bb.cycles[r] / top:.2f}" for r in model.RESOURCES) + f" | {bb.occupancy} |")
     lines.append("")
-    summary = {"device": dev, "calibration": cal_path, "clock_hz": clock_hz, "rates_macs_per_clk_sm": rates,
+    try:
+        checks = ncu_check(cal, os.path.dirname(os.path.abspath(cal_path)), counts, card)
+    except Exception as exc:  # noqa: BLE001 (a check: its absence must not stop the report)
+        checks, lines = [], lines + [f"ncu check skipped: {exc!r}", ""]
+    if checks:
+        lines += ["## ncu check: warp instructions of the attention kernels (N = 4K)", "",
+                  "ncu's `smsp__inst_executed.sum` against the model's count (ours: SASS paths times the grid's "
+                  "units; FA2: our estimate), and ncu's issue activity.", "",
+                  "| d | mask | N | kernel | ncu instructions | model | model / ncu | issue active |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in checks:
+            ratio = c["model_inst"] / c["ncu_inst"] if c["ncu_inst"] else float("nan")
+            lines.append(f"| {_shape_label(c['shape'])} | {c['impl']} {c['pass']} | {c['ncu_inst'] or 0:.4g} | "
+                         f"{c['model_inst']:.4g} | {ratio:.3f} | {c['issue_active_pct'] or 0:.0f}% |")
+        lines.append("")
+    summary = {"device": dev, "ncu_check": checks, "calibration": cal_path, "clock_hz": clock_hz, "rates_macs_per_clk_sm": rates,
                "factors": {f"{i}_{s}": v for (i, s), v in f.factors.items()},
                "serial_factors": {f"{i}_{s}": v for (i, s), v in f.serial_factors.items()},
                "prepost": {"launch_s": f.launch_s, "bw_factor": f.bw_factor},
