@@ -199,7 +199,6 @@ def measure_config(d, causal, n, reps) -> dict:
     steps, call = step_times(lambda: sagebwd_cp.attention_backward(saved, do), reps)
     rec["ours_bwd"] = {"call_ms": call, "steps_ms": steps}
     rec["ours_launches"] = plan_steps()
-    del out, saved
     # FlashAttention-2 (SDPA's flash backend)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         rec["fa2_fwd"] = {"call_ms": timed(lambda: sdpa(q, k, v, causal), reps)}
@@ -212,7 +211,6 @@ def measure_config(d, causal, n, reps) -> dict:
             rec["fa2_bwd"]["kernels_us"] = profiled_kernels(bwd)
         except Exception as exc:  # noqa: BLE001
             rec["fa2_profile_error"] = repr(exc)
-        del o, qr, kr, vr
     return rec
 
 
@@ -268,13 +266,20 @@ def run_ncu(out_dir, metrics, tag, timeout) -> dict:
     cmd = [exe, "--profile-from-start", "off", "--csv", "--page", "raw", "--metrics", ",".join(metrics),
            sys.executable, os.path.abspath(__file__), "--ncu-child"]
     start = time.time()
+    # its own process group, so a timeout ends ncu and the profiled python together
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
         with open(os.path.join(out_dir, f"ncu_{tag}.csv"), "w") as f:
-            f.write(text)
-        return {"error": f"timed out after {timeout} s", "seconds": time.time() - start}
+            f.write(stdout or "")
+        return {"error": f"timed out after {timeout} s", "seconds": time.time() - start, "stderr": (stderr or "")[-3000:]}
+    res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     with open(os.path.join(out_dir, f"ncu_{tag}.csv"), "w") as f:
         f.write(res.stdout)
     calls = None
@@ -291,8 +296,8 @@ def main(argv=None):
     ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--budget", type=float, default=170.0, help="seconds for the timed shapes (later ones skipped past it)")
-    ap.add_argument("--ncu-timeout", type=float, default=75.0, help="seconds for each ncu run; 0 skips ncu")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds for the timed shapes (later ones skipped past it)")
+    ap.add_argument("--ncu-timeout", type=float, default=60.0, help="seconds for each ncu run; 0 skips ncu")
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ncu_child:
