@@ -1,0 +1,80 @@
+"""python -m tools.perf_model {sass,fit} (from the repository root).
+
+    sass  count the SASS of every mma.sync kernel the model uses (nvdisasm needed) into a JSON file
+    fit   read a calibration run's JSON (tools/perf_model/calibrate.py), fit, write the tables
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from . import fit as fit_mod
+
+RESULTS = os.path.join("benchmarks", "results", "perf_model")
+COUNTS = os.path.join(RESULTS, "sass_counts.json")
+ARCHS = ("sm_90", "sm_89", "sm_120")
+
+
+def cmd_sass(args) -> int:
+    from . import library, sass
+
+    tool = sass.nvdisasm_path()
+    if tool is None:
+        print("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set SAGEBWD_NVDISASM)", file=sys.stderr)
+        return 2
+    kernels = fit_mod.count_all(args.archs, fit_mod.shared_limits())
+    out = {"tool": "python -m tools.perf_model sass", "nvrtc": list(library.compiler().nvrtc_version()),
+           "nvdisasm": os.path.basename(os.path.dirname(os.path.dirname(tool))), "kernels": kernels}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+    for key, c in sorted(kernels.items()):
+        i = c["interior"]
+        print(f"{key:28s} {c['spec']:44s} regs {c['registers']:3d} issue {i.get('issue', 0):5d} "
+              f"tensor {i.get('tensor', 0):3d} fma {i.get('fma', 0):4d} alu {i.get('alu', 0):4d} xu {i.get('xu', 0):3d} "
+              f"lsu {i.get('lsu', 0):4d} shared {i.get('shared_bytes', 0):6d} B")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    with open(args.calibration) as f:
+        cal = json.load(f)
+    if not cal.get("records"):
+        print(f"{args.calibration}: no measured shapes", file=sys.stderr)
+        return 2
+    counts = fit_mod.load_counts(args.counts, ARCHS)
+    text, summary = fit_mod.report(cal, counts, args.calibration)
+    out_dir = os.path.join(args.out, cal["device"]["name"].replace(" ", "_"))
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.abspath(args.calibration) != os.path.abspath(os.path.join(out_dir, "calibration.json")):
+        shutil.copyfile(args.calibration, os.path.join(out_dir, "calibration.json"))
+    with open(os.path.join(out_dir, "model.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "model.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(text)
+    print(f"\nwrote {out_dir}/model.md, model.json, calibration.json")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.perf_model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sass", help="count the mma.sync kernels' SASS")
+    s.add_argument("--archs", nargs="+", default=list(ARCHS))
+    s.add_argument("--out", default=COUNTS)
+    f = sub.add_parser("fit", help="fit on a calibration run, predict the RTX 4090 and 5090")
+    f.add_argument("--calibration", required=True, help="calibration.json written by tools/perf_model/calibrate.py")
+    f.add_argument("--counts", default=COUNTS, help="SASS counts (missing archs are counted now)")
+    f.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    return {"sass": cmd_sass, "fit": cmd_fit}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
