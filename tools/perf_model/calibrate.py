@@ -121,7 +121,7 @@ def device_info() -> dict:
                 info[key] = rt.deviceGetAttribute(attr, 0)
             except Exception as exc:  # noqa: BLE001 (deprecated attributes may be absent)
                 info[key] = f"unavailable: {exc}"
-        from sagebwd_cp import compiler
+        from sagebwd_cp.gpu import compiler
 
         info["nvrtc"] = list(compiler.nvrtc_version())
     except Exception as exc:  # noqa: BLE001
@@ -167,7 +167,7 @@ def profiled_kernels(fn, reps=3) -> dict:
 def plan_steps() -> list:
     """Every launch of the plans built so far: entry, spec key, grid, block, dynamic shared bytes
     (plan.Step.head is cuLaunchKernel's (function, grid, block, shared)); and each plan's zeroed bytes."""
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     rows = []
     for built in list(plan._plans.values()):
@@ -187,7 +187,7 @@ def measure_config(d, causal, n, reps) -> dict:
     import sagebwd_cp
     from bench_attention import sdpa, timed
     from probe_steps import step_times
-    from sagebwd_cp import plan
+    from sagebwd_cp.gpu import plan
 
     b, h, q, k, v, do = inputs(d, n)
     rec = {"head_dim": d, "causal": causal, "seqlen": n, "batch": b, "heads": h, "dtype": "float16"}
