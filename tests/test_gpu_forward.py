@@ -280,3 +280,63 @@ def test_mma_sync_path_equals_the_64_key_wgmma_kernel(monkeypatch, causal, d, dt
     assert torch.equal(outs["wgmma64"][0], outs["mma.sync"][0]) and torch.equal(outs["wgmma64"][1], outs["mma.sync"][1])
     for name, key_tile in (("default", forward_key_tile(d)), ("mma.sync", 64)):
         assert rel_l2(to_hnd_numpy(outs[name][0], "NHD"), emu[key_tile]) < EMU_TOL[dtype], name
+
+
+WS_SHAPES = ["c=1", "c=2", "c=2,pp=1", "c=3", "c=3,pp=1", "c=2,s=2,ps=0", "c=1,s=4"]
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 8, 2, 2048, 2048, 128), (3, 2, 2, 129, 700, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_warp_specialized_forward_equals_the_default_kernel(monkeypatch, shape, causal):
+    """kernels/forward_ws.cu (SAGEBWD_FORWARD_WS=1) in each of its shapes computes what the 128-key
+    one-warpgroup kernel computes, bit for bit (O and the LSE), outputs poisoned first: the same
+    products, scales and FP32 order in another structure. Hopper only."""
+    import torch
+
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the warp-specialized forward is an sm_90 kernel")
+    b, hq, hk, lq, lk, d = shape
+    dtype = "bfloat16" if d % 128 == 0 else "float16"
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, "NHD", seed=lq + 3 * lk + causal)
+    plan.clear_plans()
+    ref = _run(q, k, v, "NHD", causal)
+    names = {"c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES", "pp": "SAGEBWD_FORWARD_PINGPONG",
+             "ps": "SAGEBWD_FORWARD_PERSISTENT"}
+    for ws_shape in WS_SHAPES:
+        monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
+        for item in ws_shape.split(","):
+            key, value = item.split("=")
+            monkeypatch.setenv(names[key], value)
+        plan.clear_plans()
+        out, lse = _run(q, k, v, "NHD", causal)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), ws_shape
+        for name in ["SAGEBWD_FORWARD_WS", *names.values()]:
+            monkeypatch.delenv(name, raising=False)
+    plan.clear_plans()
+
+
+def test_warp_specialized_forward_packed_batches(monkeypatch):
+    """The warp-specialized forward on packed sequences (flash_attn_varlen_func) equals the default."""
+    import torch
+
+    import sagebwd_cp.torch as st
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the warp-specialized forward is an sm_90 kernel")
+    lens = [1, 130, 257, 64, 700]
+    cu = torch.tensor([0] + np.cumsum(lens).tolist(), device="cuda", dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for d, causal in ((128, True), (64, False), (64, True)):
+        q, k, v = (torch.randn((int(cu[-1]), 4, d), generator=g, device="cuda").half() for _ in range(3))
+        outs = []
+        for ws in ("0", "1"):
+            monkeypatch.setenv("SAGEBWD_FORWARD_WS", ws)
+            plan.clear_plans()
+            outs.append(st.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal))
+        assert torch.equal(outs[0], outs[1]), (d, causal)
+    plan.clear_plans()
