@@ -137,6 +137,17 @@ SB_DEVICE int key_tiles(const SeqInfo<ForwardParams>& seq, int q0) {
     return n;
 }
 
+// Key tiles that rows first_row .. first_row + 63 read (causal: up to the last row's diagonal).
+SB_DEVICE int consumer_tiles(const SeqInfo<ForwardParams>& seq, int first_row) {
+    const int last = first_row + WG_ROWS - 1 + seq.causal_shift();
+    if (SB_VARLEN && first_row >= seq.len_q()) return 0;
+    return !SB_CAUSAL ? (seq.len_k() + TILE - 1) / TILE : last < 0 ? 0 : last / TILE + 1;
+}
+
+// Turns a consumer takes to issue the products of n key tiles (ping-pong): one a tile and one for the
+// last P̂V̂ when S and P̂V̂ overlap, two a tile otherwise.
+SB_DEVICE int issue_turns(int n) { return OVERLAP ? (n > 0 ? n + 1 : 0) : 2 * n; }
+
 // The TMA maps of the key-side tiles: tm_k, tm_vt (params.cuh SB_FORWARD_MAPS, encoded per call by
 // sagebwd_cp/tensor_map.py); the schedule's shape: SB_FORWARD_SCHEDULE.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -215,6 +226,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     const int n_tiles = key_tiles(seq, q0);
     if (SB_VARLEN && q0 >= seq.len_q()) continue;  // packed: the schedule covers the longest sequence
     const int qc0 = q0 + WG_ROWS * c;
+    // The tiles this consumer's rows read: under the causal mask the first consumers stop before the
+    // CTA's last tile (whose stage they give back unread, below).
+    const int n_c = min(n_tiles, consumer_tiles(seq, qc0));
     // The last work tile's products have all completed: its Q̂ tile may be written again.
     const float q_row_scale = quantize_q_rows<DP, true>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, qc0,
                                                         seq.len_q(), p.D, p.q_prescale, ctid);
@@ -376,7 +390,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         release(jp);
     };
 
-    if (OVERLAP && n_tiles > 0) {
+    if (OVERLAP && n_c > 0) {
         // Tile 0: S alone.
         {
             float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
@@ -394,7 +408,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             code_p(u, pcoef, pf);
         }
         // Tile j: S_j and the first columns of (P̂V̂)_{j-1} in flight, then tile j's softmax.
-        for (int j = 1; j < n_tiles; ++j) {
+        for (int j = 1; j < n_c; ++j) {
             float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
             int acc[NT_KV][4], pv[8][4];
             u32 pf_next[KSTEPS_P][4];
@@ -420,13 +434,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             int pv[8][4];
             take_turn();
             wgmma_fence();
-            issue_pv(n_tiles - 1, 0, pv);
+            issue_pv(n_c - 1, 0, pv);
             pass_turn();
-            finish_pv(n_tiles - 1, pv, [] {});
+            finish_pv(n_c - 1, pv, [] {});
         }
     }
     // One product at a time (forward.cu's order): S_j, its softmax, O rebased, P̂_j coded, (P̂V̂)_j folded.
-    for (int j = 0; !OVERLAP && j < n_tiles; ++j) {
+    for (int j = 0; !OVERLAP && j < n_c; ++j) {
         float sv[VBLOCKS], u[NT_KV][4], pcoef[VBLOCKS], pv_next[2];
         int acc[NT_KV][4], pv[8][4];
         wait_tile(j, sv);
@@ -445,6 +459,17 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         issue_pv(j, 0, pv);
         pass_turn();
         finish_pv(j, pv, [] {});
+    }
+    // Tiles past this consumer's rows: their stages go back once loaded (a stage's use is released
+    // in order), and the turns the other consumers take for them are passed on.
+    for (int j = n_c; j < n_tiles; ++j) {
+        mbarrier_wait(full0 + 8 * ((it0 + j) % STAGES), ((it0 + j) / STAGES) & 1);
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(empty0 + 8 * ((it0 + j) % STAGES));
+    }
+    for (int turn = issue_turns(n_c); turn < issue_turns(n_tiles); ++turn) {
+        take_turn();
+        pass_turn();
     }
 
     // O = acc / l and the base-2 LSE, as forward.cu.

@@ -340,3 +340,28 @@ def test_warp_specialized_forward_packed_batches(monkeypatch):
             outs.append(st.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal))
         assert torch.equal(outs[0], outs[1]), (d, causal)
     plan.clear_plans()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_warp_specialized_forward_non_finite_inputs_as_the_default(monkeypatch, causal):
+    """A NaN in V and an inf in K reach the same rows, with the same bits, in the warp-specialized
+    forward as in the default kernel (the first consumers of a causal CTA stop where the default's
+    64-row CTAs stop)."""
+    import torch
+
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the warp-specialized forward is an sm_90 kernel")
+    q, k, v = make_qkv(1, 2, 2, 700, 700, 64, "float16", "NHD", seed=11)
+    v[0, 450, 0, 3] = float("nan")
+    k[0, 300, 1, 5] = float("inf")
+    outs = []
+    for ws in ("0", "1"):
+        monkeypatch.setenv("SAGEBWD_FORWARD_WS", ws)
+        plan.clear_plans()
+        out, lse = _run(q, k, v, "NHD", causal)
+        outs.append((out.view(torch.int16).clone(), lse.view(torch.int32).clone()))
+    plan.clear_plans()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.isnan(outs[0][0].view(torch.float16)).any()  # the inputs did reach the outputs
