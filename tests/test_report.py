@@ -286,3 +286,32 @@ def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp
     assert runs == ["root kernels", "base kernels"]
     assert (root / "kernels" / "k.cu").read_text() == "root kernels"
     assert (root / "ptx" / "k.cu").read_text() == "root ptx"
+
+
+def test_json_text_writes_a_record_a_line_and_loads_back_the_same():
+    data = {"metadata": {"device": "Test GPU", "versions": {"torch": "2.4", "cupy": None}, 1024: {"reps": 3}},
+            "records": [dict(impl="sagebwd", seqlen=n, ms=1.0 / 3, tflops=float(n), curve=list(range(50)),
+                             note="x" * 40) for n in (1024, 2048)],
+            "empty": [], "curve": [0.5] * 100, "deep": {"a": ["y" * 70], "b": ["z" * 70]}}
+    text = report_common.json_text(data)
+    assert json.loads(text) == json.loads(json.dumps(data))
+    lines = text.splitlines()
+    assert sum('"impl": "sagebwd"' in line for line in lines) == 2  # each record on one line of its own
+    assert ' "curve": [0.5, ' in text  # a list of scalars: one line at any length
+    assert '  "a": ["yyy' in text and '  "b": ["zzz' in text  # too long for a line, and not a record: opened
+    assert len(lines) == 13
+
+
+def test_committed_results_are_compact():
+    """Results keep summaries and sampled curves, one record a line: no file of per-step data."""
+    import glob
+
+    for path in glob.glob(os.path.join(BENCH, "results", "*", "*.json")):
+        with open(path) as f:
+            text = f.read()
+        assert text.count("\n") <= 1000, f"{path}: {text.count(chr(10))} lines"
+        if path.endswith("model.json"):
+            for run in json.loads(text)["runs"]:
+                for rec in run["records"]:
+                    assert "sdpa" in rec and "sagebwd" in rec and not any(k.endswith("_losses") for k in rec)
+                    assert all(len(rec[i]["loss_curve"]["mean"]) <= 61 for i in ("sdpa", "sagebwd"))
