@@ -133,3 +133,23 @@ def test_readme_headline_is_the_rendered_report():
     results = re.search(r"\]\((benchmarks/results/[^/]+)/speed\.md\)", block).group(1)
     data = [render_report.load(str(REPO / results / f"{n}.json")) for n in ("speed", "accuracy", "memory")]
     assert block.strip("\n") == render_report.headline(*data, results).strip("\n")
+
+
+def test_the_test_command_counts_skips_instead_of_listing_them(tmp_path):
+    """`python -m pytest -q` ends with one line per skip reason and pytest's own final line last (.ci/run
+    reads it); `-rs` still lists every skip."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\n"
+        "pytest_terminal_summary = module.pytest_terminal_summary\n")
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(5))\ndef test_gpu(i):\n    pytest.skip('needs a GPU')\n\n"
+        "def test_jax():\n    pytest.importorskip('no_such_module_here')\n\ndef test_ok():\n    pass\n")
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra],
+                                        cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+    lines = run().strip().splitlines()
+    assert lines[-1].startswith("1 passed, 6 skipped"), lines
+    assert "6 skipped, by reason" in lines[-4] and lines[-3].split() == ["5", "needs", "a", "GPU"], lines
+    assert "could not import 'no_such_module_here'" in lines[-2] and not any("SKIPPED" in x for x in lines)
+    assert sum("SKIPPED" in x for x in run("-rs").splitlines()) == 2 and "by reason" not in run("-rs")
