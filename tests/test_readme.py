@@ -20,7 +20,7 @@ README = (REPO / "README.md").read_text()
 RUN = {  # run as written, on any machine, in seconds
     "python -m sagebwd_cp info",
     "python examples/train_tiny.py --device cpu --steps 3 --d-model 64 --layers 1 --seq-len 64 "
-    "--out train_tiny_cpu.png",
+    "--out out/tiny_cpu.png",
 }
 CI = {  # .ci/run runs these as written
     'pip install -e ".[cuda13,test]" torch==2.13.0',
@@ -93,6 +93,7 @@ def test_readme_command_runs(command, tmp_path):
     args = [str(REPO / a) if a.endswith(".py") else a for a in args]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
+    assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "outputs go under out/ or where --out says"
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS | TORCHRUN))
@@ -122,6 +123,18 @@ def test_readme_python_snippet_runs(index, tmp_path, monkeypatch):
         pytest.importorskip(module)
     monkeypatch.chdir(tmp_path)
     exec(compile(block, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_verdict_is_the_rendered_results():
+    """The verdict by GPU at the top is what benchmarks/render_report.py makes of every committed
+    results folder: never edited by hand."""
+    import render_report
+
+    block = README.split(render_report.VERDICT_START)[1].split(render_report.VERDICT_END)[0]
+    folders = render_report.result_folders(str(REPO / "benchmarks" / "results"))
+    assert len(folders) >= 2
+    assert block.strip("\n") == render_report.verdict(folders, str(REPO)).strip("\n")
+    assert README.index(render_report.VERDICT_END) < README.index("```bash")  # above the quick start
 
 
 def test_readme_headline_is_the_rendered_report():
