@@ -13,7 +13,7 @@ the INT8 one the kernels can reach there.  Prints a compact table last; ``--json
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 
@@ -277,8 +277,10 @@ def main(argv=None):
                     lines.append(f"{d:>3} {'c' if causal else 'n'} {n:>6} {pas:<6} {name:<28} {ms:8.3f} {t:7.1f} "
                                  f"{ratio('sdpa-flash')} {ratio('sdpa-cudnn')} {100 * t / i8:5.1f}%{mem}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": dev, **ceilings, "records": records}, f, indent=1)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from report_common import write_json
+
+        write_json(args.json, {"device": dev, **ceilings, "records": records})
     print(f"\n{dev}: ceilings {describe_ceilings(ceilings)} (measured now); %limit: of {limit_name}; {args.dtype}, "
           f"hidden {args.hidden}, {args.gqa} query heads a key/value head")
     print("  d c      N pass   impl                               ms    TOPS  xFA2 xcuDNN %limit  peak(fwd+bwd)")

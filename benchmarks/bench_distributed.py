@@ -40,7 +40,6 @@ world size including 1 (plain ``python``), results into benchmarks/out/smoke unl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -526,7 +525,7 @@ def _run(args) -> int:
             args.ring_contexts = [64 * 2 * d.world]  # two 64-token chunks a rank
         records += ring_part(d, args)
     if d.rank == 0:
-        from report_common import device_slug
+        from report_common import device_slug, json_text
 
         meta = {"device": d.name, "world": d.world, "backend": dist.get_backend(), "torch": torch.__version__,
                 "smoke": args.smoke, "args": vars(args)}
@@ -534,7 +533,7 @@ def _run(args) -> int:
                            os.path.join(HERE, "results", device_slug(d.name)))
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "distributed.json"), "w") as f:
-            json.dump({**meta, "summary": summarize(records), "records": records}, f, indent=1)
+            f.write(json_text({**meta, "summary": summarize(records), "records": records}) + "\n")
         text = markdown(meta, records)
         with open(os.path.join(out, "distributed.md"), "w") as f:
             f.write(text)

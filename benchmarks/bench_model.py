@@ -19,12 +19,19 @@ scale for ours against SDPA's.
     python benchmarks/bench_model.py [--contexts 2048 8192 32768] [--head-dims 128 64] [--steps 30]
         [--warmup 5] [--drift] [--json out.json]
 
+``--json`` appends the run (its commit, arguments, device and records) to the file's ``runs``. A
+record (one a head dim and context) keeps summaries, not every step, under each implementation's
+name: the median step time and its percentiles, the profiled step's kernel times, the mean loss of
+the last 10 and of the last ``LOSS_TAIL`` steps, the per-step loss difference from SDPA's run over
+those steps (mean and s.d.), and the loss curve as the means of equal windows of steps.
+
 Needs a CUDA GPU, PyTorch and transformers (``pip install transformers``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -36,6 +43,12 @@ HIDDEN, LAYERS, TOKENS_PER_STEP, GQA = 1024, 8, 16384, 4
 OUR_KERNELS = re.compile(r"attention_forward|attention_backward|quantize_tensors|token_sum|row_stats|dq_convert|"
                          r"natural_lse|pack_rows|smooth_q_bias")
 SDPA_KERNELS = re.compile(r"flash|fmha|cudnn|sdpa|attention|cutlassF|cutlassB", re.IGNORECASE)
+# What a record keeps of the losses: the mean of the last LOSS_TAIL steps (and the per-step difference
+# from SDPA's over them), and the curve as the means of windows of steps, about CURVE_POINTS of them.
+LOSS_TAIL, CURVE_POINTS = 100, 60
+# Fields of train()'s result that a record keeps as they are, prefixed with the implementation's name.
+KEPT = ("step_ms", "attention_share", "attention_kernels", "kernel_ms", "attention_ms", "attention_kernel_ms",
+        "other_kernel_ms")
 
 
 def build_model(head_dim: int, context: int, attn: str, seed: int):
@@ -153,6 +166,48 @@ def _train(head_dim: int, context: int, attn: str, steps: int, warmup: int, seed
             "attention_kernel_ms": top(names, 8), "other_kernel_ms": top(others, 12)}
 
 
+def _percentile(xs: list, p: float) -> float:
+    """The ``p`` quantile (0-1) of sorted ``xs``, interpolated linearly."""
+    i = (len(xs) - 1) * p
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def step_stats(times: list) -> dict:
+    """Minimum, 10th and 90th percentiles, maximum and mean of the step times (ms); the median is the
+    record's ``step_ms``."""
+    xs = sorted(times)
+    return {"min": xs[0], "p10": _percentile(xs, 0.1), "p90": _percentile(xs, 0.9), "max": xs[-1],
+            "mean": statistics.mean(xs)}
+
+
+def loss_curve(losses: list, points: int = CURVE_POINTS) -> dict:
+    """The curve as the means of consecutive windows of ``every`` steps (the last window may be shorter)."""
+    every = max(1, math.ceil(len(losses) / points))
+    return {"every": every, "mean": [statistics.mean(losses[i:i + every]) for i in range(0, len(losses), every)]}
+
+
+def record(head_dim: int, context: int, steps: int, res: dict) -> dict:
+    """One record of ``main``'s JSON from ``{impl: train()'s result}``: per implementation the kept
+    fields, the step times' percentiles (where ``step_times_ms`` is given) and the loss summaries and
+    curve (module docstring)."""
+    tail = min(LOSS_TAIL, *(len(v["losses"]) for v in res.values()))
+    rec = {"head_dim": head_dim, "context": context, "steps": steps, "loss_tail_steps": tail}
+    for k, v in res.items():
+        out = {f: v[f] for f in KEPT if f in v}
+        if v.get("step_times_ms"):
+            out["step_ms_stats"] = step_stats(v["step_times_ms"])
+        out["loss"] = statistics.mean(v["losses"][-min(10, steps):])
+        out["loss_tail"] = statistics.mean(v["losses"][-tail:])
+        if k != "sdpa" and "sdpa" in res:
+            diff = [a - b for a, b in zip(v["losses"][-tail:], res["sdpa"]["losses"][-tail:])]
+            out["loss_diff_tail"] = {"mean": statistics.mean(diff),
+                                     "sd": statistics.stdev(diff) if len(diff) > 1 else 0.0}
+        out["loss_curve"] = loss_curve(v["losses"])
+        rec[k] = out
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
@@ -181,11 +236,7 @@ def main(argv=None) -> int:
             res = {impl: train(d, context, impl, args.steps, args.warmup, args.seed) for impl in impls}
             sdpa, ours = res["sdpa"], res["sagebwd"]
             loss = {k: statistics.mean(v["losses"][-tail:]) for k, v in res.items()}
-            records.append({"head_dim": d, "context": context, "steps": args.steps, **{
-                f"{k}_{f}": v[f] for k, v in res.items()
-                for f in ("step_ms", "step_times_ms", "attention_share", "attention_kernels", "kernel_ms",
-                          "attention_ms", "attention_kernel_ms", "other_kernel_ms", "losses")},
-                **{f"{k}_loss": v for k, v in loss.items()}})
+            records.append(record(d, context, args.steps, res))
             share = lambda r: "-" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
             rows.append(f"{d:>3} {context:>6} {sdpa['step_ms']:9.1f} {ours['step_ms']:9.1f} "
                         f"{ours['step_ms'] / sdpa['step_ms']:7.3f} {share(sdpa):>6} {share(ours):>6} "
@@ -195,8 +246,15 @@ def main(argv=None) -> int:
                         + (f" {loss['sdpa_other']:8.4f}" if args.drift else "")
                         + f"  {', '.join(sdpa['attention_kernels'][:2])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "records": records}, f, indent=1)
+        from report_common import git_commit, write_json
+
+        runs = []
+        if os.path.exists(args.json):
+            with open(args.json) as f:
+                runs = json.load(f).get("runs", [])
+        runs.append({"commit": git_commit(), "args": " ".join(sys.argv[1:] if argv is None else argv),
+                     "device": device, "torch": torch.__version__, "records": records})
+        write_json(args.json, {"runs": runs})
     print(f"\n{device}: Llama-style decoder, hidden {HIDDEN}, {LAYERS} layers, GQA {GQA}:1, {TOKENS_PER_STEP} tokens "
           f"a step, bfloat16 autocast, AdamW; median of {args.steps} steps after {args.warmup}; loss: mean of the "
           f"last {tail}")

@@ -2,9 +2,11 @@
 run a short benchmark, print a compact summary last. ``--sanitize`` also runs compute-sanitizer's
 memcheck, racecheck, synccheck and initcheck, in parallel processes, over the small case set of
 ``benchmarks/sanitize_cases.py`` (every kernel family and variant on tiny shapes) and puts their error
-counts in the summary; 0 errors are required.
+counts in the summary; 0 errors are required.  The test report (gpu-tests.xml), the benchmark's
+bench.json and the sanitizer logs go to ``--out`` (default: ``$OUT`` if set, else
+``benchmarks/out/gpu_check``, which the repository ignores).
 
-    python benchmarks/gpu_check.py [--sanitize] [--skip-tests] [--skip-bench] [--bench-args ...]
+    python benchmarks/gpu_check.py [--sanitize] [--skip-tests] [--skip-bench] [--bench-args ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -94,8 +96,11 @@ def main(argv=None):
     ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer over sanitize_cases.py")
     ap.add_argument("--sanitize-quick", action="store_true", help="the sanitizer over three cases only")
     ap.add_argument("--sanitize-timeout", type=float, default=900.0, help="seconds for the four sanitizer runs")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "out", "gpu_check"),
+                    help="folder for gpu-tests.xml, bench.json and the sanitizer logs (default: %(default)s)")
     args = ap.parse_args(argv)
-    out = os.environ.get("OUT", ROOT)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
     summary = []
     status = 0
     if not args.skip_install:

@@ -1,7 +1,8 @@
 """Render a results/<device>/ folder: speed.md, accuracy.md, memory.md and the speed charts from the
-JSON files the measuring scripts wrote, and the headline block of README.md (between
-``<!-- headline:start -->`` and ``<!-- headline:end -->``).  Runs anywhere: it needs neither a GPU
-nor torch, and without matplotlib it skips the charts with a message.
+JSON files the measuring scripts wrote, and two blocks of README.md: the headline (between
+``<!-- headline:start -->`` and ``<!-- headline:end -->``) from that folder, and the verdict by GPU
+(between ``<!-- verdict:start -->`` and ``<!-- verdict:end -->``) from every folder beside it.  Runs
+anywhere: it needs neither a GPU nor torch, and without matplotlib it skips the charts with a message.
 
     python benchmarks/render_report.py [benchmarks/results/NVIDIA_H200] [--no-readme] [--no-charts]
 """
@@ -11,6 +12,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -19,6 +21,7 @@ import report_common  # noqa: E402
 
 README = os.path.join(report_common.ROOT, "README.md")
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+VERDICT_START, VERDICT_END = "<!-- verdict:start -->", "<!-- verdict:end -->"
 
 IMPL_ORDER = ("sagebwd", "sagebwd[fine]", "sagebwd[paper]", "sageattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 SHORT = {"sagebwd": "ours", "sagebwd[fine]": "ours fine", "sagebwd[paper]": "ours paper", "sageattn": "sageattn",
@@ -495,20 +498,140 @@ def headline(speed, accuracy, memory, results_link: str) -> str:
     return "\n".join(lines)
 
 
-def update_readme(path: str, block: str) -> None:
-    """Replace what lies between the headline markers, and nothing else."""
+def update_readme(path: str, block: str, start_marker: str = START, end_marker: str = END,
+                  required: bool = True) -> None:
+    """Replace what lies between the markers, and nothing else; without the markers, raise ValueError
+    if ``required``, else leave the file alone."""
     with open(path) as f:
         text = f.read()
-    start, end = text.find(START), text.find(END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < 0 or end < start:
-        raise ValueError(f"{path}: no {START} ... {END} block")
-    new = text[:start + len(START)] + "\n" + block.strip("\n") + "\n" + text[end:]
+        if not required:
+            return
+        raise ValueError(f"{path}: no {start_marker} ... {end_marker} block")
+    new = text[:start + len(start_marker)] + "\n" + block.strip("\n") + "\n" + text[end:]
     if new != text:
         with open(path, "w") as f:
             f.write(new)
 
 
+# ---------------------------------------------------------------------------------------------- verdict
+
+def _times(x: float) -> str:
+    """A speed ratio in words: "slower", "faster" or "on par" (within 3%)."""
+    return "slower" if x < 0.97 else "faster" if x > 1.03 else "on par"
+
+
+def _span(xs, spec=".2f") -> str:
+    lo, hi = format(min(xs), spec), format(max(xs), spec)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _speed_cell(ratios: list) -> str:
+    med = statistics.median(ratios)
+    word = f"**{_times(med)}**" if med < 0.97 else _times(med)
+    return f"{word}: {med:.2f}x ({_span(ratios)})"
+
+
+def _model_cell(model: dict) -> str:
+    """Our step time over SDPA's per context: the newest commit's records of each (head dim, context);
+    shapes measured only at an older commit are marked so."""
+    runs = model.get("runs", [])
+    if not runs:
+        return "not measured"
+    newest = runs[-1].get("commit")
+    latest = {}  # (head_dim, context) -> (commit, [our step / SDPA's])
+    for run in runs:
+        for r in run["records"]:
+            key = (r["head_dim"], r["context"])
+            ratio = r["sagebwd"]["step_ms"] / r["sdpa"]["step_ms"]
+            if key in latest and latest[key][0] == run.get("commit"):
+                latest[key][1].append(ratio)
+            else:
+                latest[key] = (run.get("commit"), [ratio])
+    by_context = {}
+    for (_, context), (commit, ratios) in sorted(latest.items(), key=lambda kv: kv[0][1]):
+        old, xs = by_context.setdefault(context, (False, []))
+        by_context[context] = (old or commit != newest, xs + ratios)
+    groups = []  # consecutive contexts alike in being measured at the newest commit or not
+    for context, (old, xs) in by_context.items():
+        if groups and groups[-1][0] == old:
+            groups[-1][1].append(context)
+            groups[-1][2].extend(xs)
+        else:
+            groups.append((old, [context], list(xs)))
+    parts = []
+    for old, contexts, xs in groups:
+        where = "-".join(dict.fromkeys((seqlen_label(contexts[0]), seqlen_label(contexts[-1]))))
+        pct = [100 * (x - 1) for x in xs]
+        if min(pct) > 0:
+            text = f"{_span(pct, '.0f')}% **slower**"
+        elif max(pct) < 0:
+            text = f"{_span([-p for p in pct], '.0f')}% faster"
+        else:
+            text = f"{_span(xs, '.3f')}x the step time"
+        parts.append(f"{text} at {where} context" + (" (an earlier version)" if old else ""))
+    return "; ".join(parts)
+
+
+def verdict(folders: list, readme_dir: str) -> str:
+    """The README's verdict by GPU: for each results folder with a speed.json, forward+backward
+    against PyTorch's default attention (cuDNN on Hopper) and FlashAttention-2 over every measured
+    shape (median and range of ours / peer), and the model step from model.json where there is one."""
+    rows, shapes = [], set()
+    for folder in folders:
+        speed = load(os.path.join(folder, "speed.json"))
+        if not speed:
+            continue
+        idx = speed_index(speed)
+        recs = [r for r in speed.get("records", []) if r["pass"] == "fwdbwd"]
+        ours = [i for i in _order(r["impl"] for r in recs) if is_ours(i)]
+        if not ours:
+            continue
+        ours = "sagebwd" if "sagebwd" in ours else "sagebwd[fine]" if "sagebwd[fine]" in ours else ours[0]
+        ratio = {}
+        for r in recs:
+            if r["impl"] == ours:
+                for peer in ("sdpa-cudnn", "sdpa-flash"):
+                    p = idx.get((r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"], peer))
+                    if p:
+                        ratio.setdefault(peer, []).append(r["tflops"] / p)
+                shapes.add((r["head_dim"], r["seqlen"], r["causal"], r["dtype"]))
+        model = load(os.path.join(folder, "model.json"))
+        link = os.path.relpath(os.path.abspath(os.path.join(folder, "speed.md")), readme_dir).replace(os.sep, "/")
+        meta = speed.get("metadata", {})
+        cc = meta.get("compute_capability", "")
+        cells = [_speed_cell(ratio[p]) if p in ratio else "–" for p in ("sdpa-cudnn", "sdpa-flash")]
+        cells.append(_model_cell(model) if model else "not measured")
+        rows.append(f"| [{meta.get('device', '?')}]({link})" + (f" (sm_{cc.replace('.', '')})" if cc else "")
+                    + " | " + " | ".join(cells) + " |")
+    if not rows:
+        return "No speed results rendered yet (benchmarks/README.md says how)."
+    dims = " and ".join(str(d) for d in sorted({s[0] for s in shapes}))
+    ns = sorted({s[1] for s in shapes})
+    dtypes = " and ".join(_dtypes(s[3] for s in shapes))
+    causal = {True: "causal", False: "non-causal"}
+    causal = "causal and not" if len({s[2] for s in shapes}) > 1 else causal[next(iter(shapes))[2]]
+    return "\n".join([
+        "| GPU | forward+backward ÷ PyTorch's default (cuDNN) | ÷ FlashAttention-2 | "
+        "training step ÷ PyTorch's default |",
+        "|---|---|---|---|", *rows,
+        "| A100, A10, RTX 30xx/40xx, L4, L40 (sm_80-sm_89) | not measured | not measured | not measured |", "",
+        f"Speed ratios: ours ÷ peer, above 1 is faster; the median, and in brackets the range, over head dims "
+        f"{dims}, {seqlen_label(ns[0])}-{seqlen_label(ns[-1])} tokens, {causal}, {dtypes}, each measured side by "
+        "side in one run. "
+        "Training step: a `transformers` Llama-style decoder (hidden 1024, 8 layers, GQA 4:1, bfloat16 autocast, "
+        "16K tokens a step, `benchmarks/bench_model.py`), our step time against the same model's with SDPA. "
+        "On sm_80-sm_89 the kernels are compiled and their algorithm is tested on the CPU emulator, but no such "
+        "card has been measured."])
+
+
 # ---------------------------------------------------------------------------------------------- all
+
+def result_folders(root: str = report_common.DEFAULT_RESULTS) -> list:
+    """The results/<device> folders under ``root`` that hold a speed.json, in name order."""
+    return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "speed.json")))
+
 
 def render(results_dir: str, readme: str | None = README, charts: bool = True) -> list:
     """Write the Markdown files (and charts) of one results/<device> folder; update ``readme``'s
@@ -535,6 +658,9 @@ def render(results_dir: str, readme: str | None = README, charts: bool = True) -
     if readme is not None:
         link = os.path.relpath(os.path.abspath(results_dir), os.path.dirname(os.path.abspath(readme)))
         update_readme(readme, headline(speed, accuracy, memory, link.replace(os.sep, "/")))
+        update_readme(readme, verdict(result_folders(os.path.dirname(os.path.abspath(results_dir))),
+                                      os.path.dirname(os.path.abspath(readme))),
+                      VERDICT_START, VERDICT_END, required=False)
         written.append(readme)
     for p in written:
         print(f"wrote {p}", file=sys.stderr)

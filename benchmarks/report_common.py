@@ -79,7 +79,7 @@ def _version(module: str):
         return None
 
 
-def _git_commit():
+def git_commit():
     # A copy of the tree on another machine may carry a stale .git: SAGEBWD_COMMIT names the commit.
     if os.environ.get("SAGEBWD_COMMIT"):
         return os.environ["SAGEBWD_COMMIT"]
@@ -104,7 +104,7 @@ def metadata(device: str, **extra) -> dict:
         versions["sageattention"] = None
     versions["python"] = platform.python_version()
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _git_commit(), "versions": versions}
+            "commit": git_commit(), "versions": versions}
     try:
         import torch
 
@@ -119,11 +119,37 @@ def metadata(device: str, **extra) -> dict:
     return meta
 
 
+def _flat(x) -> bool:
+    """A scalar, or a list or dict of scalars only (a curve, a small table): one line at any length."""
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
+    return not any(isinstance(v, (dict, list)) for v in values)
+
+
+def json_text(obj, width: int = 120, _indent: int = 0) -> str:
+    """``obj`` as JSON that reads and diffs by record: one line for a value whose one-line form fits
+    in ``width`` characters, for a list or dict of scalars (a curve), and for every dict in a list (a
+    record) whose values are such; anything else opens one key or element a line.  ``json.loads``
+    gives back exactly what it gives back of ``json.dumps``."""
+    flat = json.dumps(obj)
+    if _flat(obj) or _indent + len(flat) <= width:
+        return flat
+    pad, inner = " " * (_indent + 1), _indent + 1
+    if isinstance(obj, dict):
+        key = lambda k: json.dumps({k: 0})[1:-4]  # noqa: E731 - a key as json.dumps writes it (1 -> "1")
+        items = [f"{pad}{key(k)}: {json_text(v, width, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * _indent + "}"
+    items = []
+    for x in obj:
+        record = isinstance(x, dict) and all(_flat(v) or len(json.dumps(v)) <= width for v in x.values())
+        items.append(pad + (json.dumps(x) if record else json_text(x, width, inner)))
+    return "[\n" + ",\n".join(items) + "\n" + " " * _indent + "]"
+
+
 def write_json(path: str, obj) -> str:
+    """Write ``obj`` as :func:`json_text` (one line a record) and say so on stderr."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
+        f.write(json_text(obj) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return path
 

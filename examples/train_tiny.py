@@ -9,7 +9,8 @@ embeddings, SwiGLU MLPs, optional QK-norm (``--qk-norm``).
     python examples/train_tiny.py --device cpu --steps 3 --d-model 64 --layers 1 --seq-len 64
 
 Prints both final losses, the largest gap between the smoothed loss curves and the step-time
-ratio; saves the curves as a PNG (``--out``, if matplotlib is installed) and as JSON beside it.
+ratio; saves the curves as a PNG (if matplotlib is installed) and as JSON beside it, at ``--out``
+(default ``out/train_tiny.png`` under the current directory; the repository ignores ``out/``).
 """
 from __future__ import annotations
 
@@ -258,7 +259,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--out", default="train_tiny.png", help="PNG of the loss curves (JSON written beside it)")
+    p.add_argument("--out", default=os.path.join("out", "train_tiny.png"),
+                   help="PNG of the loss curves, the JSON written beside it (default: %(default)s)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)

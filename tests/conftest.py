@@ -1,4 +1,7 @@
-"""Skips for the ``gpu`` and ``torch`` markers, and a per-session kernel cache."""
+"""Skips for the ``gpu`` and ``torch`` markers, a per-session kernel cache, and skipped tests counted
+by reason at the end of a run (``pytest -rs`` lists each one)."""
+import collections
+
 import pytest
 
 
@@ -37,3 +40,18 @@ def cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAGEBWD_CP_CACHE_DIR", str(path))
         yield path
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per skip reason, with its count, above pytest's final line (which stays the last)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or "s" in getattr(terminalreporter, "reportchars", ""):
+        return  # nothing skipped, or -rs / -ra asked pytest to list them one by one
+    reasons = collections.Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason (pytest -rs lists each)")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:>5}  {reason}")

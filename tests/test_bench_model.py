@@ -27,3 +27,23 @@ def test_the_model_uses_sagebwd_attention(monkeypatch):
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     assert torch.isfinite(loss) and model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_record_keeps_summaries_not_every_step():
+    steps, n = 300, 305
+    sdpa = {"step_ms": 50.0, "step_times_ms": [50.0 + (i % 7) for i in range(steps)], "kernel_ms": 40.0,
+            "losses": [5.0 - i / 100 for i in range(n)]}
+    ours = {**sdpa, "step_ms": 52.0, "losses": [x + 0.01 * (-1) ** i for i, x in enumerate(sdpa["losses"])]}
+    rec = bench_model.record(128, 2048, steps, {"sdpa": sdpa, "sagebwd": ours})
+    assert (rec["head_dim"], rec["context"], rec["steps"], rec["loss_tail_steps"]) == (128, 2048, steps, 100)
+    s, o = rec["sdpa"], rec["sagebwd"]
+    assert s["step_ms"] == 50.0 and s["kernel_ms"] == 40.0 and "losses" not in s and "step_times_ms" not in s
+    assert s["step_ms_stats"]["min"] == 50.0 and s["step_ms_stats"]["max"] == 56.0
+    assert s["loss"] == pytest.approx(sum(sdpa["losses"][-10:]) / 10)
+    assert s["loss_tail"] == pytest.approx(sum(sdpa["losses"][-100:]) / 100)
+    assert "loss_diff_tail" not in s and o["loss_diff_tail"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert o["loss_diff_tail"]["sd"] == pytest.approx(0.01, rel=0.01)
+    curve = s["loss_curve"]
+    assert curve["every"] == 6 and len(curve["mean"]) == 51
+    assert curve["mean"][0] == pytest.approx(sum(sdpa["losses"][:6]) / 6)
+    assert "step_ms_stats" not in bench_model.record(64, 32768, 30, {"sdpa": {"step_ms": 1.0, "losses": [1.0]}})["sdpa"]

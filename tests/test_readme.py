@@ -20,7 +20,7 @@ README = (REPO / "README.md").read_text()
 RUN = {  # run as written, on any machine, in seconds
     "python -m sagebwd_cp info",
     "python examples/train_tiny.py --device cpu --steps 3 --d-model 64 --layers 1 --seq-len 64 "
-    "--out train_tiny_cpu.png",
+    "--out out/tiny_cpu.png",
 }
 CI = {  # .ci/run runs these as written
     'pip install -e ".[cuda13,test]" torch==2.13.0',
@@ -93,6 +93,7 @@ def test_readme_command_runs(command, tmp_path):
     args = [str(REPO / a) if a.endswith(".py") else a for a in args]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}"
+    assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "outputs go under out/ or where --out says"
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS | TORCHRUN))
@@ -124,6 +125,18 @@ def test_readme_python_snippet_runs(index, tmp_path, monkeypatch):
     exec(compile(block, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
 
 
+def test_readme_verdict_is_the_rendered_results():
+    """The verdict by GPU at the top is what benchmarks/render_report.py makes of every committed
+    results folder: never edited by hand."""
+    import render_report
+
+    block = README.split(render_report.VERDICT_START)[1].split(render_report.VERDICT_END)[0]
+    folders = render_report.result_folders(str(REPO / "benchmarks" / "results"))
+    assert len(folders) >= 2
+    assert block.strip("\n") == render_report.verdict(folders, str(REPO)).strip("\n")
+    assert README.index(render_report.VERDICT_END) < README.index("```bash")  # above the quick start
+
+
 def test_readme_headline_is_the_rendered_report():
     """The block between the headline markers is what benchmarks/render_report.py makes of the
     committed results: its figures are never edited by hand."""
@@ -133,3 +146,23 @@ def test_readme_headline_is_the_rendered_report():
     results = re.search(r"\]\((benchmarks/results/[^/]+)/speed\.md\)", block).group(1)
     data = [render_report.load(str(REPO / results / f"{n}.json")) for n in ("speed", "accuracy", "memory")]
     assert block.strip("\n") == render_report.headline(*data, results).strip("\n")
+
+
+def test_the_test_command_counts_skips_instead_of_listing_them(tmp_path):
+    """`python -m pytest -q` ends with one line per skip reason and pytest's own final line last (.ci/run
+    reads it); `-rs` still lists every skip."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\n"
+        "pytest_terminal_summary = module.pytest_terminal_summary\n")
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(5))\ndef test_gpu(i):\n    pytest.skip('needs a GPU')\n\n"
+        "def test_jax():\n    pytest.importorskip('no_such_module_here')\n\ndef test_ok():\n    pass\n")
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra],
+                                        cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+    lines = run().strip().splitlines()
+    assert lines[-1].startswith("1 passed, 6 skipped"), lines
+    assert "6 skipped, by reason" in lines[-4] and lines[-3].split() == ["5", "needs", "a", "GPU"], lines
+    assert "could not import 'no_such_module_here'" in lines[-2] and not any("SKIPPED" in x for x in lines)
+    assert sum("SKIPPED" in x for x in run("-rs").splitlines()) == 2 and "by reason" not in run("-rs")

@@ -203,6 +203,30 @@ def test_readme_headline_is_replaced_between_markers_only(tmp_path):
     assert readme.read_text() == "no markers here\n"
 
 
+def test_verdict_by_gpu_from_speed_and_model_results(tmp_path):
+    """The README's verdict: forward+backward against cuDNN and FA2 (median and range over the shapes),
+    and the model step by context, the newest commit's records of each shape, older ones marked."""
+    target = write_results(tmp_path, parts=("speed",))
+    rec = lambda d, n, sdpa, ours: {"head_dim": d, "context": n, "sdpa": {"step_ms": sdpa},  # noqa: E731
+                                    "sagebwd": {"step_ms": ours}}
+    runs = [{"commit": "a", "records": [rec(128, 32768, 100.0, 112.0), rec(128, 2048, 100.0, 150.0)]},
+            {"commit": "b", "records": [rec(128, 2048, 100.0, 103.0), rec(64, 2048, 100.0, 106.0)]},
+            {"commit": "b", "records": [rec(128, 2048, 100.0, 104.0)]}]
+    (target / "model.json").write_text(json.dumps({"runs": runs}))
+    text = render_report.verdict(render_report.result_folders(str(tmp_path / "results")), str(tmp_path))
+    row = _row(text, "| [Test GPU](results/Test_GPU/speed.md) |")
+    # fwd+bwd: ours (fine) 105 against cuDNN 500 and FA2 350 TOPS, at both shapes
+    assert "| **slower**: 0.21x (0.21) | **slower**: 0.30x (0.30) |" in row
+    assert row.endswith("| 3-6% **slower** at 2K context; 12% **slower** at 32K context (an earlier version) |")
+    assert "| A100, A10, RTX 30xx/40xx, L4, L40 (sm_80-sm_89) | not measured |" in text
+    assert "head dims 128, 4K-16K tokens, causal and not, float16" in text
+
+    readme = tmp_path / "README.md"
+    readme.write_text("top\n" + render_report.VERDICT_START + "\nold\n" + render_report.VERDICT_END + "\n" + README_TEXT)
+    render_report.render(str(target), readme=str(readme), charts=False)
+    assert readme.read_text().startswith("top\n" + render_report.VERDICT_START + "\n" + text + "\n")
+
+
 def test_headline_with_only_some_results(tmp_path):
     target = write_results(tmp_path, parts=("accuracy",))
     readme = tmp_path / "README.md"
@@ -286,3 +310,32 @@ def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp
     assert runs == ["root kernels", "base kernels"]
     assert (root / "kernels" / "k.cu").read_text() == "root kernels"
     assert (root / "ptx" / "k.cu").read_text() == "root ptx"
+
+
+def test_json_text_writes_a_record_a_line_and_loads_back_the_same():
+    data = {"metadata": {"device": "Test GPU", "versions": {"torch": "2.4", "cupy": None}, 1024: {"reps": 3}},
+            "records": [dict(impl="sagebwd", seqlen=n, ms=1.0 / 3, tflops=float(n), curve=list(range(50)),
+                             note="x" * 40) for n in (1024, 2048)],
+            "empty": [], "curve": [0.5] * 100, "deep": {"a": ["y" * 70], "b": ["z" * 70]}}
+    text = report_common.json_text(data)
+    assert json.loads(text) == json.loads(json.dumps(data))
+    lines = text.splitlines()
+    assert sum('"impl": "sagebwd"' in line for line in lines) == 2  # each record on one line of its own
+    assert ' "curve": [0.5, ' in text  # a list of scalars: one line at any length
+    assert '  "a": ["yyy' in text and '  "b": ["zzz' in text  # too long for a line, and not a record: opened
+    assert len(lines) == 13
+
+
+def test_committed_results_are_compact():
+    """Results keep summaries and sampled curves, one record a line: no file of per-step data."""
+    import glob
+
+    for path in glob.glob(os.path.join(BENCH, "results", "*", "*.json")):
+        with open(path) as f:
+            text = f.read()
+        assert text.count("\n") <= 1000, f"{path}: {text.count(chr(10))} lines"
+        if path.endswith("model.json"):
+            for run in json.loads(text)["runs"]:
+                for rec in run["records"]:
+                    assert "sdpa" in rec and "sagebwd" in rec and not any(k.endswith("_losses") for k in rec)
+                    assert all(len(rec[i]["loss_curve"]["mean"]) <= 61 for i in ("sdpa", "sagebwd"))
