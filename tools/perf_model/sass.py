@@ -10,8 +10,8 @@ too, and the straight-line code before and after the loop (per CTA).
 
 The pipe of each opcode is our reading of NVIDIA's throughput tables (CUDA C Programming Guide,
 "Arithmetic Instructions") and of Nsight Compute's pipe names; where it is uncertain (``I2FP``,
-``F2FP``) the choice is named in ``PIPE_OF``. The model's fitted latency factor absorbs what this
-gets wrong, on the calibration card only.
+``F2FP``) the choice is named in ``PIPE_OF``. A wrong pipe moves a throughput bound; the
+latency chain counts every instruction alike (tensor apart), so the fitted stalls do not absorb it.
 """
 from __future__ import annotations
 
