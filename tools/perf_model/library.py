@@ -20,3 +20,8 @@ def compiler():
 
 def specs():
     return _first("sagebwd_cp.gpu.specs", "sagebwd_cp.specs")
+
+
+def options():
+    """The AttentionOptions class (every option of an attention call in one value)."""
+    return _first("sagebwd_cp.options").AttentionOptions

@@ -1,24 +1,36 @@
-"""Per-resource bounds of one attention kernel on one card, a list schedule of its CTAs, and the
-pre-/post-pass times from their bytes.
+"""Per-resource bounds of one attention kernel on one card, the warps' own latency, a list schedule of
+its CTAs, and the pre-/post-pass times from their bytes.
 
 A kernel is described per warp and per work unit (a forward key tile, a backward iteration) by
 counts: instructions per pipe class, tensor multiply-adds per type, shared and global bytes
 (``sass.count_function`` for ours, ``fa2_counts`` for FlashAttention-2). On a card, one unit of one
-CTA costs, in SM clocks, for each resource r:
+CTA costs, in SM clocks, for each throughput resource r:
 
     issue   warps * instructions / 4            tensor  warps * (MACs_i8 / rate_i8 + MACs_f16 / rate_f16)
     fma     warps * 32 * FP32+IMAD / 128        alu     warps * 32 * ALU / 64
     xu      warps * 32 * MUFU+conversions / 16  lsu     warps * 32 * LSU / 32
     shared  warps * shared bytes / 128
 
-A CTA's duration is ``occupancy * max_r(sum of its units' cycles)`` (the SM's ``occupancy`` resident
-CTAs share it), CTAs are list-scheduled on ``SMs * occupancy`` slots in launch order (heaviest first
-when causal), and the kernel's time is
+The SM's ``occupancy`` resident CTAs share these pipes, so the pipes alone make a CTA last
+``occupancy * max_r(its cycles_r)``. Each warp also waits on its own dependent instructions: with W
+warps a scheduler (occupancy * warps / 4), a warp gets one issue slot in W, and each of its
+instructions exposes a stall the other warps do not hide, ``c_other`` clocks after a non-tensor one
+and ``c_tensor`` after a tensor one (mma.sync's longer latency). One warp's chain through the CTA:
 
-    T = latency_factor * max(makespan / clock, compulsory DRAM bytes / bandwidth)
+    latency = W * I + c_other * I_other + c_tensor * I_tensor      (I: the warp's instructions)
 
-with the latency factor fitted per kernel on the calibration card (fit.py). The "serial" variant
-replaces max_r by tensor + max(the others), a bound on no overlap of products and the rest.
+The first term is the issue bound itself (occupancy * issue cycles), so the latency term only adds to
+it. A CTA lasts
+
+    max(occupancy * max_r cycles_r, latency)
+
+CTAs are list-scheduled on ``SMs * occupancy`` slots in launch order (heaviest first when causal),
+and the kernel's time is ``max(makespan / clock, compulsory DRAM bytes / bandwidth)``.
+
+``c_other`` and ``c_tensor`` (``Latency``) are fitted per kernel on the calibration card (fit.py);
+no factor multiplies the throughput bounds, so a kernel whose latency binds on the calibration card
+but whose tensor pipe binds on another card is not slowed there by what was fitted (the tensor
+pipe runs at the card's rate; its instructions' latency still counts in the chain).
 """
 from __future__ import annotations
 
@@ -26,9 +38,21 @@ import dataclasses
 import heapq
 import math
 
+import numpy as np
+
 from .cards import Card
 
 RESOURCES = ("issue", "tensor", "fma", "alu", "xu", "lsu", "shared")
+
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """Exposed stall clocks a warp instruction: after a non-tensor one and after a tensor one."""
+    other: float = 0.0
+    tensor: float = 0.0
+
+    def vector(self) -> np.ndarray:
+        return np.array([self.other, self.tensor], dtype=float)
 
 
 @dataclasses.dataclass
@@ -96,50 +120,119 @@ def cta_units(k: Kernel, n: int, causal: bool) -> list:
     return out
 
 
+def list_schedule(groups, slots: int) -> tuple:
+    """(makespan, its gradient) of a greedy list schedule: ``groups`` of (duration, count, gradient of
+    the duration) in launch order, each task to the slot free first. Many tasks a group: the k slots
+    free first take one task each at once when none of them would be free again before the k-th
+    starts (exactly the greedy order, in a few array steps a wave); few: a heap, task by task."""
+    tasks = sum(c for _, c, _ in groups)
+    if tasks <= 24 * len(groups):
+        heap = [(0.0, i) for i in range(slots)]
+        g0, g1 = [0.0] * slots, [0.0] * slots
+        replace = heapq.heapreplace
+        for d, count, g in groups:
+            a, b = float(g[0]), float(g[1])
+            for _ in range(count):
+                t0, i = heap[0]
+                replace(heap, (t0 + d, i))
+                g0[i] += a
+                g1[i] += b
+        t_last, i_last = max(heap)
+        return float(t_last), np.array([g0[i_last], g1[i_last]])
+    t = np.zeros(slots)
+    grad = np.zeros((slots, len(groups[0][2])))
+    for d, count, g in groups:
+        while count > 0:
+            order = np.argsort(t, kind="stable")
+            ts = t[order]
+            k = min(count, slots, int(np.searchsorted(ts, ts[0] + d, side="right")))
+            idx = order[:max(k, 1)]
+            t[idx] += d
+            grad[idx] += g
+            count -= len(idx)
+    last = int(np.argmax(t))
+    return float(t[last]), grad[last]
+
+
 @dataclasses.dataclass
 class Bounds:
-    cycles: dict  # resource -> SM clocks summed over CTAs / SMs (perfect balance)
-    makespan: float  # list-scheduled SM clocks (max resource per CTA)
-    makespan_serial: float  # same, tensor + max(others) per CTA
+    """One kernel launch on one card: every CTA's throughput cycles and latency terms."""
+    cycles: dict  # resource -> SM clocks summed over CTAs / SMs (perfect balance), throughput alone
+    cta_cycles: np.ndarray  # one (batch, head)'s CTAs in launch order x RESOURCES: SM clocks of the CTA alone
+    cta_instructions: np.ndarray  # the same CTAs x (non-tensor, tensor): a warp's instructions
+    batch_heads: int
+    causal: bool
+    sms: int
     dram_s: float
     clock_hz: float
     occupancy: int
 
-    @property
-    def binding(self) -> str:
-        return max(self.cycles, key=self.cycles.get)
+    def __post_init__(self):
+        self._thr = self.occupancy * self.cta_cycles.max(axis=1)
+        self._issue = self.occupancy * self.cta_cycles[:, RESOURCES.index("issue")]
+        self._cache = {}
 
-    def seconds(self, serial: bool = False) -> float:
-        return max((self.makespan_serial if serial else self.makespan) / self.clock_hz, self.dram_s)
+    def chains(self, lat: Latency) -> np.ndarray:
+        """One warp's latency chain through each CTA, in SM clocks (W x I + the exposed stalls)."""
+        return self._issue + self.cta_instructions @ lat.vector()
+
+    def durations(self, lat: Latency) -> tuple:
+        """(SM clocks each of the head's CTAs occupies a slot, their gradients in (c_other, c_tensor))."""
+        chain = self.chains(lat)
+        bound = chain > self._thr
+        return np.where(bound, chain, self._thr), self.cta_instructions * bound[:, None]
+
+    def makespan(self, lat: Latency) -> tuple:
+        """(list-scheduled SM clocks, gradient in (c_other, c_tensor))."""
+        key = (lat.other, lat.tensor)
+        if key not in self._cache:
+            durs, grads = self.durations(lat)
+            slots = self.sms * self.occupancy
+            if len(durs) and np.all(durs == durs[0]):  # one group: every CTA alike
+                groups = [(durs[0], len(durs) * self.batch_heads, grads[0])]
+            elif self.causal:  # every head's heaviest block first
+                groups = [(d, self.batch_heads, g) for d, g in zip(durs, grads)]
+            else:
+                groups = [(d, 1, g) for d, g in zip(durs, grads)] * self.batch_heads
+            self._cache = {key: list_schedule(groups, slots)}
+        return self._cache[key]
+
+    def seconds_and_gradient(self, lat: Latency = Latency()) -> tuple:
+        span, grad = self.makespan(lat)
+        if span / self.clock_hz >= self.dram_s:
+            return span / self.clock_hz, grad / self.clock_hz
+        return self.dram_s, np.zeros(2)
+
+    def seconds(self, lat: Latency = Latency()) -> float:
+        return self.seconds_and_gradient(lat)[0]
+
+    def shares(self, lat: Latency = Latency()) -> dict:
+        """Per-SM clocks of each throughput resource and of the warps' latency chains ("latency": the
+        CTAs' chains over the SM's slots), summed over the launch (perfect balance)."""
+        out = dict(self.cycles)
+        out["latency"] = float(self.chains(lat).sum()) * self.batch_heads / (self.sms * self.occupancy)
+        return out
+
+    def binding(self, lat: Latency = Latency()) -> str:
+        """What bounds the launch: "latency" (the warps' own chains), a throughput resource, or "dram"."""
+        if self.dram_s * self.clock_hz > self.makespan(lat)[0]:
+            return "dram"
+        sh = self.shares(lat)
+        return max(sh, key=sh.get)
 
 
 def bounds(card: Card, k: Kernel, batch_heads: int, n: int, causal: bool, rates: dict, clock_hz: float,
            dram_bytes: float, sms: int | None = None) -> Bounds:
     sms = sms or card.sms
     occ = occupancy(card, k)
-    u_int, u_edge, u_cta = (unit_cycles(card, c, k.warps, rates) for c in (k.interior, k.edge, k.per_cta))
-    per_head = cta_units(k, n, causal)
-    totals = dict.fromkeys(RESOURCES, 0.0)
-    durations, serial = [], []
-    for a, e in per_head:
-        cyc = {r: a * u_int[r] + e * u_edge[r] + u_cta[r] for r in RESOURCES}
-        for r in RESOURCES:
-            totals[r] += cyc[r] * batch_heads
-        durations.append(occ * max(cyc.values()))
-        serial.append(occ * (cyc["tensor"] + max(v for r, v in cyc.items() if r != "tensor")))
-    slots = sms * occ
-
-    def makespan(durs):
-        # batch_heads copies of the head's CTAs; causal grids start every head's heaviest block first
-        order = [d for d in durs for _ in range(batch_heads)] if causal else durs * batch_heads
-        if len(order) <= slots:
-            return max(order, default=0.0)
-        heap = [0.0] * slots
-        for d in order:
-            heapq.heapreplace(heap, heap[0] + d)
-        return max(heap)
-
-    return Bounds({r: v / sms for r, v in totals.items()}, makespan(durations), makespan(serial),
+    per_unit = np.array([[unit_cycles(card, c, k.warps, rates)[r] for r in RESOURCES]
+                         for c in (k.interior, k.edge, k.per_cta)])
+    instr = np.array([[float(c.get("issue", 0)) - float(c.get("tensor", 0)), float(c.get("tensor", 0))]
+                      for c in (k.interior, k.edge, k.per_cta)])
+    units = np.array([(a, e, 1) for a, e in cta_units(k, n, causal)], dtype=float)
+    cyc = units @ per_unit
+    totals = cyc.sum(axis=0) * batch_heads / sms
+    return Bounds(dict(zip(RESOURCES, map(float, totals))), cyc, units @ instr, batch_heads, causal, sms,
                   dram_bytes / (card.dram_gbps * 1e9), clock_hz, occ)
 
 

@@ -10,8 +10,8 @@ too, and the straight-line code before and after the loop (per CTA).
 
 The pipe of each opcode is our reading of NVIDIA's throughput tables (CUDA C Programming Guide,
 "Arithmetic Instructions") and of Nsight Compute's pipe names; where it is uncertain (``I2FP``,
-``F2FP``) the choice is named in ``PIPE_OF``. The model's fitted latency factor absorbs what this
-gets wrong, on the calibration card only.
+``F2FP``) the choice is named in ``PIPE_OF``. A wrong pipe moves a throughput bound; the
+latency chain counts every instruction alike (tensor apart), so the fitted stalls do not absorb it.
 """
 from __future__ import annotations
 
@@ -302,10 +302,10 @@ def kernel_spec(kind: str, head_dim: int, causal: bool, arch: str, shared_limit:
     """The mma.sync specialization the library launches for ``kind`` ("fwd" or "bwd": fine,
     non-deterministic, no Q-smoothing) on ``arch`` with ``shared_limit`` bytes of shared memory a block."""
     specs = library.specs()
+    options = library.options()(causal=causal)  # fine, non-deterministic, no Q-smoothing: the defaults
     if kind == "fwd":
-        return specs.forward_spec(head_dim, dtype, causal, False, specs.FORWARD_TILES[head_dim])
-    tiles, spec = specs.backward_kernel(head_dim, dtype, causal, False, True, False, specs.BackwardTiles(2), arch,
-                                        shared_limit)
+        return specs.forward_spec(head_dim, dtype, options, specs.FORWARD_TILES[head_dim])
+    tiles, spec = specs.backward_kernel(head_dim, dtype, options, specs.BackwardTiles(2), arch, shared_limit)
     return spec
 
 
