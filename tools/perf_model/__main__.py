@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 from . import fit as fit_mod
@@ -29,8 +28,7 @@ def cmd_sass(args) -> int:
     out = {"tool": "python -m tools.perf_model sass", "nvrtc": list(library.compiler().nvrtc_version()),
            "nvdisasm": os.path.basename(os.path.dirname(os.path.dirname(tool))), "kernels": kernels}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True)
+    library.write_json(args.out, dict(sorted(out.items())))
     for key, c in sorted(kernels.items()):
         i = c["interior"]
         print(f"{key:28s} {c['spec']:44s} regs {c['registers']:3d} issue {i.get('issue', 0):5d} "
@@ -41,6 +39,8 @@ def cmd_sass(args) -> int:
 
 
 def cmd_fit(args) -> int:
+    from . import library
+
     with open(args.calibration) as f:
         cal = json.load(f)
     if not cal.get("records"):
@@ -51,11 +51,10 @@ def cmd_fit(args) -> int:
     out_dir = os.path.join(args.out, cal["device"]["name"].replace(" ", "_"))
     os.makedirs(out_dir, exist_ok=True)
     if os.path.abspath(args.calibration) != os.path.abspath(os.path.join(out_dir, "calibration.json")):
-        shutil.copyfile(args.calibration, os.path.join(out_dir, "calibration.json"))
+        library.write_json(os.path.join(out_dir, "calibration.json"), cal)
     with open(os.path.join(out_dir, "model.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out_dir, "model.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    library.write_json(os.path.join(out_dir, "model.json"), summary)
     print(text)
     print(f"\nwrote {out_dir}/model.md, model.json, calibration.json")
     return 0

@@ -314,9 +314,11 @@ def main(argv=None):
               "errors": [], "records": []}
 
     def save():
+        from report_common import json_text  # benchmarks/, on the path (as bench_attention)
+
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(json_text(json.loads(json.dumps(result, default=str))) + "\n")
         os.replace(tmp, path)
 
     def section(name, fn):
