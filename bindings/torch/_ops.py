@@ -30,6 +30,8 @@ from torch import Tensor
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions
 
+from ._checks import check_tensors
+
 NAMESPACE = "sagebwd_cp"
 
 
@@ -138,6 +140,7 @@ def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                  smooth_q: bool, layout: str, granularity: str, deterministic: bool) -> Tensor:
     """Inference attention (see ``inference_impl``)."""
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return inference_impl(q, k, v, options)
 
@@ -153,6 +156,7 @@ def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bo
                      smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                      deterministic: bool) -> Tuple[Tensor, Tensor]:
     """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
+    check_tensors("q, k, v, k_mean", q, k, v, k_mean)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return lse_impl(q, k, v, k_mean, options)
 
@@ -170,6 +174,7 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
                          deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return forward_impl(q, k, v, options)
 
@@ -186,6 +191,7 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Te
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    check_tensors("q, k, v, out, lse2, k_mean, dout", q, k, v, out, lse2, k_mean, dout)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_tensors
 from .functional import attention
 from .varlen import flash_attn_varlen_func
 
@@ -70,6 +71,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention interface: query (B, Hq, N, D), key and value (B, Hkv, N, D) with Hq a
     multiple of Hkv; returns ((B, N, Hq, D), None)."""
+    check_tensors("query, key, value, attention_mask", query, key, value, attention_mask, optional=("attention_mask",))
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
     if sliding_window is not None:
