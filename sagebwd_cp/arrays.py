@@ -196,6 +196,17 @@ def check_arrays(names: str, *arrays, optional: tuple = ()) -> str:
     return first
 
 
+def check_rank(x, name: str, dims: tuple) -> None:
+    """ValueError unless array ``x`` has one dimension per name in ``dims``."""
+    if len(x.shape) != len(dims):
+        raise ValueError(f"{name}: expected a rank-{len(dims)} array ({', '.join(dims)}), got shape {tuple(x.shape)}")
+
+
+def layout_dims(layout: str) -> tuple:
+    """The dimensions of a dense q, k, v or output in ``layout`` ("HND" or "NHD")."""
+    return ("batch", "heads", "seqlen", "head_dim") if layout == "HND" else ("batch", "seqlen", "heads", "head_dim")
+
+
 def array_list(xs, name: str) -> list:
     """A sequence argument of arrays (chunks of keys, outputs to merge) as a list: TypeError for an
     array, None, a string or a mapping in its place (the elements are checked by check_arrays)."""

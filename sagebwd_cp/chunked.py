@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .api import attention_backward_arrays
-from .arrays import array_list, check_arrays
+from .arrays import array_list, check_arrays, check_rank, layout_dims
 from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
 from .options import AttentionOptions, check_layout
 
@@ -65,6 +65,11 @@ def key_mean(ks, layout: str = "HND", xp=None):
         raise ValueError("ks: expected at least one chunk of keys, got none")
     xp = xp or array_namespace(ks[0], "ks")
     axis = _seq_axis(layout)
+    for i, k in enumerate(ks):
+        check_rank(k, f"ks[{i}]", layout_dims(layout))
+        if _rows(k, layout) != _rows(ks[0], layout):
+            raise ValueError(f"ks[{i}]: expected (batch, heads, head_dim) = {_rows(ks[0], layout)} like ks[0], got "
+                             f"shape {tuple(k.shape)}")
     total = key_sum(ks[0], layout, xp)
     for k in ks[1:]:
         total = total + key_sum(k, layout, xp)
@@ -84,8 +89,14 @@ def prefix_key_mean(k, layout: str = "HND", tokens: int = BLOCK_KV, xp=None):
         raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
     check_arrays("k", k)
     axis = _seq_axis(layout)
+    check_rank(k, "k", layout_dims(layout))
     first = k[:, :, :tokens] if axis == 2 else k[:, :tokens]
     return key_mean([first], layout, xp)
+
+
+def _rows(k, layout: str) -> tuple:
+    """(batch, heads, head_dim) of a rank-4 array in ``layout``."""
+    return (k.shape[0], k.shape[1 if layout == "HND" else 2], k.shape[3])
 
 
 def _check_lse(lse, q, layout: str) -> None:
@@ -120,6 +131,7 @@ def lse_to_lse2(lse, q, k_mean=None, softmax_scale=None, layout: str = "HND", xp
     NaN.  ``k_mean`` None: no K-smoothing (no shift)."""
     check_arrays("lse, q, k_mean", lse, q, k_mean, optional=("k_mean",))
     xp = xp or array_namespace(lse, "lse")
+    check_rank(q, "q", layout_dims(check_layout(layout)))
     _check_lse(lse, q, layout)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
@@ -146,6 +158,15 @@ def merge_attention(outs, lses, layout: str = "HND", xp=None):
         raise ValueError(f"outs, lses: expected the same positive number of outputs and LSEs, got {len(outs)} and "
                          f"{len(lses)}")
     xp = xp or array_namespace(lses[0], "lses")
+    rows = tuple(lses[0].shape)
+    check_rank(lses[0], "lses[0]", ("batch", "heads", "seqlen"))
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if tuple(x.shape) != rows:
+            raise ValueError(f"lses[{i}]: expected shape {rows} like lses[0], got {tuple(x.shape)}")
+        check_rank(o, f"outs[{i}]", layout_dims(check_layout(layout)))
+        if (o.shape[0], *(o.shape[1:3] if layout == "HND" else o.shape[2:0:-1])) != rows:
+            raise ValueError(f"outs[{i}]: expected the rows of lses[{i}] (batch, heads, seqlen) = {rows}, got shape "
+                             f"{tuple(o.shape)}")
     if xp is np:  # NaN and -inf - -inf are handled below: no warnings for them
         with np.errstate(invalid="ignore"):
             return _merge(outs, lses, layout, xp)
@@ -197,6 +218,8 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     check_arrays("q, k, v, out, lse, do, k_mean", q, k, v, out, lse, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("do", do)):
+        check_rank(x, name, layout_dims(options.layout))
     xp = array_namespace(lse, "lse")
     mean = None
     if options.smooth_k:

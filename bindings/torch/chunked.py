@@ -186,6 +186,8 @@ def chunked_attention(q: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], *, 
     Each chunk's output and gradients are accumulated in float32."""
     check_tensors("q", q)
     ks, vs = tensor_list(ks, "ks"), tensor_list(vs, "vs")
+    _ops.check_ranks(check_layout(layout), q=q, **{f"ks[{i}]": k for i, k in enumerate(ks)},
+                     **{f"vs[{i}]": v for i, v in enumerate(vs)})
     if not ks or len(ks) != len(vs):
         raise ValueError(f"ks, vs: expected the same positive number of key and value chunks, got {len(ks)} and "
                          f"{len(vs)}")

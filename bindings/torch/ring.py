@@ -172,6 +172,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sof
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
     return_lse = check_flag(return_lse, "return_lse")
+    _ops.check_ranks(options.layout, q=q, k=k, v=v)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group first (torchrun sets up the environment)")

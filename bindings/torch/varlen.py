@@ -21,7 +21,7 @@ from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions
 
 from ._checks import check_tensors
-from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean
+from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
 from .functional import _autocast, check_flash_defaults
 
 __all__ = ["flash_attn_varlen_func"]
@@ -43,6 +43,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                   cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                   options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
+    check_dout(dout, q)
     dout = dout.contiguous()
     mean = k_mean if k_mean.numel() else None
     offsets = _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda)
