@@ -123,8 +123,9 @@ def _torch_args():
     packed = {n: x[0] for n, x in nhd.items()}
     cu = torch.tensor(CU, dtype=torch.int32)
     fwd = st.attention_forward_op(q, k, v, *AttentionOptions())
+    packed_fwd = st_varlen.varlen_forward_op(*packed.values(), cu, cu, 9, 9, *AttentionOptions(layout="THD"))
     return dict(q=q, k=k, v=v, out=out, lse=lse, dout=_t(B, H, L, D, seed=4), k_mean=st.key_mean([k]),
-                nhd=nhd, packed=packed, cu=cu, fwd=fwd, mask=torch.ones(B, L, dtype=torch.int64))
+                nhd=nhd, packed=packed, cu=cu, fwd=fwd, packed_fwd=packed_fwd, mask=torch.ones(B, L, dtype=torch.int64))
 
 
 A = _torch_args()
@@ -181,6 +182,10 @@ TORCH = [  # (id, {argument: good value}, call, operator[, arguments that may be
     ("varlen_forward_op", dict(A["packed"], cu_seqlens_q=A["cu"], cu_seqlens_k=A["cu"]),
      lambda a: st_varlen.varlen_forward_op(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 9, 9,
                                            *THD_OPTIONS), True),
+    ("varlen_backward_op", dict(A["packed"], out=A["packed_fwd"][0], lse2=A["packed_fwd"][1], k_mean=A["packed_fwd"][2],
+                                dout=A["packed_fwd"][0], cu_seqlens_q=A["cu"], cu_seqlens_k=A["cu"]),
+     lambda a: st_varlen.varlen_backward_op(a["q"], a["k"], a["v"], a["out"], a["lse2"], a["k_mean"], a["dout"],
+                                            a["cu_seqlens_q"], a["cu_seqlens_k"], 9, 9, *THD_OPTIONS), True),
 ]
 TORCH = [t if len(t) == 5 else t + ((),) for t in TORCH]
 # Functions that take arrays of any rank: "wrong rank" does not apply.
