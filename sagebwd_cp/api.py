@@ -4,6 +4,8 @@ CUDA arrays run the INT8 kernels on the caller's current stream; host arrays (Nu
 tensors, or anything NumPy can read through DLPack) run the NumPy emulator of the same quantized
 algorithm.  Results come back in the framework and dtype of q: torch in, torch out (bfloat16
 included; tensors that require grad are read detached); NumPy in, NumPy out; CuPy in, CuPy out.
+The array arguments of one call come from one framework: each public function checks them first
+(``arrays.check_arrays``), a non-array or a mix being a TypeError that names the argument.
 """
 from __future__ import annotations
 

@@ -164,7 +164,8 @@ TORCH = [  # (id, {argument: good value}, call, operator[, arguments that may be
      lambda a: st.chunked_attention(a["q"], [a["ks[0]"], a["ks[1]"]], [a["vs[0]"], a["vs[1]"]]), False),
     ("ring_attention", dict(q=Q, k=K, v=V), lambda a: _ring(a["q"], a["k"], a["v"]), False),
     ("zigzag_shard", dict(x=Q), lambda a: st.zigzag_shard(a["x"], 0, 2, dim=2), False),
-    ("zigzag_unshard", {"shards[0]": Q, "shards[1]": K}, lambda a: st.zigzag_unshard([a["shards[0]"], a["shards[1]"]], 2),
+    ("zigzag_unshard", {"shards[0]": Q, "shards[1]": K},
+     lambda a: st.zigzag_unshard([a["shards[0]"], a["shards[1]"]], 2),
      False),
     ("transformers attention function", dict(query=Q, key=K, value=V, attention_mask=A["mask"]),
      lambda a: st_transformers.attention_forward(None, a["query"], a["key"], a["value"], a["attention_mask"]), False,
@@ -244,7 +245,8 @@ def _neutral_args():
     packed = [x.transpose(0, 2, 1, 3)[0].copy() for x in (q, k, v)]
     cu = np.array(CU, np.int32)
     _, packed_saved = sagebwd_cp.attention_varlen_forward(*packed, cu, cu, 9, 9)
-    return dict(q=q, k=k, v=v, out=out, saved=saved, lse=lse, do=_n(B, H, L, D, seed=4), k_mean=sagebwd_cp.key_mean([k]),
+    return dict(q=q, k=k, v=v, out=out, saved=saved, lse=lse, do=_n(B, H, L, D, seed=4),
+                k_mean=sagebwd_cp.key_mean([k]),
                 packed=packed, cu=cu, packed_saved=packed_saved)
 
 
