@@ -1,6 +1,9 @@
-"""Command line: ``python -m sagebwd_cp info`` and ``python -m sagebwd_cp compile --arch sm_89``.
+"""Command line: ``python -m sagebwd_cp info`` and ``python -m sagebwd_cp compile --arch sm_89``
+(with no command, the help).
 
-``info`` is quick: versions, the GPU or its absence, the kernel cache and one kernel compiled.
+``info`` is quick: versions (the library, Python, NumPy, torch, CuPy, JAX, NVRTC, each "not installed"
+where absent), the kernel cache, the kernels each arch takes, every visible GPU or their absence,
+and one kernel compiled.
 ``compile`` builds every specialization, one process per core, and needs no GPU (NVRTC compiles
 for any ``sm_XX``), so it doubles as a pre-compile step that fills the disk cache and as the check
 that no kernel spills registers (exit 1 if one does or fails to compile).
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import importlib.metadata
+import importlib.util
 import platform
 import sys
 import time
@@ -17,7 +22,7 @@ import time
 from . import __version__
 from .options import AttentionOptions
 from .gpu import compiler, specs as kernel_specs
-from .gpu.device import cuda_device
+from .gpu.device import cuda_device, cuda_devices
 
 CHECK_ARCH_WITHOUT_GPU = "sm_90"
 
@@ -115,25 +120,54 @@ def _report_failures(rows) -> int:
     return 1 if bad else 0
 
 
+NOT_INSTALLED = "not installed"
+
+
+def _installed_version(module: str, distribution: str) -> str:
+    """The installed version of an optional framework, read from its metadata without importing it
+    (importing torch or JAX takes seconds), or NOT_INSTALLED."""
+    if importlib.util.find_spec(module) is None:
+        return NOT_INSTALLED
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "installed, version unknown"
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def _versions() -> list:
-    out = [("python", platform.python_version()), ("sagebwd_cp", __version__)]
-    try:
-        import numpy
+    """(component, version) of the library, Python, NumPy, the frameworks (torch, CuPy, JAX) and NVRTC,
+    "not installed" for those absent."""
+    import numpy
 
-        out.append(("numpy", numpy.__version__))
-    except ImportError as exc:
-        out.append(("numpy", f"not importable ({exc})"))
-    try:
-        import cupy
-
-        out.append(("cupy", cupy.__version__))
-        out.append(("CUDA runtime", _cuda_version(cupy.cuda.runtime.runtimeGetVersion())))
-    except Exception as exc:  # noqa: BLE001
-        out.append(("cupy", f"not importable ({exc})"))
-    try:
-        out.append(("NVRTC", ".".join(map(str, compiler.nvrtc_version()))))
-    except Exception as exc:  # noqa: BLE001
-        out.append(("NVRTC", f"not available ({exc})"))
+    out = [("sagebwd_cp", __version__), ("python", platform.python_version()), ("numpy", numpy.__version__),
+           ("torch", _installed_version("torch", "torch"))]
+    cupy = None
+    if importlib.util.find_spec("cupy") is None:
+        out.append(("cupy", NOT_INSTALLED))
+    else:
+        try:
+            import cupy
+        except Exception as exc:  # noqa: BLE001 - a broken install: say what failed
+            out.append(("cupy", f"not importable ({_short(exc)})"))
+        else:
+            out.append(("cupy", cupy.__version__))
+    out.append(("jax", _installed_version("jax", "jax")))
+    if cupy is None:
+        out.append(("NVRTC", f"{NOT_INSTALLED} (it comes with CuPy's CUDA extra: cuda13 or cuda12)"))
+    else:
+        try:
+            out.append(("NVRTC", ".".join(map(str, compiler.nvrtc_version()))))
+        except Exception as exc:  # noqa: BLE001 - CuPy without the NVRTC library
+            out.append(("NVRTC", f"{NOT_INSTALLED} ({_short(exc)})"))
+        try:
+            out.append(("CUDA runtime", _cuda_version(cupy.cuda.runtime.runtimeGetVersion())))
+        except Exception as exc:  # noqa: BLE001
+            out.append(("CUDA runtime", f"{NOT_INSTALLED} ({_short(exc)})"))
     return out
 
 
@@ -148,36 +182,49 @@ def _cache_dir_text() -> str:
         return f"not writable ({exc})"
 
 
+def _device_line(d: dict, current: bool) -> str:
+    return (f"CUDA device {d['id']} of {d['count']}{' (current)' if current and d['count'] > 1 else ''}: "
+            f"{d['name']}, {d['arch']}, {d['sms']} SMs, {d['smem_optin']} bytes opt-in shared memory per block\n"
+            f"  {d['arch']}: {kernel_specs.kernel_family(d['arch'])}")
+
+
 def cmd_info(args) -> int:
     print(_table(("component", "version"), _versions()))
     print(f"kernel cache: {_cache_dir_text()}")
+    print("kernels by arch:")
+    for archs, family in kernel_specs.kernel_families():
+        print(f"  {archs}: {family}")
+    print("  other archs: not built")
     print()
-    device, why = cuda_device()
-    if device is None:
+    devices, why = cuda_devices()
+    status = 0
+    if not devices:
         print(why)
-        arch = CHECK_ARCH_WITHOUT_GPU
-        print(f"Compiling one kernel for {arch} as a check that NVRTC works "
-              f"(every kernel: python -m sagebwd_cp compile --arch {arch}).")
+        archs = [CHECK_ARCH_WITHOUT_GPU]
+        print(f"Compiling one kernel for {archs[0]} as a check that NVRTC works "
+              f"(every kernel: python -m sagebwd_cp compile --arch {archs[0]}).")
     else:
-        arch = device["arch"]
-        print(f"CUDA device {device['id']} of {device['count']}: {device['name']}")
-        print(f"  arch {arch}, {device['sms']} SMs, "
-              f"{device['smem_optin']} bytes opt-in shared memory per block")
-        if arch not in compiler.SUPPORTED_ARCHS:
-            print(f"the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}, not {arch}; "
-                  "host arrays still run on the CPU emulator", file=sys.stderr)
-            return 1
-        print(f"Compiling one kernel for {arch} (every kernel: python -m sagebwd_cp compile).")
+        current, _ = cuda_device()
+        for d in devices:
+            print(_device_line(d, d["id"] == current["id"]))
+        if current["arch"] not in compiler.SUPPORTED_ARCHS:
+            print(f"the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}, not {current['arch']} (CUDA device "
+                  f"{current['id']}); host arrays still run on the CPU emulator", file=sys.stderr)
+            status = 1
+        archs = list(dict.fromkeys(d["arch"] for d in devices if d["arch"] in compiler.SUPPORTED_ARCHS))
+        if not archs:
+            return status
+        print(f"Compiling one kernel for {', '.join(archs)} (every kernel: python -m sagebwd_cp compile).")
     print()
     try:
-        rows = compile_pairs([(representative_spec(arch), arch)])
+        rows = compile_pairs([(representative_spec(arch), arch) for arch in archs])
     except ImportError as exc:
         print(f"cannot compile: {exc} (install the cuda13 or cuda12 extra)", file=sys.stderr)
         return 1
-    print(_table(("kernel", "registers", "spills", "seconds"),
-                 [(_kernel_name(r), "-" if r.error else r.registers, "ERROR" if r.error else r.spill_bytes,
+    print(_table(("kernel", "arch", "registers", "spills", "seconds"),
+                 [(_kernel_name(r), r.arch, "-" if r.error else r.registers, "ERROR" if r.error else r.spill_bytes,
                    f"{r.seconds:.1f}") for r in rows]))
-    return _report_failures(rows)
+    return _report_failures(rows) or status
 
 
 def cmd_compile(args) -> int:
@@ -240,9 +287,9 @@ def _jobs(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sagebwd-cp", description="SageBwd INT8 attention: device report and kernel pre-compilation.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, the CUDA device or its absence, the kernel cache, and a compile "
-                                       "check of one kernel")
+    sub = parser.add_subparsers(dest="command", metavar="{info,compile}")
+    info = sub.add_parser("info", help="versions (library, torch, CuPy, JAX, NVRTC), the kernel cache, each CUDA "
+                                       "device and the kernels it runs, and a compile check of one kernel")
     info.set_defaults(func=cmd_info)
     comp = sub.add_parser("compile", help="compile every kernel for named archs (no GPU needed); "
                                           "exit 1 on a failure or a register spill")
@@ -260,7 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # no command: what there is to run
+        parser.print_help()
+        return 0
     return args.func(args)
 
 

@@ -4,6 +4,8 @@ CUDA arrays run the INT8 kernels on the caller's current stream; host arrays (Nu
 tensors, or anything NumPy can read through DLPack) run the NumPy emulator of the same quantized
 algorithm.  Results come back in the framework and dtype of q: torch in, torch out (bfloat16
 included; tensors that require grad are read detached); NumPy in, NumPy out; CuPy in, CuPy out.
+The array arguments of one call come from one framework: each public function checks them first
+(``arrays.check_arrays``), a non-array or a mix being a TypeError that names the argument.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import dataclasses
 import numpy as np
 
 from . import guard
-from .arrays import (ArrayDesc, contiguous_strides, copy_into, describe, host_numpy, host_result, jax_boundary,
-                     signature)
+from .arrays import (ArrayDesc, check_arrays, contiguous_strides, copy_into, describe, host_numpy, host_result,
+                     jax_boundary, signature)
 from .numerics import k_mean_shape
 from .gpu import backward as gpu_backward, forward as gpu_forward
 from .gpu.plan import cached_plan, remember_plan
@@ -205,6 +207,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     ``set_accuracy_guard`` turns it on; True; False; or a threshold): warn once per shape where INT8
     scores get coarse (guard.py).
     """
+    check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout)
     return_lse = check_flag(return_lse, "return_lse")
@@ -219,6 +222,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
                       out=None, return_lse=False, k_mean=None, accuracy_guard=None):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
     ``k_mean`` and ``accuracy_guard`` as in ``attention``."""
+    check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout)
     return_lse = check_flag(return_lse, "return_lse")
@@ -239,6 +243,7 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
     if not isinstance(saved, AttentionSaved):
         raise TypeError(f"saved: expected the AttentionSaved returned by attention_forward, got {type(saved).__name__}")
     p = saved.problem
+    check_arrays("the forward's q, do", p.q, do)
     options = p.options._replace(granularity=granularity, deterministic=deterministic)
     varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
     return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
@@ -254,6 +259,7 @@ def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_s
     and dO.  The options must be those of the forward.  ``k_mean`` (optional, K-smoothing only):
     that forward's μ_K (``k_mean_shape``, float32; ``saved.k_mean``), which spares the backward a
     pass over K; without it μ_K is computed again."""
+    check_arrays("q, k, v, out, lse2, do, k_mean", q, k, v, out, lse2, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic)
     return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean)
@@ -272,6 +278,8 @@ _VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, smooth_k=True, out=None, return_lse=False):
     """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
+    check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
+                 optional=("out",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -284,6 +292,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              softmax_scale=None, smooth_k=True, out=None, return_lse=False):
     """Training forward over a packed batch: ``(out, saved)`` (or ``(out, lse, saved)``); the backward
     is ``attention_backward(saved, do)``."""
+    check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
+                 optional=("out",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -297,6 +307,8 @@ def attention_varlen_backward_arrays(q, k, v, out, lse2, do, cu_seqlens_q, cu_se
                                      *, causal=False, softmax_scale=None, smooth_k=True,
                                      granularity="fine", deterministic=False, k_mean=None):
     """``attention_backward_arrays`` for a packed batch: ``lse2`` (Hq, total_q), ``k_mean`` (batch, Hkv, D)."""
+    check_arrays("q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, k_mean", q, k, v, out, lse2, do, cu_seqlens_q,
+                 cu_seqlens_k, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
                                granularity=granularity, deterministic=deterministic)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

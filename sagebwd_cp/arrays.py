@@ -123,6 +123,98 @@ def _from_dlpack(x, name: str) -> ArrayDesc:
     return ArrayDesc(ptr, shape, strides, dtype, dtype_name, t.device.device_id, x, _framework(x), capsule)
 
 
+# ---------------------------------------------------------------------------------------------
+# Argument checks of the public functions: every array argument is an array, all from one
+# framework (results come back in q's, so a mix has no one answer), each error naming the argument.
+
+FRAMEWORK_NAMES = {"torch": "torch", "numpy": "NumPy", "cupy": "CuPy", "jax": "JAX", "dlpack": "DLPack"}
+_NOT_AN_ARRAY = "expected an array supporting DLPack (CuPy, PyTorch, JAX, NumPy)"
+_frameworks: dict = {}  # type -> its framework, "" for a type that is not an array
+
+
+def framework_of(x) -> str:
+    """The framework of an array argument ("torch", "numpy", "cupy", "jax", or "dlpack" for any other
+    object with ``__dlpack__``; an ArrayDesc's own), or "" for an object that is not an array."""
+    if x.__class__ is ArrayDesc:
+        return x.framework
+    kind = _frameworks.get(type(x))
+    if kind is None:
+        if isinstance(x, np.ndarray):
+            kind = "numpy"
+        elif _framework(x) == "torch":
+            kind = "torch" if hasattr(x, "data_ptr") else ""  # torch.Size, dtypes and devices are no arrays
+        else:
+            kind = _framework(x) if hasattr(type(x), "__dlpack__") else ""
+        _frameworks[type(x)] = kind
+    return kind
+
+
+def what_came(x) -> str:
+    """A short description of an argument for error messages: its kind, dtype and shape for an
+    array, its type and value otherwise."""
+    if x is None:
+        return "None"
+    kind = framework_of(x)
+    if kind:
+        if isinstance(x, ArrayDesc):
+            return f"an ArrayDesc of a {FRAMEWORK_NAMES[kind]} {x.dtype} array of shape {tuple(x.shape)}"
+        if kind == "dlpack":
+            return f"a {type(x).__module__}.{type(x).__qualname__}"
+        dtype = getattr(x, "dtype", None)
+        dtype = "" if dtype is None else str(dtype).replace("torch.", "") + " "
+        text = f"a {FRAMEWORK_NAMES[kind]} {dtype}{'tensor' if kind == 'torch' else 'array'}"
+        try:
+            return text + f" of shape {tuple(x.shape)}"
+        except (AttributeError, TypeError):
+            return text
+    value = repr(x)
+    return f"{type(x).__name__} {value if len(value) <= 40 else value[:37] + '...'}"
+
+
+_split_names: dict = {}  # "q, k, v" -> ("q", "k", "v")
+
+
+def check_arrays(names: str, *arrays, optional: tuple = ()) -> str:
+    """The one framework of a public function's array arguments (``names``: theirs, comma-separated,
+    in order; None is taken for those in ``optional``).  TypeError naming the first argument that is
+    not an array, or whose framework is not the first array's."""
+    split = _split_names.get(names)
+    if split is None:
+        split = _split_names[names] = tuple(names.split(", "))
+    first = first_name = None
+    for name, x in zip(split, arrays):
+        if x is None and name in optional:
+            continue
+        kind = x.framework if x.__class__ is ArrayDesc else _frameworks.get(x.__class__) or framework_of(x)
+        if not kind:
+            raise TypeError(f"{name}: {_NOT_AN_ARRAY}, got {what_came(x)}")
+        if first is None:
+            first, first_name = kind, name
+        elif kind != first:
+            raise TypeError(f"{name}: expected a {FRAMEWORK_NAMES[first]} array like {first_name}, got "
+                            f"{what_came(x)}; the arrays of one call come from one framework")
+    return first
+
+
+def check_rank(x, name: str, dims: tuple) -> None:
+    """ValueError unless array ``x`` has one dimension per name in ``dims``."""
+    if len(x.shape) != len(dims):
+        raise ValueError(f"{name}: expected a rank-{len(dims)} array ({', '.join(dims)}), got shape {tuple(x.shape)}")
+
+
+def layout_dims(layout: str) -> tuple:
+    """The dimensions of a dense q, k, v or output in ``layout`` ("HND" or "NHD")."""
+    return ("batch", "heads", "seqlen", "head_dim") if layout == "HND" else ("batch", "seqlen", "heads", "head_dim")
+
+
+def array_list(xs, name: str) -> list:
+    """A sequence argument of arrays (chunks of keys, outputs to merge) as a list: TypeError for an
+    array, None, a string or a mapping in its place (the elements are checked by check_arrays)."""
+    if xs is None or framework_of(xs) or isinstance(xs, (str, bytes, dict)) or not hasattr(xs, "__iter__"):
+        raise TypeError(f"{name}: expected a list or tuple of arrays, got {what_came(xs)}")
+    return list(xs)
+
+
 def describe(x, name: str = "array") -> ArrayDesc:
     """An ``ArrayDesc`` for ``x`` (no copy).  Raises TypeError for objects that are not arrays."""
     if isinstance(x, ArrayDesc):
@@ -133,7 +225,7 @@ def describe(x, name: str = "array") -> ArrayDesc:
     if isinstance(x, np.ndarray):
         return _from_numpy(x, name)
     if not hasattr(x, "__dlpack__"):
-        raise TypeError(f"{name}: expected an array supporting DLPack (CuPy, PyTorch, JAX, NumPy), got {type(x).__name__}")
+        raise TypeError(f"{name}: {_NOT_AN_ARRAY}, got {what_came(x)}")
     return _from_dlpack(x, name)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .api import attention_backward_arrays
+from .arrays import array_list, check_arrays, check_rank, layout_dims
 from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
 from .options import AttentionOptions, check_layout
 
@@ -58,11 +59,17 @@ def key_mean(ks, layout: str = "HND", xp=None):
     """μ_K of the keys of all chunks ``ks`` (a sequence of (B, Hkv, Lk_i, D) arrays in ``layout``):
     the float64 token sum over every chunk divided by the token count, rounded to float32, as a
     single call over the concatenated keys computes it (numerics.token_mean)."""
-    ks = list(ks)
+    ks = array_list(ks, "ks")
+    check_arrays(", ".join(f"ks[{i}]" for i in range(len(ks))), *ks)
     if not ks:
         raise ValueError("ks: expected at least one chunk of keys, got none")
     xp = xp or array_namespace(ks[0], "ks")
     axis = _seq_axis(layout)
+    for i, k in enumerate(ks):
+        check_rank(k, f"ks[{i}]", layout_dims(layout))
+        if _rows(k, layout) != _rows(ks[0], layout):
+            raise ValueError(f"ks[{i}]: expected (batch, heads, head_dim) = {_rows(ks[0], layout)} like ks[0], got "
+                             f"shape {tuple(k.shape)}")
     total = key_sum(ks[0], layout, xp)
     for k in ks[1:]:
         total = total + key_sum(k, layout, xp)
@@ -80,9 +87,16 @@ def prefix_key_mean(k, layout: str = "HND", tokens: int = BLOCK_KV, xp=None):
     docs/ALGORITHM.md, causality)."""
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+    check_arrays("k", k)
     axis = _seq_axis(layout)
+    check_rank(k, "k", layout_dims(layout))
     first = k[:, :, :tokens] if axis == 2 else k[:, :tokens]
     return key_mean([first], layout, xp)
+
+
+def _rows(k, layout: str) -> tuple:
+    """(batch, heads, head_dim) of a rank-4 array in ``layout``."""
+    return (k.shape[0], k.shape[1 if layout == "HND" else 2], k.shape[3])
 
 
 def _check_lse(lse, q, layout: str) -> None:
@@ -115,7 +129,9 @@ def lse_to_lse2(lse, q, k_mean=None, softmax_scale=None, layout: str = "HND", xp
     unsmoothed keys: lse2 = (lse − c·q·μ_K)·log₂e, the inverse of the returned LSE's add-back
     (kernels/lse.cu); +∞ where lse is −∞ (a row that sees no key: P = 0 in the backward); NaN stays
     NaN.  ``k_mean`` None: no K-smoothing (no shift)."""
+    check_arrays("lse, q, k_mean", lse, q, k_mean, optional=("k_mean",))
     xp = xp or array_namespace(lse, "lse")
+    check_rank(q, "q", layout_dims(check_layout(layout)))
     _check_lse(lse, q, layout)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
@@ -135,11 +151,22 @@ def merge_attention(outs, lses, layout: str = "HND", xp=None):
     natural-log LSE (same rows): lse = log Σᵢ exp(lseᵢ), out = Σᵢ exp(lseᵢ − lse)·outᵢ, both float32.
     A row with lseᵢ = −∞ (it saw no key of set i) takes nothing from outᵢ; a row that sees no key
     of any set gets lse −∞ and out 0; a NaN in an LSE or output propagates to that row."""
-    outs, lses = list(outs), list(lses)
+    outs, lses = array_list(outs, "outs"), array_list(lses, "lses")
+    check_arrays(", ".join([f"lses[{i}]" for i in range(len(lses))] + [f"outs[{i}]" for i in range(len(outs))]),
+                 *lses, *outs)
     if not outs or len(outs) != len(lses):
         raise ValueError(f"outs, lses: expected the same positive number of outputs and LSEs, got {len(outs)} and "
                          f"{len(lses)}")
     xp = xp or array_namespace(lses[0], "lses")
+    rows = tuple(lses[0].shape)
+    check_rank(lses[0], "lses[0]", ("batch", "heads", "seqlen"))
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if tuple(x.shape) != rows:
+            raise ValueError(f"lses[{i}]: expected shape {rows} like lses[0], got {tuple(x.shape)}")
+        check_rank(o, f"outs[{i}]", layout_dims(check_layout(layout)))
+        if (o.shape[0], *(o.shape[1:3] if layout == "HND" else o.shape[2:0:-1])) != rows:
+            raise ValueError(f"outs[{i}]: expected the rows of lses[{i}] (batch, heads, seqlen) = {rows}, got shape "
+                             f"{tuple(o.shape)}")
     if xp is np:  # NaN and -inf - -inf are handled below: no warnings for them
         with np.errstate(invalid="ignore"):
             return _merge(outs, lses, layout, xp)
@@ -188,8 +215,11 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     and ``merge_attention`` give it.  ``k_mean``: the μ_K the forward used (``key_mean`` of every
     chunk); None computes this chunk's own, right only for a single chunk.  Options as in
     ``attention_backward_arrays``.  NumPy, torch and CuPy arrays."""
+    check_arrays("q, k, v, out, lse, do, k_mean", q, k, v, out, lse, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("do", do)):
+        check_rank(x, name, layout_dims(options.layout))
     xp = array_namespace(lse, "lse")
     mean = None
     if options.smooth_k:

@@ -15,6 +15,7 @@ import warnings
 
 import numpy as np
 
+from .arrays import check_arrays, check_rank, layout_dims
 from .numerics import SCORE_STEP_LIMIT, default_softmax_scale, qk_prescale, score_step as _step
 
 __all__ = ["AccuracyWarning", "score_step", "set_accuracy_guard", "accuracy_guard_threshold", "check_scores"]
@@ -76,7 +77,10 @@ def score_step(q, k, *, softmax_scale=None, smooth_k=True, layout="HND"):
     float32 array in q's framework (torch, CuPy, JAX or NumPy), computed from q and k as the kernels'
     per-token scales are (max|c·log2(e)·q| per query head, max|k - μ_K| per KV head with K-smoothing).
     For logging it in a training loop; the guard warns where it passes its threshold."""
+    check_arrays("q, k", q, k)
     axes = _heads_axes(layout)
+    check_rank(q, "q", layout_dims(layout))
+    check_rank(k, "k", layout_dims(layout))
     d = q.shape[-1]
     prescale = float(qk_prescale(default_softmax_scale(d) if softmax_scale is None else softmax_scale))
     group = q.shape[3 - axes[0]] // k.shape[3 - axes[0]]

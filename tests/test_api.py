@@ -83,7 +83,8 @@ def test_bad_inputs_have_clear_errors(make, exc, message):
 
 def test_mixed_devices_and_options_errors():
     q, k, v = _qkv()
-    fake_gpu = ArrayDesc(0, k.shape, (1, 1, 1, 1), "float16", "cuda", 0, None, "dlpack")
+    # one framework (a mix is refused first: tests/test_bad_inputs.py), another device
+    fake_gpu = ArrayDesc(0, k.shape, (1, 1, 1, 1), "float16", "cuda", 0, None, "numpy")
     with pytest.raises(ValueError, match=r"q, k, v: expected arrays on one device, got q on cpu:0, k on cuda:0"):
         sagebwd_cp.attention(q, fake_gpu, v)
     with pytest.raises(ValueError, match=r"layout: expected one of \('HND', 'NHD'\), got 'BHSD'"):

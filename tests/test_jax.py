@@ -127,6 +127,22 @@ def test_errors_name_the_argument(jax_cpu):
         sj.attention(q, q, q, granularity="coarse")
 
 
+def test_adapter_and_neutral_api_take_jax_arrays_only_among_jax_arrays(jax_cpu):
+    """sagebwd_cp.jax takes JAX arrays only; the neutral API refuses a mix of JAX and NumPy arrays."""
+    jax, jnp = jax_cpu, jax_cpu.numpy
+    import sagebwd_cp.jax as sj
+
+    q = jnp.zeros((1, 2, 16, 64), jnp.float16, device=jax.devices("cpu")[0])
+    host = np.zeros((1, 2, 16, 64), np.float16)
+    for bad, came in ((host, r"a NumPy float16 array of shape \(1, 2, 16, 64\); convert it with jnp.asarray"),
+                      ([[1.0]], r"list \[\[1\.0\]\]"), (None, "None"), (2.0, "float 2.0"), ("k", "str 'k'")):
+        for name, args in (("q", (bad, q, q)), ("k", (q, bad, q)), ("v", (q, q, bad))):
+            with pytest.raises(TypeError, match=rf"^{name}: expected a jax\.Array, got {came}"):
+                sj.attention(*args)
+    with pytest.raises(TypeError, match=r"^k: expected a JAX array like q, got a NumPy float16 array"):
+        sagebwd_cp.attention(q, host, q)
+
+
 # ------------------------------------------------------------------------------ GPU
 
 

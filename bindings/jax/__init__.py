@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - older jax
 import numpy as np
 
 from sagebwd_cp.api import run_backward, run_forward
-from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe
+from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe, framework_of, what_came
 from sagebwd_cp.numerics import k_mean_shape
 from sagebwd_cp.options import AttentionOptions
 from sagebwd_cp.problem import make_problem
@@ -45,13 +45,24 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq); rows that see
     no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
-    ``sagebwd_cp.attention_backward``.  Shapes, dtypes and options are checked when traced.
+    ``sagebwd_cp.attention_backward``.  q, k and v are JAX arrays (others, NumPy included, are refused
+    with a TypeError: convert them with ``jnp.asarray``); shapes, dtypes and options are checked when
+    traced.
     """
+    _check_arrays(q=q, k=k, v=v)
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
     _check(q, k, v, opts)
     return _attention(q, k, v, opts)
+
+
+def _check_arrays(**arrays) -> None:
+    """Each array argument is a JAX array (traced ones included): TypeError naming the argument and
+    saying what came (a NumPy array, a torch tensor, a list...)."""
+    for name, x in arrays.items():
+        if not isinstance(x, jax.Array):
+            hint = "; convert it with jnp.asarray" if framework_of(x) else ""
+            raise TypeError(f"{name}: expected a jax.Array, got {what_came(x)}{hint}")
 
 
 def _platform(x) -> str:

@@ -30,6 +30,8 @@ from torch import Tensor
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions
 
+from ._checks import check_tensors
+
 NAMESPACE = "sagebwd_cp"
 
 
@@ -97,6 +99,7 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_
                   options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each in its input's layout and q's dtype.  An empty ``k_mean`` (a forward without
     K-smoothing) is no μ_K."""
+    check_dout(dout, q)
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
@@ -109,11 +112,17 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_
 
 # ------------------------------------------------------------------------------ shape checks for tracing
 
-def _check_ranks(layout: str, **arrays) -> None:
+def check_ranks(layout: str, **arrays) -> None:
     for name, x in arrays.items():
         if x.dim() != 4:
             dims = "batch, heads, seqlen, head_dim" if layout == "HND" else "batch, seqlen, heads, head_dim"
             raise ValueError(f"{name}: expected a rank-4 tensor ({dims}), got shape {tuple(x.shape)}")
+
+
+def check_dout(dout: Tensor, q: Tensor) -> None:
+    """dO has q's shape (the core checks the rest, naming it "do")."""
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
 
 
 def lse2_like(q: Tensor, layout: str) -> Tensor:
@@ -138,13 +147,14 @@ def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                  smooth_q: bool, layout: str, granularity: str, deterministic: bool) -> Tensor:
     """Inference attention (see ``inference_impl``)."""
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return inference_impl(q, k, v, options)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, *fields):
-    _check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v)
+    check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v)
     return q.new_empty(q.shape)
 
 
@@ -153,6 +163,7 @@ def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bo
                      smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                      deterministic: bool) -> Tuple[Tensor, Tensor]:
     """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
+    check_tensors("q, k, v, k_mean", q, k, v, k_mean)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return lse_impl(q, k, v, k_mean, options)
 
@@ -160,7 +171,7 @@ def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bo
 @attention_lse_op.register_fake
 def _attention_lse_fake(q, k, v, k_mean, *fields):
     layout = AttentionOptions(*fields).layout
-    _check_ranks(layout, q=q, k=k, v=v)
+    check_ranks(layout, q=q, k=k, v=v)
     return q.new_empty(q.shape), lse2_like(q, layout)
 
 
@@ -170,6 +181,7 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
                          deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return forward_impl(q, k, v, options)
 
@@ -177,7 +189,7 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
 @attention_forward_op.register_fake
 def _attention_forward_fake(q, k, v, *fields):
     options = AttentionOptions(*fields)
-    _check_ranks(options.layout, q=q, k=k, v=v)
+    check_ranks(options.layout, q=q, k=k, v=v)
     return q.new_empty(q.shape), lse2_like(q, options.layout), k_mean_like(q, k, options.layout, options.smooth_k)
 
 
@@ -186,13 +198,14 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Te
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    check_tensors("q, k, v, out, lse2, k_mean, dout", q, k, v, out, lse2, k_mean, dout)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, out, lse2, k_mean, dout, *fields):
-    _check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v, out=out, dout=dout)
+    check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v, out=out, dout=dout)
     return q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype)
 
 

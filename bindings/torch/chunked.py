@@ -19,6 +19,7 @@ from sagebwd_cp import chunked as _neutral
 from sagebwd_cp.options import AttentionOptions, check_flag, check_layout
 
 from . import _ops
+from ._checks import check_tensors, tensor_list
 
 __all__ = ["attention_lse", "attention_backward_lse", "merge_attention", "key_mean", "chunked_attention"]
 
@@ -37,12 +38,13 @@ def _mean_arg(q: Tensor, k_mean: Optional[Tensor]) -> Tensor:
 
 def key_mean(ks: Sequence[Tensor], layout: str = "HND") -> Tensor:
     """μ_K (B, Hkv, D) float32 of the keys of every chunk (see ``sagebwd_cp.key_mean``)."""
-    return _neutral.key_mean(ks, check_layout(layout), xp=torch)
+    return _neutral.key_mean(tensor_list(ks, "ks"), check_layout(layout), xp=torch)
 
 
 def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor], layout: str = "HND"):
     """(out, lse), both float32: attention over the union of disjoint key sets from each set's
     output and natural-log LSE (see ``sagebwd_cp.merge_attention``)."""
+    outs, lses = tensor_list(outs, "outs"), tensor_list(lses, "lses")
     return _neutral.merge_attention(outs, lses, check_layout(layout), xp=torch)
 
 
@@ -53,6 +55,7 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, soft
     of its unsmoothed scores (−inf for a row that sees no key).  ``k_mean``: the μ_K shared by all
     chunks (``key_mean``), None for K's own.  Not differentiable (inputs are read detached):
     ``chunked_attention`` is."""
+    check_tensors("q, k, v, k_mean", q, k, v, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout))
     return _lse_call(q.detach(), k.detach(), v.detach(), _mean_arg(q, k_mean), options)
@@ -78,6 +81,7 @@ def attention_backward_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     of attention over all chunks: dq is this chunk's share (sum it over the chunks), dk and dv the
     chunk's own.  ``k_mean``: the μ_K the forward used (None: this chunk's own, right for a single
     chunk only).  Each in q's dtype."""
+    check_tensors("q, k, v, out, lse, dout, k_mean", q, k, v, out, lse, dout, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
     if options.smooth_k and k_mean is None:
@@ -180,7 +184,10 @@ def chunked_attention(q: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], *, 
     merging and 16-bit rounding of each chunk's partial results.  ``return_lse=True`` also returns
     the natural-log LSE (B, Hq, Lq) float32 (not differentiable).  Options as in ``attention``.
     Each chunk's output and gradients are accumulated in float32."""
-    ks, vs = list(ks), list(vs)
+    check_tensors("q", q)
+    ks, vs = tensor_list(ks, "ks"), tensor_list(vs, "vs")
+    _ops.check_ranks(check_layout(layout), q=q, **{f"ks[{i}]": k for i, k in enumerate(ks)},
+                     **{f"vs[{i}]": v for i, v in enumerate(vs)})
     if not ks or len(ks) != len(vs):
         raise ValueError(f"ks, vs: expected the same positive number of key and value chunks, got {len(ks)} and "
                          f"{len(vs)}")

@@ -19,6 +19,7 @@ from sagebwd_cp import guard
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag
 
 from . import _ops
+from ._checks import check_tensors
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "SageAttentionFunction"]
 
@@ -63,6 +64,7 @@ class SageAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *fields):
+        check_tensors("q, k, v", q, k, v)
         options = AttentionOptions(*fields)  # the fields in AttentionOptions' order
         if _compiling():
             out, lse2, k_mean = _ops.attention_forward_op(q, k, v, *options)
@@ -121,6 +123,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     or a threshold): warn once per shape where INT8 scores get coarse (sagebwd_cp/guard.py); not under
     ``torch.compile``.
     """
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic)
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -168,6 +171,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     ``attn_mask`` and ``dropout_p`` are not supported (ValueError).  The last four keywords are
     this library's options (see ``attention``).
     """
+    check_tensors("query, key, value", query, key, value)
     if attn_mask is not None:
         raise ValueError("attn_mask: arbitrary attention masks are not supported; pass attn_mask=None "
                          "(use is_causal=True for causal masking)")
@@ -231,6 +235,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     their defaults (ValueError otherwise).  ``deterministic`` orders the dQ accumulation;
     ``smooth_k``, ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
     """
+    check_tensors("q, k, v", q, k, v)
     check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD", smooth_k=smooth_k,
                      smooth_q=smooth_q, granularity=granularity, deterministic=deterministic)

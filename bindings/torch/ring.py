@@ -25,6 +25,7 @@ from sagebwd_cp import chunked as _neutral
 from sagebwd_cp.options import AttentionOptions, check_flag, check_layout
 
 from . import _ops
+from ._checks import check_tensors, tensor_list
 from .chunked import backward_chunks, forward_chunks
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
@@ -37,6 +38,7 @@ def _seq_dim(layout: str) -> int:
 def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int) -> Tensor:
     """Rank ``rank``'s shard of ``x`` in the zig-zag layout: ``x`` cut into 2·world_size equal
     chunks along ``dim``, chunks rank and 2·world_size−1−rank concatenated."""
+    check_tensors("x", x)
     n = x.shape[dim]
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank, world_size: expected 0 <= rank < world_size, got {rank}, {world_size}")
@@ -49,7 +51,7 @@ def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int) -> Tensor:
 def zigzag_unshard(shards, dim: int) -> Tensor:
     """The sequence from every rank's zig-zag shard (``shards[r]``, rank order): the inverse of
     ``zigzag_shard``."""
-    halves = [s.chunk(2, dim) for s in shards]
+    halves = [s.chunk(2, dim) for s in tensor_list(shards, "shards")]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
 
@@ -166,9 +168,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sof
     even local length; masking is over the whole sequence.  Returns this rank's output rows (and,
     with ``return_lse``, their natural-log LSE, float32, not differentiable).  CUDA tensors need the
     NCCL backend, CPU tensors gloo.  Options as in ``attention``."""
+    check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
     return_lse = check_flag(return_lse, "return_lse")
+    _ops.check_ranks(options.layout, q=q, k=k, v=v)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group first (torchrun sets up the environment)")

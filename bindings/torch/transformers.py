@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_tensors
+from ._ops import check_ranks
 from .functional import attention
 from .varlen import flash_attn_varlen_func
 
@@ -70,6 +72,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention interface: query (B, Hq, N, D), key and value (B, Hkv, N, D) with Hq a
     multiple of Hkv; returns ((B, N, Hq, D), None)."""
+    check_tensors("query, key, value, attention_mask", query, key, value, attention_mask, optional=("attention_mask",))
+    check_ranks("HND", query=query, key=key, value=value)
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
     if sliding_window is not None:
@@ -80,7 +84,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D)
     if attention_mask is not None:
         if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
-            raise _refuse(f"an attention mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
+            raise _refuse(f"attention_mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
         return _unpadded_attention(q, k, v, attention_mask, causal, scaling), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])

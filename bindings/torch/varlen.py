@@ -20,7 +20,8 @@ from torch import Tensor
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions
 
-from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean
+from ._checks import check_tensors
+from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
 from .functional import _autocast, check_flash_defaults
 
 __all__ = ["flash_attn_varlen_func"]
@@ -42,6 +43,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                   cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                   options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
+    check_dout(dout, q)
     dout = dout.contiguous()
     mean = k_mean if k_mean.numel() else None
     offsets = _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda)
@@ -67,6 +69,7 @@ def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
                       max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
                       layout: str, granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
+    check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
@@ -87,6 +90,8 @@ def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tenso
                        softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
+    check_tensors("q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k", q, k, v, out, lse2, k_mean, dout,
+                  cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          options)
@@ -131,6 +136,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and
     ``block_table`` must keep their defaults (ValueError otherwise); ``smooth_k`` and ``granularity``
     are this library's options (``sagebwd_cp.torch.attention``)."""
+    check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
     check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
                                granularity=granularity, deterministic=deterministic)

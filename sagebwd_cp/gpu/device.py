@@ -33,30 +33,44 @@ def cuda_device():
 
     ``properties``: id, count, name, arch, sms, smem_optin (opt-in shared memory per block, bytes).
     ``why`` is a sentence: NO_GPU where the machine has no GPU or no NVIDIA driver, else what failed."""
+    devices, why = cuda_devices()
+    if not devices:
+        return None, why
+    import cupy
+
+    current = cupy.cuda.Device().id
+    return next((d for d in devices if d["id"] == current), devices[0]), ""
+
+
+def cuda_devices():
+    """``(devices, "")``: the properties of every visible CUDA device (as ``cuda_device`` gives the
+    current one's), in id order; or ``([], why)`` where there is none."""
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - a broken install also means no GPU path
-        return None, (f"CuPy is not importable ({exc}): install the cuda13 or cuda12 extra, "
+        return [], (f"CuPy is not importable ({exc}): install the cuda13 or cuda12 extra, "
                       f"e.g. pip install \"sagebwd_cp[cuda13]\"; host arrays run on the CPU emulator")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - the driver's message is the detail to keep
         if not _driver_present() or "NoDevice" in str(exc):  # cudaErrorNoDevice: a driver, no GPU
-            return None, NO_GPU
-        return None, f"the CUDA driver failed: {exc}; host arrays run on the CPU emulator"
+            return [], NO_GPU
+        return [], f"the CUDA driver failed: {exc}; host arrays run on the CPU emulator"
     if count == 0:
-        return None, NO_GPU
-    device_id = cupy.cuda.Device().id
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"]
-    return {
-        "id": device_id,
-        "count": count,
-        "name": name.decode() if isinstance(name, bytes) else str(name),
-        "arch": device_arch(device_id),
-        "sms": props["multiProcessorCount"],
-        "smem_optin": props["sharedMemPerBlockOptin"],
-    }, ""
+        return [], NO_GPU
+    devices = []
+    for device_id in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+        name = props["name"]
+        devices.append({
+            "id": device_id,
+            "count": count,
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "arch": device_arch(device_id),
+            "sms": props["multiProcessorCount"],
+            "smem_optin": props["sharedMemPerBlockOptin"],
+        })
+    return devices, ""
 
 
 def device_arch(device_id: int) -> str:

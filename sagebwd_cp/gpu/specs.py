@@ -71,6 +71,26 @@ def use_wgmma(arch: str | None) -> bool:
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
+def kernel_family(arch: str) -> str:
+    """In words, the kernels a device of ``arch`` runs, or that the library does not build for it."""
+    if arch in WGMMA_ARCHS:
+        return ("wgmma kernels (sm_90a)" if use_wgmma(arch) else
+                "mma.sync kernels (SAGEBWD_WGMMA=0; wgmma kernels (sm_90a) without it)")
+    if arch in compiler.SUPPORTED_ARCHS:
+        return "mma.sync kernels"
+    number = arch.removeprefix("sm_")
+    if number.isdigit() and int(number) < 80:
+        return "not supported: the kernels need sm_80 or newer; host arrays run on the CPU emulator"
+    return (f"not built: the library builds and tests {', '.join(compiler.SUPPORTED_ARCHS)} only; host arrays run "
+            "on the CPU emulator")
+
+
+def kernel_families() -> list:
+    """``(archs, family)`` for every arch the library builds, the mma.sync archs together."""
+    mma = [a for a in compiler.SUPPORTED_ARCHS if a not in WGMMA_ARCHS]
+    return [(", ".join(mma), kernel_family(mma[0]))] + [(a, kernel_family(a)) for a in WGMMA_ARCHS]
+
+
 def _env_choice(name: str, choices: tuple) -> int | None:
     """The integer an override variable names (one of ``choices``), or None where it is unset."""
     value = os.environ.get(name)
