@@ -705,12 +705,12 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
 
 
 def test_grid_orders_match_the_kernels():
-    """launch.py's grid-order values are the ones kernels/backward_common.cuh decodes."""
+    """launch.py's grid-order values are the ones kernels/config.cuh names (SB_GRID_ORDER)."""
     import re
     from sagebwd_cp.gpu import launch
     from sagebwd_cp.gpu.compiler import source_dirs
 
-    text = (source_dirs()[0] / "backward_common.cuh").read_text()
+    text = (source_dirs()[0] / "config.cuh").read_text()
     enum = dict((n, int(v)) for n, v in re.findall(r"(\w+) = (\d+)", re.search(r"enum GridOrder \{([^}]*)\}", text).group(1)))
     assert enum == {n: getattr(launch, n) for n in ("BLOCKS_FIRST", "HEADS_FIRST", "HEADS_BATCH_FIRST")}
 
