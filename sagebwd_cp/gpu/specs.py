@@ -32,6 +32,7 @@ class TmaBox:
     box: tuple
     swizzle: int
 
+
 # A spec's readable key is its family's name followed by the text of each define that names one of
 # its choices, in this order; a family's implied defines (sizes that follow from its choices) are not
 # spelled out. So the key and the defines come from one dict.
