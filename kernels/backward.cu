@@ -19,6 +19,8 @@
 //   SB_CAUSAL  bottom-right aligned causal mask   SB_BIAS           Q-smoothing (bias in S, exact dK term)
 //   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
 //   SB_STAGES  query-side buffers in flight (1 or 2)
+//   SB_THREADS, SB_CTA_KEYS, SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER: the CTA's threads and keys, the
+//              key-side padding, dQ's row pitch and the grid order (specs.BackwardTiles.implied)
 // Hopper runs backward_wgmma.cu (warpgroup products, 128-key CTAs) with the same numerics.
 #include "common.cuh"
 #include "params.cuh"
@@ -32,10 +34,14 @@
 
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;   // queries per tile (= dO scale block)
-constexpr int BKV = SB_BLOCK_KV; // keys per CTA
+constexpr int BKV = SB_CTA_KEYS; // keys per CTA
 constexpr int KEY_GROUPS = BKV / 16;  // warps along the keys
 constexpr int WARPS = 2 * KEY_GROUPS; // times two halves of the query tile
-constexpr int THREADS = WARPS * 32;
+constexpr int THREADS = SB_THREADS;
+constexpr int DQ_PITCH = SB_DQ_PITCH;  // dq_acc rows (floats)
+static_assert(BKV == SB_BLOCK_KV, "a CTA's keys are one quantization block");
+static_assert(THREADS == WARPS * 32, "a warp per 16 keys and query half");
+static_assert(DQ_PITCH >= DP && DQ_PITCH % 2 == 0, "dq_acc rows hold the head dim in 8-byte aligned pairs");
 constexpr int QW = BQ / 2;       // queries per warp
 constexpr int NT_Q = QW / 8;     // n-tiles of a warp's Sᵀ
 constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
@@ -532,8 +538,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
             } else {
                 fq[0] = fq[1] = tile_y_psi.scale * s_kt;
             }
-            // dq_acc spans Nq_pad x DP: padded rows and columns take (zero) updates, so no bounds checks.
-            float* dq_lo = a.dq_acc + ((SB_VARLEN ? seq.q_row0(h) : bhq * seq.nq_pad()) + q0 + r_lo) * DP + 2 * t;
+            // dq_acc spans Nq_pad x DQ_PITCH: padded rows and columns take (zero) updates, so no bounds checks.
+            float* dq_lo = a.dq_acc + ((SB_VARLEN ? seq.q_row0(h) : bhq * seq.nq_pad()) + q0 + r_lo) * DQ_PITCH + 2 * t;
 #pragma unroll
             for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
                 const int nd = qh * (NT_D / 2) + ndh;
@@ -550,7 +556,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                 for (int x = 0; x < 2; ++x)
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        red_add2(dq_lo + half * 8 * DP + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
+                        red_add2(dq_lo + half * 8 * DQ_PITCH + (nd + x) * 8, static_cast<float>(pq[x][2 * half]) * fq[half],
                                  static_cast<float>(pq[x][2 * half + 1]) * fq[half]);
             }
         }

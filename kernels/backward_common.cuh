@@ -10,24 +10,26 @@
 #include "exp2.cuh"
 
 // Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
-// The grid's axes (launch.attention_grid's orders, backward.backward_grid says which grid takes which):
-// BLOCKS_FIRST (key blocks, Hkv, B), HEADS_FIRST (Hkv, key blocks, B), HEADS_BATCH_FIRST (Hkv, B, key
-// blocks). The mma.sync kernel's order is fixed at compile time (one register fewer at d=64).
-enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };  // launch.py's values
+// The grid's axes (config.cuh GridOrder over key blocks, Hkv, B; backward.backward_grid says which grid
+// takes which): SB_GRID_ORDER, fixed at compile time for the mma.sync kernel (one register fewer at
+// d=64: specs.backward_fixed_grid_order), or -1 for the launch's grid_order.
 struct GridCell { int j, hk, b; };  // key block, key head, batch entry
+static_assert(SB_GRID_ORDER >= -1 && SB_GRID_ORDER <= HEADS_BATCH_FIRST, "a GridOrder, or -1");
 SB_DEVICE GridCell backward_cell(int grid_order) {
-    if (!SB_WGMMA) grid_order = SB_CAUSAL && SB_DETERMINISTIC ? HEADS_BATCH_FIRST : BLOCKS_FIRST;
+    if (SB_GRID_ORDER >= 0) grid_order = SB_GRID_ORDER;
     const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
     if (SB_CAUSAL && grid_order == HEADS_BATCH_FIRST) return {z, x, y};
     if (SB_CAUSAL && grid_order == HEADS_FIRST) return {y, x, z};
     return {x, y, z};
 }
 
-// A packed batch's key-side INT8 rows per sequence are a multiple of this: whole CTAs of keys (64 for
-// backward.cu, SB_GROUPS·64 for backward_wgmma.cu) and of 128 (specs.BackwardTiles.key_pad).
-constexpr int sb_gcd(int x, int y) { return y ? sb_gcd(y, x % y) : x; }
-constexpr int BACKWARD_CTA_KEYS = SB_WGMMA ? SB_GROUPS * SB_BLOCK_KV : SB_BLOCK_KV;
-constexpr int BACKWARD_KEY_PAD = BACKWARD_CTA_KEYS / sb_gcd(BACKWARD_CTA_KEYS, SB_VARLEN_PAD) * SB_VARLEN_PAD;
+// The keys of a CTA (specs.BackwardTiles.block_keys: 64 for backward.cu, SB_GROUPS·64 for
+// backward_wgmma.cu); a packed batch's key-side INT8 rows per sequence are a multiple of SB_KEY_PAD:
+// whole CTAs of keys and of SB_TOKEN_PAD (specs.BackwardTiles.key_pad).
+constexpr int BACKWARD_CTA_KEYS = SB_CTA_KEYS;
+constexpr int BACKWARD_KEY_PAD = SB_KEY_PAD;
+static_assert(BACKWARD_KEY_PAD % BACKWARD_CTA_KEYS == 0 && BACKWARD_KEY_PAD % SB_TOKEN_PAD == 0,
+              "key-side rows are whole CTAs of keys and whole padded blocks");
 using BackwardSeq = SeqInfo<BackwardParams, BACKWARD_KEY_PAD, SB_WGMMA>;
 
 SB_DEVICE float quad_max(float v) {

@@ -2,24 +2,28 @@
 // to the input dtype after it, and a packed copy of a 16-bit array whose rows are not 16-byte
 // aligned (the main kernel reads V and dO with cp.async).
 //
-// Compile-time: SB_BF16 (16-bit dtype bf16, else fp16).
+// Compile-time: SB_BF16 (16-bit dtype bf16, else fp16), SB_THREADS (every kernel's CTA: specs.ROWS_THREADS),
+// SB_TOKEN_PAD.
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
 #include "convert.cuh"
 
+constexpr int THREADS = SB_THREADS;
+
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
-// dO and of O where rows are 16-byte aligned), 256 / LANES rows per CTA of 256 threads; grid (Nq_pad·LANES / 256, Hq, B), packed: the longest sequence's padded rows.
+// dO and of O where rows are 16-byte aligned), THREADS / LANES rows per CTA; grid (Nq_pad·LANES / THREADS, Hq, B), packed: the longest sequence's padded rows.
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 template <int LANES>
 SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
-    const int c0 = 8 * (threadIdx.x % LANES), row = blockIdx.x * (256 / LANES) + threadIdx.x / LANES;
+    static_assert(SB_TOKEN_PAD % (THREADS / LANES) == 0, "a packed sequence's padded rows are whole CTAs");
+    const int c0 = 8 * (threadIdx.x % LANES), row = blockIdx.x * (THREADS / LANES) + threadIdx.x / LANES;
     const int h = blockIdx.y;
     const SeqInfo<RowStatsParams> seq(p, blockIdx.z);
-    // Packed: rows up to the sequence's padded end (whole CTAs, 128 a multiple of their 16 or 32 rows).
-    if (SB_VARLEN && row >= (seq.len_q() + SB_VARLEN_PAD - 1) / SB_VARLEN_PAD * SB_VARLEN_PAD) return;
+    // Packed: rows up to the sequence's padded end (whole CTAs, SB_TOKEN_PAD a multiple of their 16 or 32 rows).
+    if (SB_VARLEN && row >= (seq.len_q() + SB_TOKEN_PAD - 1) / SB_TOKEN_PAD * SB_TOKEN_PAD) return;
     float s = 0.f;
     if (row < seq.len_q() && c0 < p.D) {
         const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
@@ -43,7 +47,7 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
                                                    p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS)
 row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
     const RowStatsParams p = SB_KERNEL_VIEW(RowStatsParams, SB_ROW_STATS_FIELDS);
     SB_REQUIRE_SM80();
@@ -56,14 +60,14 @@ row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per 8 columns (two
 // 16-byte loads, one 16-byte store where the row is 16-byte aligned: D is a multiple of 8, so dQ rows and the
-// accumulator's are); grid (ceil(Lq · D/8 / 256), Hq, B).
-extern "C" __global__ void __launch_bounds__(256)
+// accumulator's are); grid (ceil(Lq · D/8 / THREADS), Hq, B).
+extern "C" __global__ void __launch_bounds__(THREADS)
 dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
     const DqConvertParams p = SB_KERNEL_VIEW(DqConvertParams, SB_DQ_CONVERT_FIELDS);
     SB_REQUIRE_SM80();
     const int h = blockIdx.y;
     const SeqInfo<DqConvertParams> seq(p, blockIdx.z);
-    const int idx = blockIdx.x * 256 + threadIdx.x, groups = p.D / 8;
+    const int idx = blockIdx.x * THREADS + threadIdx.x, groups = p.D / 8;
     if (idx >= seq.len_q() * groups) return;
     const int row = idx / groups, col = 8 * (idx % groups);
     const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (seq.q_row0(h) + row) * p.dq_row + col);
@@ -79,13 +83,13 @@ dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
     }
 }
 
-// Packed [B][H][L][D] copy of a strided 16-bit array; grid (ceil(L · D / 256), H, B).
-extern "C" __global__ void __launch_bounds__(256)
+// Packed [B][H][L][D] copy of a strided 16-bit array; grid (ceil(L · D / THREADS), H, B).
+extern "C" __global__ void __launch_bounds__(THREADS)
 pack_rows(SB_KERNEL_PARAMS(SB_PACK_ROWS_FIELDS)) {
     const PackRowsParams p = SB_KERNEL_VIEW(PackRowsParams, SB_PACK_ROWS_FIELDS);
     SB_REQUIRE_SM80();
     const int h = blockIdx.y, b = blockIdx.z;
-    const int idx = blockIdx.x * 256 + threadIdx.x;
+    const int idx = blockIdx.x * THREADS + threadIdx.x;
     if (idx >= p.L * p.D) return;
     const int row = idx / p.D, col = idx % p.D;
     p.y[(static_cast<i64>(b) * p.H + h) * p.L * p.D + idx] = p.x[b * p.sb + h * p.sh + row * p.sn + col];

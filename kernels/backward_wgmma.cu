@@ -17,7 +17,11 @@
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
 // SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two);
 // SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
-// registers: there dK's accumulators live in shared memory).
+// registers: there dK's accumulators live in shared memory). From specs.BackwardTiles.implied:
+// SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
+// launch's), and the query-side tensor maps' boxes (specs.BackwardTiles.query_maps): SB_TMA_QROWS
+// query rows (Q̂, dO) or columns (Q̂ᵀ, dÔᵀ) a box, SB_TMA_DO_COLS columns of a dO box, and the swizzles
+// SB_TMA_SWIZZLE_Q, _QT and _DO.
 #include "backward_common.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -29,8 +33,9 @@ constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
 constexpr int GROUPS = SB_GROUPS;    // warpgroups
-constexpr int CTA_KEYS = GROUPS * BKV;
-constexpr int THREADS = GROUPS * 128;
+constexpr int CTA_KEYS = SB_CTA_KEYS;
+constexpr int THREADS = SB_THREADS;
+static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup per 64 keys");
 constexpr bool DK_SMEM = GROUPS > 2;  // dK's FP32 accumulators in shared memory (a slot per thread)
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
 // Two warpgroups at head dim 64 use about 185 of the 255 registers a thread may hold at one CTA per
@@ -62,8 +67,18 @@ static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
 // maxima of P, Z and Y per warp.
 constexpr int RED_Y = 0, RED_TILE = RED_Y + GROUPS * 4 * BQ, RED_FLOATS = RED_TILE + 3 * 4 * GROUPS;
-constexpr int DQ_PITCH = DP + 8;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded: a warp's
-                                  // 8-byte stores hit every bank, and tile and rows are one range each
+constexpr int DQ_PITCH = SB_DQ_PITCH;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded (DP + 8):
+                                       // a warp's 8-byte stores hit every bank, and tile and rows are one range each
+static_assert(DQ_PITCH >= DP && DQ_PITCH % 4 == 0, "rows hold the head dim, 16-byte aligned for the bulk copies");
+// The TMA boxes: Q̂ one query block of DP-byte rows; Q̂ᵀ, dÔᵀ DP rows of a query block's bytes; dO
+// DP / DO_COLS boxes of the query block's rows x DO_COLS 16-bit columns (128 bytes: tile16_offset's
+// column blocks); each box in the swizzle of its row's bytes, which the wgmma descriptors and
+// tile16_offset read.
+constexpr int DO_COLS = SB_TMA_DO_COLS;
+static_assert(SB_TMA_QROWS == BQ, "a box spans one query block");
+static_assert(2 * DO_COLS == 128 && DP % DO_COLS == 0, "dO boxes are 128-byte column blocks");
+static_assert(SB_TMA_SWIZZLE_Q == DP && SB_TMA_SWIZZLE_QT == BQ && SB_TMA_SWIZZLE_DO == 2 * DO_COLS,
+              "each box in the swizzle of its rows");
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
 // Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
 constexpr int TILE_ALIGN = 1024;
@@ -203,8 +218,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
         // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
-        for (int cb = 0; cb < DP / 64; ++cb)
-            tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, seq.q_start() + i * BQ, h, SB_VARLEN ? 0 : seq.b, bar);
+        for (int cb = 0; cb < DP / DO_COLS; ++cb)
+            tma_load_4d(st + SDO + cb * BQ * (2 * DO_COLS), tm_do, DO_COLS * cb, seq.q_start() + i * BQ, h,
+                        SB_VARLEN ? 0 : seq.b, bar);
         bulk_load(st + SSTATS, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order

@@ -2,7 +2,21 @@
 // alone (specs.py sets them for each specialization; numerics.compile_defines sets the SB_BLOCK_*,
 // SB_INT8_MAX, SB_P_LEVELS and SB_TINY_AMAX constants, which have no default). Each kernel's header
 // comment says which of them it reads and what they mean.
+// The sizes the host also uses have no default either: specs.py defines them once and passes them
+// (each kernel asserts what its structure needs of them):
+//   SB_TOKEN_PAD   INT8 buffers hold a multiple of this many token rows (specs.TOKEN_PAD; seqinfo.cuh)
+//   SB_THREADS     threads a CTA (the small kernels, the forward and backward tiles)
+//   SB_CTA_Q       forward: query rows a CTA              SB_MIN_BLOCKS  forward_ws: CTAs an SM
+//   SB_CTA_KEYS    backward: keys a CTA                   SB_KEY_PAD     backward: key-side INT8 padding
+//   SB_DQ_PITCH    backward: floats a row of the dQ accumulator
+//   SB_GRID_ORDER  forward, backward: the grid's order (GridOrder below; -1: the launch's grid_order)
+//   SB_TMA_*       TMA boxes and swizzles of the tensor maps (specs.TmaBox)
+//   SB_QUANT_THREADS, SB_QUANT_CHUNKS, SB_SUM_THREADS: quantize.cu
 #pragma once
+
+// The grid's axes (launch.attention_grid's orders; launch.py holds the same values): BLOCKS_FIRST
+// (blocks, heads, batch), HEADS_FIRST (heads, blocks, batch), HEADS_BATCH_FIRST (heads, batch, blocks).
+enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };
 
 #ifndef SB_DP
 #define SB_DP 128            // padded head dim (64 or 128)

@@ -11,6 +11,9 @@
 //   SB_TILE_KEYS keys per tile: 64 (the V scale block), or 128 with SB_WGMMA. A 128-key tile takes
 //               its row maxima, P̂'s scale and the O update once for two V blocks; P̂ then folds the
 //               ratio of the blocks' V scales in (numerics.py, forward P quantization).
+//   SB_THREADS, SB_CTA_Q  the CTA's threads and query rows (specs.ForwardTiles)
+//   SB_GRID_ORDER         the grid's order (specs.forward_grid_order): BLOCKS_FIRST, or HEADS_BATCH_FIRST,
+//                         whose query blocks start last to first
 // Q̂ and its per-token scales: without Q-smoothing the CTA quantizes its own rows from the 16-bit Q
 // (q, q_sb, q_sh, q_sn, q_prescale), as the pre-pass would (quantizer.cuh, bit for bit); with it, the
 // pre-pass's q8 and q_scale (the block means need every row of the block first).
@@ -31,8 +34,11 @@ constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
 constexpr int TILE = SB_TILE_KEYS;           // keys per tile
 constexpr int VBLOCKS = TILE / BKV;          // V scale blocks per tile
-constexpr int THREADS = SB_WARPS * 32;
-constexpr int CTA_Q = SB_WARPS * 16 * SB_MT;  // query rows per CTA
+constexpr int THREADS = SB_THREADS;
+constexpr int CTA_Q = SB_CTA_Q;               // query rows per CTA
+static_assert(THREADS == SB_WARPS * 32 && CTA_Q == SB_WARPS * 16 * SB_MT, "SB_MT m-tiles of 16 rows a warp");
+constexpr bool HEADS_BATCH_GRID = SB_GRID_ORDER == HEADS_BATCH_FIRST;
+static_assert(SB_GRID_ORDER == BLOCKS_FIRST || HEADS_BATCH_GRID, "(blocks, heads, batch) or (heads, batch, blocks)");
 constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
@@ -102,9 +108,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const int g = lane >> 2, t = lane & 3;
     // Later query blocks have more work under the causal mask: they start first, every (head, batch
     // entry)'s before any one's next (grid (heads, batch, blocks): launch.attention_grid).
-    const int qb = SB_CAUSAL ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
-    const int h = SB_CAUSAL ? blockIdx.x : blockIdx.y;
-    const SeqInfo<ForwardParams> seq(p, SB_CAUSAL ? blockIdx.y : blockIdx.z);
+    const int qb = HEADS_BATCH_GRID ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
+    const int h = HEADS_BATCH_GRID ? blockIdx.x : blockIdx.y;
+    const SeqInfo<ForwardParams> seq(p, HEADS_BATCH_GRID ? blockIdx.y : blockIdx.z);
     const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
     if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
 
@@ -403,7 +409,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                             pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
                 }
                 if (p.lse2 && t == 0)
-                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<SB_CAUSAL>(p.Hq) * p.Lq) + row] =
+                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row] =
                         l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[mt][half] + log2_approx(l) : nan);
             }
         }

@@ -19,7 +19,9 @@
 // others go query block fastest, so that CTAs running together read one key head.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
-// Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG.
+// Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG; and from specs.WsForwardTiles:
+// SB_TILE_KEYS (128), SB_THREADS, SB_CTA_Q, SB_MIN_BLOCKS (CTAs an SM), and the key tiles' TMA
+// swizzles SB_TMA_SWIZZLE_K and SB_TMA_SWIZZLE_VT (WsForwardTiles.key_maps).
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
@@ -41,13 +43,17 @@
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
-constexpr int TILE = 128;                    // keys per tile
+constexpr int TILE = SB_TILE_KEYS;           // keys per tile
 constexpr int VBLOCKS = TILE / BKV;          // V scale blocks per tile
 constexpr int CONSUMERS = SB_CONSUMERS;
 constexpr int STAGES = SB_KV_STAGES;
 constexpr int WG_ROWS = 64;                  // query rows per consumer
-constexpr int CTA_Q = CONSUMERS * WG_ROWS;   // query rows per CTA
-constexpr int THREADS = (CONSUMERS + 1) * 128;
+constexpr int CTA_Q = SB_CTA_Q;              // query rows per CTA
+constexpr int THREADS = SB_THREADS;
+static_assert(CTA_Q == CONSUMERS * WG_ROWS && THREADS == (CONSUMERS + 1) * 128, "a producer and the consumers' warpgroups");
+static_assert(TILE == 128, "128-key tiles: two V scale blocks, 128-byte V̂ᵀ rows");
+// The key tiles' TMA boxes are whole tiles in the swizzle of their rows (the wgmma descriptors').
+static_assert(SB_TMA_SWIZZLE_K == DP && SB_TMA_SWIZZLE_VT == TILE, "each box in the swizzle of its rows");
 constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile
@@ -61,7 +67,8 @@ static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
 static_assert(BKV == 64 && VBLOCKS == 2, "two V scale blocks a tile");
 // Registers: the producer keeps 24; the consumers take the rest of the SM's 64K (one CTA an SM with
 // two or three consumers; with one, two CTAs an SM: specs.WsForwardTiles.ctas_per_sm).
-constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1;
+constexpr int MIN_BLOCKS = SB_MIN_BLOCKS;
+static_assert(MIN_BLOCKS == (CONSUMERS == 1 ? 2 : 1), "CONSUMER_REGS below are the split of one or two CTAs' registers");
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : CONSUMERS == 2 ? 240 : 160;
 // setmaxnreg moves registers inside the CTA's allocation, which the launch sizes from the kernel's

@@ -5,12 +5,13 @@
 #include "seqinfo.cuh"
 #include "convert.cuh"
 
-// grid (ceil(Lq / 128), Hq, B); one thread per query row. Rows that saw no key get -inf.
-extern "C" __global__ void __launch_bounds__(128)
+// grid (ceil(Lq / SB_THREADS), Hq, B); one thread per query row (SB_THREADS: specs.LSE_THREADS). Rows that
+// saw no key get -inf.
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
 natural_lse(SB_KERNEL_PARAMS(SB_NATURAL_LSE_FIELDS)) {
     const NaturalLseParams p = SB_KERNEL_VIEW(NaturalLseParams, SB_NATURAL_LSE_FIELDS);
     SB_REQUIRE_SM80();
-    const int row = blockIdx.x * 128 + threadIdx.x, h = blockIdx.y;
+    const int row = blockIdx.x * SB_THREADS + threadIdx.x, h = blockIdx.y;
     const SeqInfo<NaturalLseParams> seq(p, blockIdx.z);
     if (row >= seq.len_q()) return;
     const i64 at = seq.lse_row0(h) + row;  // lse2 and lse are [B][Hq][Lq]

@@ -7,7 +7,9 @@
 // it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
 // for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
-// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO).
+// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO); from specs.py
+// SB_QUANT_THREADS (quantize_tensors' largest CTA: D_pad threads), SB_QUANT_CHUNKS (tokens a thread owns),
+// SB_SUM_THREADS (token_sum's CTA) and SB_TOKEN_PAD.
 #include "common.cuh"
 #include "params.cuh"
 #include "convert.cuh"
@@ -16,13 +18,15 @@
 #include "seqinfo.cuh"
 
 #define QBLOCK 64
-#define QTHREADS_MAX 128  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
-#define SUM_THREADS 512   // token_sum
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
 #define QUANT_MEAN_GIVEN 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
+constexpr int QTHREADS_MAX = SB_QUANT_THREADS;  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
+constexpr int SUM_THREADS = SB_SUM_THREADS;     // token_sum
+static_assert(QTHREADS_MAX == 128, "D_pad threads, the head dim padded to 64 or 128");
+static_assert(SB_TOKEN_PAD % (2 * QBLOCK) == 0, "a CTA's two blocks lie in one tensor's padded rows");
 
 // Byte transpose: words a, b, c, d hold bytes 0-3 of four tokens; out[n] holds byte n of each, in that order.
 SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
@@ -34,7 +38,8 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
     out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-constexpr int GROUP = 16;  // tokens a thread owns (one group of the fragment token order)
+constexpr int GROUP = SB_QUANT_CHUNKS;  // tokens a thread owns (one group of the fragment token order)
+static_assert(GROUP == 16, "a thread's tokens are one group of the fragment token order");
 struct QuantizeShared {
     float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
     union {
@@ -64,7 +69,7 @@ struct QuantizeShared {
 // t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
 //   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
-// raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 256·D_pad bytes: quantize.py CHUNKS_PER_THREAD), chunk i of
+// raw: GROUP x DPAD chunks of 16 bytes (dynamic shared memory, 16·GROUP·D_pad bytes: quantize.py), chunk i of
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).

@@ -7,13 +7,14 @@
 //   arrays (the batch stride unused), Lq and Lk are the token totals, and the INT8 buffers are
 //   [1][H][N_pad] with sequence b from row varlen_row0(cu, b, pad): its own rows, a multiple of pad
 //   of them, so quantization blocks and key tiles never straddle two sequences.
+// pad is SB_TOKEN_PAD (specs.TOKEN_PAD) on the query side, the kernel's KEY_PAD on the key side.
 // It reads the kernel's parameter struct (SB_KERNEL_VIEW) where it is: nothing is copied that the
 // compiler would have to hold across a kernel's main loop.
 #pragma once
 #include "common.cuh"
 #include "config.cuh"
 
-constexpr int SB_VARLEN_PAD = 128;  // query-side rows per sequence are a multiple of this (specs.TOKEN_PAD)
+static_assert(SB_TOKEN_PAD % SB_BLOCK_Q == 0 && SB_TOKEN_PAD % SB_BLOCK_KV == 0, "padded rows are whole 64-token blocks");
 
 // First row of packed sequence b in an INT8 buffer whose sequences are padded to multiples of pad:
 // round_up(cu[b], pad) + b·pad. Sequence b then has room for round_up(len_b, pad) rows before b + 1's
@@ -34,7 +35,7 @@ SB_DEVICE int fresh_bound(const int* cu, int i) {
 // KEY_PAD: the key-side padding of a packed batch's INT8 buffers (the backward's whole key tiles).
 // FRESH_KEYS: a packed batch's key bounds are loaded where they are used instead of held in registers
 // (which of the two spills depends on the kernel: the wgmma backward at its 255 registers loads them).
-template <class Params, int KEY_PAD = SB_VARLEN_PAD, bool FRESH_KEYS = false>
+template <class Params, int KEY_PAD = SB_TOKEN_PAD, bool FRESH_KEYS = false>
 struct SeqInfo {
     const Params& p;  // Lq, Lk, Nq_pad, Nk_pad, Hq, Hkv (and cu_q, cu_k packed)
     int b;            // batch entry
@@ -78,7 +79,7 @@ struct SeqInfo {
     SB_DEVICE i64 k_slice(int hk) const { return static_cast<i64>(b) * p.Hkv + hk; }
     // The first token row of query head h in [B][Hq][Nq_pad] buffers, and of key head hk in [B][Hkv][Nk_pad].
     SB_DEVICE i64 q_row0(int h) const {
-        return SB_VARLEN ? h * static_cast<i64>(p.Nq_pad) + varlen_row0(q_start(), b, SB_VARLEN_PAD) : q_slice(h) * p.Nq_pad;
+        return SB_VARLEN ? h * static_cast<i64>(p.Nq_pad) + varlen_row0(q_start(), b, SB_TOKEN_PAD) : q_slice(h) * p.Nq_pad;
     }
     SB_DEVICE i64 k_row0(int hk) const {
         return SB_VARLEN ? hk * static_cast<i64>(p.Nk_pad) + varlen_row0(k_start(), b, KEY_PAD) : k_slice(hk) * p.Nk_pad;
@@ -87,7 +88,7 @@ struct SeqInfo {
     // sequence's first column; the element of (d, token n) is at (qt_row0(h) + d)·N_pad + qt_col0() + n.
     SB_DEVICE i64 qt_row0(int h, int dp) const { return (SB_VARLEN ? h : q_slice(h)) * dp; }
     SB_DEVICE i64 kt_row0(int hk, int dp) const { return (SB_VARLEN ? hk : k_slice(hk)) * dp; }
-    SB_DEVICE int qt_col0() const { return SB_VARLEN ? static_cast<int>(varlen_row0(q_start(), b, SB_VARLEN_PAD)) : 0; }
+    SB_DEVICE int qt_col0() const { return SB_VARLEN ? static_cast<int>(varlen_row0(q_start(), b, SB_TOKEN_PAD)) : 0; }
     SB_DEVICE int kt_col0() const { return SB_VARLEN ? static_cast<int>(varlen_row0(k_start(), b, KEY_PAD)) : 0; }
     SB_DEVICE i64 qt_base(int h, int dp) const {
         return SB_VARLEN ? qt_row0(h, dp) * p.Nq_pad + qt_col0() : q_row0(h) * dp;

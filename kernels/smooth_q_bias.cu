@@ -5,12 +5,12 @@
 #include "seqinfo.cuh"
 #include "convert.cuh"
 
-// grid (ceil(Nk_pad / 128), n_qblocks, B * Hq); one thread per key.
-extern "C" __global__ void __launch_bounds__(128)
+// grid (ceil(Nk_pad / SB_THREADS), n_qblocks, B * Hq); one thread per key (SB_THREADS: specs.BIAS_THREADS).
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
 smooth_q_bias(SB_KERNEL_PARAMS(SB_SMOOTH_Q_BIAS_FIELDS)) {
     const SmoothQBiasParams p = SB_KERNEL_VIEW(SmoothQBiasParams, SB_SMOOTH_Q_BIAS_FIELDS);
     SB_REQUIRE_SM80();
-    const int key = blockIdx.x * 128 + threadIdx.x;
+    const int key = blockIdx.x * SB_THREADS + threadIdx.x;
     const int qblk = blockIdx.y, h = blockIdx.z % p.Hq;
     const SeqInfo<SmoothQBiasParams> seq(p, blockIdx.z / p.Hq);
     const int hk = seq.kv_head(h);

@@ -87,8 +87,15 @@ def test_ci_compiles_every_spec_for_every_arch():
 
 
 def test_spec_keys_are_unique():
-    keys = [s.key for s in specs.all_specs()]
-    assert len(keys) == len(set(keys))
+    """Keys are spelled from the defines (specs.KEY_TEXT): one key per set of defines and file."""
+    listed = specs.all_specs()
+    keys = [s.key for s in listed]
+    assert len(keys) == len(set(keys)) == len({(s.filename, s.defines) for s in listed})
+    assert specs.forward_spec(128, "float16", AttentionOptions(causal=True), specs.ForwardTiles(4, 1)).key == \
+        "forward.hd128.float16.causal.w4m1"
+    assert specs.backward_spec(64, "bfloat16", AttentionOptions(granularity="paper", deterministic=True),
+                               specs.BackwardTiles(2, True, 3), varlen=True).key == \
+        "backward.hd64.bfloat16.full.paper.det.s2.wgmma.g3.varlen"
 
 
 @pytest.fixture

@@ -560,8 +560,8 @@ def test_a_launch_may_not_read_a_released_buffer():
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([a-z]+)(\d+)\s+\w+(?:\[(\d+)\])?")
 
 
-def _ptx_parameter_sizes(spec, entry):
-    """The byte size of each parameter of ``entry``, from NVRTC's PTX for compute_90."""
+def _ptx_entry(spec, entry):
+    """(the byte size of each parameter of ``entry``, its launch bounds' threads), from NVRTC's PTX for compute_90."""
     from cupy_backends.cuda.libs import nvrtc
 
     options = [o.replace("sm_90", "compute_90") for o in spec.options("sm_90") if not o.startswith("-Xptxas")]
@@ -574,12 +574,27 @@ def _ptx_parameter_sizes(spec, entry):
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     m = re.search(r"\.entry\s+" + entry + r"\s*\((.*?)\)", ptx, re.S)
     assert m, f"{entry} not in the PTX of {spec.key}"
-    return [int(count) if count else int(bits) // 8 for _, _, bits, count in _PTX_PARAM.findall(m.group(1))]
+    threads = re.search(r"\.maxntid\s+(\d+)", ptx[m.end():ptx.index("{", m.end())])
+    sizes = [int(count) if count else int(bits) // 8 for _, _, bits, count in _PTX_PARAM.findall(m.group(1))]
+    return sizes, int(threads.group(1))
+
+
+def _check_against_kernel(step, checked: dict) -> None:
+    """A plan step passes the arguments its kernel declares, each of the declared size, and the threads
+    the kernel was compiled for (specs.py's defines; at most those, D_pad, for quantize_tensors)."""
+    key = (step.spec.key, step.entry)
+    if key not in checked:
+        checked[key] = _ptx_entry(step.spec, step.entry)
+    sizes, threads = checked[key]
+    assert step.args.sizes == sizes, key
+    block = step.head[4:7]
+    assert block[1:] == (1, 1) and (block[0] <= threads if step.entry == "quantize_tensors" else block[0] == threads), (key, block)
 
 
 def test_packed_arguments_match_every_kernel_signature(gpu):
     """Every launch of the forward and backward plans passes as many arguments as its kernel declares,
-    each of the declared size (an i32 where an i64 is expected would shift every later argument)."""
+    each of the declared size (an i32 where an i64 is expected would shift every later argument), with
+    the threads it was compiled for."""
     q, k, v = qkv(hq=2, hk=1, lq=100, lk=300, d=80)
     v = cuda_desc(v.shape, base=v.ptr + 4)  # misaligned: the backward packs V's rows first
     do = cuda_desc(q.shape, base=6 << 44)
@@ -589,10 +604,7 @@ def test_packed_arguments_match_every_kernel_signature(gpu):
     checked = {}
     for built in plan._plans.values():
         for step in built.steps:
-            key = (step.spec.key, step.entry)
-            if key not in checked:
-                checked[key] = _ptx_parameter_sizes(step.spec, step.entry)
-            assert step.args.sizes == checked[key], key
+            _check_against_kernel(step, checked)
     entries = {e for _, e in checked}
     assert entries == {"token_sum", "quantize_tensors", "smooth_q_bias", "attention_forward", "natural_lse",
                        "row_stats", "pack_rows", "attention_backward", "dq_convert"}
@@ -708,12 +720,12 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
 
 
 def test_grid_orders_match_the_kernels():
-    """launch.py's grid-order values are the ones kernels/backward_common.cuh decodes."""
+    """launch.py's grid-order values are the ones kernels/config.cuh names (SB_GRID_ORDER)."""
     import re
     from sagebwd_cp.gpu import launch
     from sagebwd_cp.gpu.compiler import source_dirs
 
-    text = (source_dirs()[0] / "backward_common.cuh").read_text()
+    text = (source_dirs()[0] / "config.cuh").read_text()
     enum = dict((n, int(v)) for n, v in re.findall(r"(\w+) = (\d+)", re.search(r"enum GridOrder \{([^}]*)\}", text).group(1)))
     assert enum == {n: getattr(launch, n) for n in ("BLOCKS_FIRST", "HEADS_FIRST", "HEADS_BATCH_FIRST")}
 
@@ -742,10 +754,7 @@ def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu):
     for built in plan._plans.values():
         for step in built.steps:
             assert step.spec.key.endswith(".varlen") or step.entry == "pack_rows", step.spec.key
-            key = (step.spec.key, step.entry)
-            if key not in checked:
-                checked[key] = _ptx_parameter_sizes(step.spec, step.entry)
-            assert step.args.sizes == checked[key], key
+            _check_against_kernel(step, checked)
         assert built.inputs[-2:] == ("cu_seqlens_q", "cu_seqlens_k")
     fwd, bwd = plan._plans.values()
     grids = {s.entry: s.head[1:4] for s in fwd.steps + bwd.steps}

@@ -40,28 +40,30 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
         batch, length = 1, desc.shape[0]
     packed = plan.workspace(name, (batch, heads, length, d), prob.dtype)
     sb, sh, sn = prob.bhnd_strides(desc)
-    plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", ((length * d + 255) // 256, heads, batch),
-                (256, 1, 1), params.args("PackRowsParams", x=desc, sb=sb, sh=sh, sn=sn, H=heads, L=length, D=d,
+    threads = specs.ROWS_THREADS
+    plan.launch(specs.backward_rows_spec(prob.dtype), "pack_rows", (-(-length * d // threads), heads, batch),
+                (threads, 1, 1), params.args("PackRowsParams", x=desc, sb=sb, sh=sh, sn=sn, H=heads, L=length, D=d,
                                             y=packed))
     return packed, (0 if prob.varlen else heads * length * d, length * d, d)
 
 
-def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem) -> dict:
-    """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*): Q̂ (64
-    rows of Dp bytes), Q̂ᵀ and dÔᵀ (Dp rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero
-    past Lq and D)."""
+def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
+    """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*), in the
+    boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes), Q̂ᵀ and dÔᵀ (Dp rows of 64
+    bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D)."""
     B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
     if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
         B, Lq = 1, prob.total_q
-    rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), (dp, numerics.BLOCK_Q), dp)
-    cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), (numerics.BLOCK_Q, dp), 64)
+    boxes = tiles.query_maps(dp)
+    rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), boxes["rows"].box, boxes["rows"].swizzle)
+    cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["cols"].box, boxes["cols"].swizzle)
     # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
     db, dh, dn = do_strides
     strides, inner = [], D * 2
     for n, s in zip((Lq, Hq, B), (dn, dh, db)):
         strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
         inner = strides[-1] * n
-    grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), (64, numerics.BLOCK_Q, 1, 1), 128)
+    grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
     return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(cols, qz.dot8),
                 tm_do=tensor_map(grad, do_rows))
 
@@ -84,10 +86,13 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     first cost the d=128 32K model shape 9%). The deterministic kernels go heads and batch first (their
     turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
-    costs it a register it does not have at d=64."""
+    costs it a register it does not have at d=64 (specs.backward_fixed_grid_order)."""
     blocks = -(-prob.len_k // block_keys)
     few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks < sms
-    if not prob.causal or not (deterministic or wgmma and few):
+    fixed = specs.backward_fixed_grid_order(wgmma, prob.causal, deterministic)
+    if fixed is not None:
+        order = fixed
+    elif not prob.causal or not (deterministic or few):
         order = BLOCKS_FIRST
     elif deterministic or 2 * blocks * prob.heads_kv <= sms:
         order = HEADS_BATCH_FIRST
@@ -126,9 +131,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    # D_pad / 8 lanes a row, 256 threads a CTA (backward_rows.cu row_stats)
+    # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
+    threads = specs.ROWS_THREADS
     stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
-    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // 256, Hq, B), (256, 1, 1),
+    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
                                **q_lengths))
@@ -146,7 +152,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
-    maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob)) if tiles.wgmma else []
+    maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob, tiles)) if tiles.wgmma else []
     grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev))
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
@@ -161,7 +167,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
-    plan.launch(rows, "dq_convert", ((Lq * (D // 8) + 255) // 256, Hq, B), (256, 1, 1),
+    plan.launch(rows, "dq_convert", (-(-Lq * (D // 8) // threads), Hq, B), (threads, 1, 1),
                 params.args("DqConvertParams", dq_acc=dq_acc, Hq=Hq, D=D, dq_row=dq_row, Nq_pad=nq,
                                scale=prob.softmax_scale, dq=dq, qb=qb, qh=qh, qn=qn, **q_lengths))
     return plan.build(problem=prob)

@@ -11,7 +11,7 @@ from ..arrays import ArrayDesc
 from ..problem import AttentionProblem
 from . import params, specs
 from .device import device_arch, sm_count
-from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, attention_grid, tensor_map
+from .launch import attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .quantize import Quantized, quantize_inputs
 from .tensor_map import DTYPE_UINT8, TensorMapLayout
@@ -22,13 +22,14 @@ def varlen_inputs(prob: AttentionProblem) -> list:
     return [("cu_seqlens_q", prob.cu_q), ("cu_seqlens_k", prob.cu_k)] if prob.varlen else []
 
 
-def _key_tile_maps(prob: AttentionProblem, qz: Quantized, key_tile: int) -> list:
+def _key_tile_maps(prob: AttentionProblem, qz: Quantized, ws: specs.WsForwardTiles) -> list:
     """The tensor maps forward_ws.cu loads its key tiles with (ForwardMaps): K̂ (key_tile rows of Dp
-    bytes) and V̂ᵀ (Dp rows of key_tile bytes), in the wgmma swizzle of their row length."""
+    bytes) and V̂ᵀ (Dp rows of key_tile bytes), in the boxes and swizzles of ``ws.key_maps``."""
     dp, nk = prob.padded_head_dim, qz.nk_pad
     slices = (1 if prob.varlen else prob.batch) * prob.heads_kv
-    rows = TensorMapLayout(DTYPE_UINT8, (dp, slices * nk), (dp,), (dp, key_tile), dp)
-    cols = TensorMapLayout(DTYPE_UINT8, (nk, slices * dp), (nk,), (key_tile, dp), 128)
+    k_box, vt_box = ws.key_maps(dp)
+    rows = TensorMapLayout(DTYPE_UINT8, (dp, slices * nk), (dp,), k_box.box, k_box.swizzle)
+    cols = TensorMapLayout(DTYPE_UINT8, (nk, slices * dp), (nk,), vt_box.box, vt_box.swizzle)
     return params.args("ForwardMaps", tm_k=tensor_map(rows, qz.k8), tm_vt=tensor_map(cols, qz.vt8))
 
 
@@ -49,13 +50,13 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
         work = q_blocks * prob.heads_q * prob.batch
         grid = (min(work, ws.ctas_per_sm * sm_count(dev)) if ws.persistent else work, 1, 1)
         spec = specs.forward_ws_spec(dp, prob.dtype, prob.options, ws, prob.varlen)
-        args += _key_tile_maps(prob, qz, ws.key_tile)
+        args += _key_tile_maps(prob, qz, ws)
         args += params.args("ForwardSchedule", batch=prob.batch, q_blocks=q_blocks)
     else:
         tiles = specs.forward_tiles(dp, arch)
         spec = specs.forward_spec(dp, prob.dtype, prob.options, tiles, prob.varlen)
         grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
-                              HEADS_BATCH_FIRST if prob.causal else BLOCKS_FIRST, "q")  # kernels/forward.cu
+                              specs.forward_grid_order(prob.causal), "q")  # kernels/forward.cu SB_GRID_ORDER
     # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_q.cuh).
     threads = ws.threads if ws is not None else tiles.threads
     plan.launch(spec, "attention_forward", grid, (threads, 1, 1), args, shared=KERNEL_LAYOUT)
@@ -67,7 +68,7 @@ def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, 
     lengths = prob.kernel_lengths()
     del lengths["Lk"]
     plan.launch(specs.lse_spec(prob.dtype, prob.varlen), "natural_lse",
-                ((prob.len_q + 127) // 128, prob.heads_q, prob.batch), (128, 1, 1),
+                (-(-prob.len_q // specs.LSE_THREADS), prob.heads_q, prob.batch), (specs.LSE_THREADS, 1, 1),
                 params.args("NaturalLseParams", q=prob.q, sb=sb, sh=sh, sn=sn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                                D=prob.head_dim, softmax_scale=prob.softmax_scale, k_mean=qz.k_mean,
                                lse2=lse2, lse=lse, **lengths))

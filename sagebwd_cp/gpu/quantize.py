@@ -13,15 +13,12 @@ from ..problem import AttentionProblem
 from . import params, specs
 from .plan import PlanBuilder
 
-SUM_THREADS = 512  # kernels/quantize.cu SUM_THREADS (token_sum)
 # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
 PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
 # token_sum's grid: at most SUM_CTAS CTAs in all where the (batch, head)s allow (three 512-thread CTAs an SM,
 # quantize.cu's launch bounds, on the 132 SMs of an H100/H200: one wave), each over at least SUM_MIN_SPAN
 # tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
 SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 396, 256, 16
-# quantize_tensors: D_pad threads a CTA, each with this many 16-byte chunks of dynamic shared memory.
-CHUNKS_PER_THREAD = 16
 
 
 def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
@@ -95,10 +92,12 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
+    assert dp <= specs.QUANT_THREADS, dp
+    # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
     plan.launch(specs.quantize_spec(prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
                                sum_parts=sum_parts),
-                shared=dp * CHUNKS_PER_THREAD * 16)
+                shared=dp * specs.QUANT_CHUNKS * 16)
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
@@ -129,7 +128,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
         k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        plan.launch(spec, "token_sum", (parts, Hk, B), (SUM_THREADS, 1, 1),
+        plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
                     params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
                                    span=span, sum_out=k_sum, cu=prob.cu_k))
 
@@ -170,8 +169,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if prob.smooth_q:
         bias = plan.workspace("bias", (B, Hq, nq // numerics.BLOCK_Q, nk), "float32")
         sb, sh, sn = prob.bhnd_strides(prob.k)
-        plan.launch(specs.bias_spec(prob.dtype), "smooth_q_bias", ((nk + 127) // 128, nq // numerics.BLOCK_Q, B * Hq),
-                    (128, 1, 1),
+        plan.launch(specs.bias_spec(prob.dtype), "smooth_q_bias",
+                    (-(-nk // specs.BIAS_THREADS), nq // numerics.BLOCK_Q, B * Hq), (specs.BIAS_THREADS, 1, 1),
                     params.args("SmoothQBiasParams", k=prob.k, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=Hk, Lk=Lk, D=D,
                                    D_pad=dp, Nq_pad=nq, Nk_pad=nk, q_mean=q_mean, k_mean=k_mean, bias=bias))
     return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,

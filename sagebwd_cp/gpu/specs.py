@@ -10,37 +10,95 @@ from ..numerics import PADDED_HEAD_DIMS, padded_head_dim  # noqa: F401 (the kern
 from ..options import AttentionOptions
 from . import compiler
 from .compiler import KernelSpec, make_spec
+from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST
 
 DTYPES = ("float16", "bfloat16")
 TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (key-side: BackwardTiles.key_pad in the backward)
 
+# Threads a CTA of the small kernels (each kernel's launch bounds and indexing: SB_THREADS, or for
+# quantize.cu SB_QUANT_THREADS and SB_SUM_THREADS).
+QUANT_THREADS = 128  # quantize_tensors: at most this many, D_pad a CTA (two 64-token blocks)
+QUANT_CHUNKS = 16  # quantize_tensors: tokens a thread owns, each a 16-byte chunk of dynamic shared memory a column
+SUM_THREADS = 512  # token_sum
+ROWS_THREADS = 256  # backward_rows.cu: row_stats, dq_convert, pack_rows
+LSE_THREADS = 128  # lse.cu: a query row a thread
+BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
+TMA_DO_COLS = 64  # the wgmma backward's dO boxes: 64 16-bit columns (128 bytes, the widest swizzle)
 
-def _varlen(varlen: bool) -> tuple:
-    """(key suffix, defines) of a packed-batch specialization (kernels/seqinfo.cuh SB_VARLEN)."""
-    return (".varlen", {"SB_VARLEN": 1}) if varlen else ("", {})
+
+@dataclasses.dataclass(frozen=True)
+class TmaBox:
+    """A TMA tensor map's box (elements, innermost first) and swizzle (bytes: its rows' 64 or 128)."""
+    box: tuple
+    swizzle: int
+
+
+# A spec's readable key is its family's name followed by the text of each define that names one of
+# its choices, in this order; a family's implied defines (sizes that follow from its choices) are not
+# spelled out. So the key and the defines come from one dict.
+KEY_TEXT = {
+    "SB_DP": lambda v: f".hd{v}",
+    "SB_BF16": lambda v: ".bfloat16" if v else ".float16",
+    "SB_CAUSAL": lambda v: ".causal" if v else ".full",
+    "SB_BIAS": lambda v: ".qbias" if v else "",
+    "SB_FINE": lambda v: ".fine" if v else ".paper",
+    "SB_DETERMINISTIC": lambda v: ".det" if v else "",
+    "SB_STAGES": lambda v: f".s{v}",
+    "SB_WARPS": lambda v: f".w{v}",
+    "SB_MT": lambda v: f"m{v}",
+    "SB_WGMMA": lambda v: ".wgmma" if v else "",
+    "SB_GROUPS": lambda v: f".g{v}" if v != 2 else "",
+    "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
+    "SB_CONSUMERS": lambda v: f".c{v}",
+    "SB_KV_STAGES": lambda v: f"s{v}",
+    "SB_PINGPONG": lambda v: ".pp" if v else "",
+    "SB_VARLEN": lambda v: ".varlen" if v else "",
+}
+
+
+def _spec(family: str, filename: str, entries, choices: dict, implied: dict | None = None,
+          layout: bool = False) -> KernelSpec:
+    """The spec of ``choices`` (every one a KEY_TEXT define: the key spells them) and ``implied``
+    defines (the sizes and constants the choices and the family fix), with the key built from them."""
+    implied = dict(implied or {})
+    assert set(choices) <= set(KEY_TEXT), set(choices) - set(KEY_TEXT)
+    assert not set(choices) & set(implied), set(choices) & set(implied)
+    key = family + "".join(KEY_TEXT[name](choices[name]) for name in KEY_TEXT if name in choices)
+    return make_spec(key, filename, entries, layout=layout, **choices, **implied)
+
+
+def _dtype(dtype: str, varlen: bool = False) -> dict:
+    """The choices of a 16-bit dtype (kernels/config.cuh SB_BF16) and a packed batch (seqinfo.cuh SB_VARLEN)."""
+    assert dtype in DTYPES, dtype
+    return {"SB_BF16": int(dtype == "bfloat16"), **({"SB_VARLEN": 1} if varlen else {})}
+
+
+def _token_pad() -> dict:
+    """Every kernel that reads token rows (seqinfo.cuh): the INT8 buffers' padding."""
+    return {"SB_TOKEN_PAD": TOKEN_PAD}
 
 
 def quantize_spec(dtype: str, varlen: bool = False) -> KernelSpec:
-    suffix, defines = _varlen(varlen)
-    return make_spec(f"quantize.{dtype}{suffix}", "quantize.cu", ["quantize_tensors", "token_sum"],
-                     SB_BF16=int(dtype == "bfloat16"), **defines)
+    return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], _dtype(dtype, varlen),
+                 {**_token_pad(), "SB_QUANT_THREADS": QUANT_THREADS, "SB_QUANT_CHUNKS": QUANT_CHUNKS,
+                  "SB_SUM_THREADS": SUM_THREADS})
 
 
 def bias_spec(dtype: str) -> KernelSpec:
-    return make_spec(f"smooth_q_bias.{dtype}", "smooth_q_bias.cu", ["smooth_q_bias"], SB_BF16=int(dtype == "bfloat16"))
+    return _spec("smooth_q_bias", "smooth_q_bias.cu", ["smooth_q_bias"], _dtype(dtype),
+                 {**_token_pad(), "SB_THREADS": BIAS_THREADS})
 
 
 def ceiling_spec(wgmma: bool = False) -> KernelSpec:
     """Tensor-core ceilings: mma.sync chains, or (sm_90a) warpgroup products from shared memory."""
     if wgmma:
-        return make_spec("ceiling.wgmma", "ceiling.cu", ["int8_wgmma_ceiling", "fp16_wgmma_ceiling"], SB_WGMMA=1)
-    return make_spec("ceiling", "ceiling.cu", ["int8_mma_ceiling", "fp16_mma_ceiling"])
+        return _spec("ceiling", "ceiling.cu", ["int8_wgmma_ceiling", "fp16_wgmma_ceiling"], {"SB_WGMMA": 1})
+    return _spec("ceiling", "ceiling.cu", ["int8_mma_ceiling", "fp16_mma_ceiling"], {})
 
 
 def lse_spec(dtype: str, varlen: bool = False) -> KernelSpec:
-    suffix, defines = _varlen(varlen)
-    return make_spec(f"natural_lse.{dtype}{suffix}", "lse.cu", ["natural_lse"], SB_BF16=int(dtype == "bfloat16"),
-                     **defines)
+    return _spec("natural_lse", "lse.cu", ["natural_lse"], _dtype(dtype, varlen),
+                 {**_token_pad(), "SB_THREADS": LSE_THREADS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +115,13 @@ class ForwardTiles:
     @property
     def threads(self) -> int:
         return self.warps * 32
+
+    def choices(self) -> dict:
+        return {"SB_WARPS": self.warps, "SB_MT": self.m_tiles, "SB_WGMMA": int(self.wgmma), "SB_TILE_KEYS": self.key_tile}
+
+    def implied(self) -> dict:
+        """kernels/forward.cu's CTA: SB_THREADS threads, SB_CTA_Q query rows."""
+        return {"SB_THREADS": self.threads, "SB_CTA_Q": self.cta_q}
 
 
 # Best measured on an H200 that spills on no arch (docs/history/PERFORMANCE_LOG.md, forward v1).
@@ -115,17 +180,20 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     return FORWARD_TILES[dp]
 
 
+def forward_grid_order(causal: bool) -> int:
+    """The order of the forward's grid (launch.attention_grid; kernels/forward.cu SB_GRID_ORDER): causal
+    query blocks differ in work, and the heads-and-batch-first grid starts every (head, batch entry)'s
+    heaviest block before any one's next."""
+    return HEADS_BATCH_FIRST if causal else BLOCKS_FIRST
+
+
 def forward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
     """The forward of ``options``' causal mask and Q-smoothing (its other options do not change the kernel)."""
     causal, bias = options.causal, options.smooth_q
     assert not (bias and varlen), "Q-smoothing takes dense batches"
-    suffix, defines = _varlen(varlen)
-    key = (f"forward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
-           f".w{tiles.warps}m{tiles.m_tiles}{'.wgmma' if tiles.wgmma else ''}"
-           f"{f'.k{tiles.key_tile}' if tiles.key_tile != numerics.BLOCK_KV else ''}{suffix}")
-    return make_spec(key, "forward.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
-                     SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_WARPS=tiles.warps, SB_MT=tiles.m_tiles,
-                     SB_WGMMA=int(tiles.wgmma), SB_TILE_KEYS=tiles.key_tile, **defines)
+    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias), **tiles.choices()}
+    implied = {**_token_pad(), **tiles.implied(), "SB_GRID_ORDER": forward_grid_order(causal)}
+    return _spec("forward", "forward.cu", ["attention_forward"], choices, implied, layout=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +221,22 @@ class WsForwardTiles:
         """Resident CTAs an SM (the kernel's register split: two with one consumer)."""
         return 2 if self.consumers == 1 else 1
 
+    def key_maps(self, dp: int) -> tuple:
+        """The TMA boxes of the key tiles (K̂: key_tile rows of dp bytes; V̂ᵀ: dp rows of key_tile bytes),
+        each in the swizzle of its row's bytes (the wgmma descriptors')."""
+        return TmaBox((dp, self.key_tile), dp), TmaBox((self.key_tile, dp), self.key_tile)
+
+    def choices(self) -> dict:
+        return {"SB_CONSUMERS": self.consumers, "SB_KV_STAGES": self.stages,
+                "SB_PINGPONG": int(self.pingpong and self.consumers > 1)}
+
+    def implied(self, dp: int) -> dict:
+        """kernels/forward_ws.cu's CTA and key tiles (the grid, persistent or not, is the launch's choice:
+        one kernel serves both)."""
+        k, vt = self.key_maps(dp)
+        return {"SB_WGMMA": 1, "SB_TILE_KEYS": self.key_tile, "SB_THREADS": self.threads, "SB_CTA_Q": self.cta_q,
+                "SB_MIN_BLOCKS": self.ctas_per_sm, "SB_TMA_SWIZZLE_K": k.swizzle, "SB_TMA_SWIZZLE_VT": vt.swizzle}
+
 
 def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles where it is asked for (SAGEBWD_FORWARD_WS=1; sm_90, no
@@ -174,20 +258,14 @@ def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | 
 def forward_ws_spec(dp: int, dtype: str, options: AttentionOptions, tiles: WsForwardTiles,
                     varlen: bool = False) -> KernelSpec:
     assert not options.smooth_q, "the warp-specialized forward has no Q-smoothing"
-    suffix, defines = _varlen(varlen)
-    causal = options.causal
-    # The grid (persistent or not) is the launch's choice: one kernel serves both.
-    key = (f"forward_ws.hd{dp}.{dtype}.{'causal' if causal else 'full'}.c{tiles.consumers}s{tiles.stages}"
-           f"{'.pp' if tiles.pingpong and tiles.consumers > 1 else ''}{suffix}")
-    return make_spec(key, "forward_ws.cu", ["attention_forward"], layout=True, SB_DP=dp, SB_BF16=int(dtype == "bfloat16"),
-                     SB_CAUSAL=int(causal), SB_WGMMA=1, SB_CONSUMERS=tiles.consumers, SB_KV_STAGES=tiles.stages,
-                     SB_PINGPONG=int(tiles.pingpong and tiles.consumers > 1), **defines)
+    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(options.causal), **tiles.choices()}
+    return _spec("forward_ws", "forward_ws.cu", ["attention_forward"], choices, {**_token_pad(), **tiles.implied(dp)},
+                 layout=True)
 
 
 def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
-    suffix, defines = _varlen(varlen)
-    return make_spec(f"backward_rows.{dtype}{suffix}", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"],
-                     SB_BF16=int(dtype == "bfloat16"), **defines)
+    return _spec("backward_rows", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"], _dtype(dtype, varlen),
+                 {**_token_pad(), "SB_THREADS": ROWS_THREADS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +296,40 @@ class BackwardTiles:
     def dq_row(self, dp: int) -> int:
         """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""
         return dp + 8 if self.wgmma else dp
+
+    def query_maps(self, dp: int) -> dict:
+        """The TMA boxes of the wgmma kernel's query-side tiles (BackwardParams tm_*): Q̂ (a query block
+        of dp-byte rows), Q̂ᵀ and dÔᵀ (dp rows of a query block's bytes), dO (a query block's rows x
+        TMA_DO_COLS 16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes."""
+        bq = numerics.BLOCK_Q
+        return {"rows": TmaBox((dp, bq), dp), "cols": TmaBox((bq, dp), bq),
+                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS)}
+
+    def choices(self) -> dict:
+        return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma), **({"SB_GROUPS": self.groups} if self.wgmma else {})}
+
+    def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
+        """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
+        pitch and the grid order (-1: the launch's); the wgmma kernel's TMA boxes."""
+        order = backward_fixed_grid_order(self.wgmma, causal, deterministic)
+        out = {"SB_THREADS": self.threads, "SB_CTA_KEYS": self.block_keys, "SB_KEY_PAD": self.key_pad,
+               "SB_DQ_PITCH": self.dq_row(dp), "SB_GRID_ORDER": -1 if order is None else order}
+        if self.wgmma:
+            maps = self.query_maps(dp)
+            out.update(SB_TMA_QROWS=maps["rows"].box[1], SB_TMA_DO_COLS=maps["grad"].box[0],
+                       SB_TMA_SWIZZLE_Q=maps["rows"].swizzle, SB_TMA_SWIZZLE_QT=maps["cols"].swizzle,
+                       SB_TMA_SWIZZLE_DO=maps["grad"].swizzle)
+        return out
+
+
+def backward_fixed_grid_order(wgmma: bool, causal: bool, deterministic: bool) -> int | None:
+    """The grid order the backward kernel is compiled for (backward.backward_grid; kernels/backward_common.cuh
+    SB_GRID_ORDER): the mma.sync kernel's (heads and batch first where causal and deterministic, else key
+    blocks first: an order argument costs it a register it does not have at d=64), or None for the wgmma
+    kernel, which reads the launch's (BackwardParams.grid_order)."""
+    if wgmma:
+        return None
+    return HEADS_BATCH_FIRST if causal and deterministic else BLOCKS_FIRST
 
 
 def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> int:
@@ -260,15 +372,10 @@ def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: Backwar
     """The backward of ``options``' causal mask, Q-smoothing, granularity and deterministic order."""
     causal, bias, fine, deterministic = options.causal, options.smooth_q, options.fine, options.deterministic
     assert not (bias and varlen), "Q-smoothing takes dense batches"
-    suffix, defines = _varlen(varlen)
-    key = (f"backward.hd{dp}.{dtype}.{'causal' if causal else 'full'}{'.qbias' if bias else ''}"
-           f".{'fine' if fine else 'paper'}{'.det' if deterministic else ''}.s{tiles.stages}"
-           f"{'.wgmma' if tiles.wgmma else ''}{f'.g{tiles.groups}' if tiles.wgmma and tiles.groups != 2 else ''}{suffix}")
-    groups = {"SB_GROUPS": tiles.groups} if tiles.wgmma else {}
-    return make_spec(key, tiles.filename, ["attention_backward"], layout=True, SB_DP=dp,
-                     SB_BF16=int(dtype == "bfloat16"), SB_CAUSAL=int(causal), SB_BIAS=int(bias), SB_FINE=int(fine),
-                     SB_DETERMINISTIC=int(deterministic), SB_STAGES=tiles.stages, SB_WGMMA=int(tiles.wgmma), **groups,
-                     **defines)
+    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias),
+               "SB_FINE": int(fine), "SB_DETERMINISTIC": int(deterministic), **tiles.choices()}
+    return _spec("backward", tiles.filename, ["attention_backward"], choices,
+                 {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True)
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
