@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_model  # noqa: E402
+from report_common import json_text  # noqa: E402
 
 MEMORY_SLACK = (0.01, 16 << 20)  # allowed growth of CUDA memory: relative, plus bytes
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     result = run(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(json_text(result) + "\n")
     print(f"\n{result['device']}: {args.impl}, hidden {args.hidden}, {args.layers} layers, head dim {args.head_dim}, "
           f"contexts {args.contexts}, {args.tokens_per_step} tokens a step, {args.steps} steps")
     failed = [name for name, (ok, _) in result["checks"].items() if not ok]
