@@ -28,7 +28,6 @@ emulator, for a check of the script itself (tiny ``--hidden``, ``--layers``, ``-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
