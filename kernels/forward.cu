@@ -28,7 +28,7 @@
 #include "convert.cuh"
 #include "exp2.cuh"
 #include "quantizer.cuh"
-#include "forward_q.cuh"
+#include "forward_parts.cuh"
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
@@ -103,7 +103,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
     SB_REQUIRE_SM80();
     extern __shared__ __align__(128) unsigned char smem[];
-    static_assert(THREADS == 2 * CTA_Q, "two threads a row quantize Q (forward_q.cuh)");
+    static_assert(THREADS == 2 * CTA_Q, "two threads a row quantize Q (forward_parts.cuh)");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     // Later query blocks have more work under the causal mask: they start first, every (head, batch
@@ -228,16 +228,10 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         float pcoef[VBLOCKS], pv_scale;
         {
             const float* vs = p.v_scale + seq.k_block0(hk) + j * VBLOCKS;
-            float sv[VBLOCKS], smax = vs[0];
+            float sv[VBLOCKS];
 #pragma unroll
-            for (int vb = 0; vb < VBLOCKS; ++vb) {
-                sv[vb] = vs[vb];
-                if (vb > 0 && (j * VBLOCKS + vb) * BKV < seq.len_k()) smax = max_nan(smax, sv[vb]);  // a non-finite block's scale wins
-            }
-            const float inv = rcp_approx(smax);  // the SFU's 1/s_max (numerics: within one ulp of IEEE)
-#pragma unroll
-            for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = VBLOCKS == 1 || sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);
-            pv_scale = smax * (1.f / PL);
+            for (int vb = 0; vb < VBLOCKS; ++vb) sv[vb] = vs[vb];
+            p_coefficients<VBLOCKS, BKV>(sv, j * VBLOCKS, seq.len_k(), PL, pcoef, pv_scale);
         }
         const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
         const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + shift);
@@ -269,23 +263,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             }
             float r_use[2], beta[2];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float rm = rmax[half];
-                rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
-                rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
-                if (!SB_BIAS) rm *= qs[mt][half];
-                // A row whose tile max passes m_ref + LAZY_LOG2 moves m_ref to it (below, after
-                // the warp agrees to rescale); -inf (every key masked) never does.
-                const float m_old = m_ref[mt][half];
-                const float m_use = rm > m_old + LAZY_LOG2 ? rm : m_old;
-                alpha[mt][half] = exp2_approx(m_old - m_use);  // 1 unless m_ref moved; 0 from M_NONE
-                rebase |= m_use != m_old;
-                m_ref[mt][half] = m_use;
-                beta[half] = exp2_approx(rm - m_use);  // 0 for a fully masked row
-                // A row with every key of the tile masked has rm = -inf: exponents must be
-                // exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
-                r_use[half] = rm == -__int_as_float(0x7f800000) ? 0.f : rm;
-            }
+            for (int half = 0; half < 2; ++half)  // (forward_parts.cuh; O is rebased below, once the warp agrees)
+                rebase |= tile_row_max(rmax[half], qs[mt][half], !SB_BIAS, LAZY_LOG2, m_ref[mt][half], alpha[mt][half],
+                                       beta[half], r_use[half]);
             float rsum[2] = {0.f, 0.f};
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
@@ -303,18 +283,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                 // non-finite then, also one that sees no key of the tile (beta 0: 0·NaN).
                 pv_factor[mt][half] = beta[half] * pv_scale;
             }
-            // P̂ = rint(fp16(e)·fp16(coef)) as u8, packed in the A-fragment order that V̂ᵀ's key permutation matches.
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS_P; ++kk) {
-                const int n = 4 * kk;
-                const u32 pc = pack2_f32<false>(pcoef[kk * 32 / BKV], pcoef[kk * 32 / BKV]);  // fp16(coef) twice
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    pf[mt][kk][half] = pack4_p_codes(u[n][2 * half], u[n][2 * half + 1], u[n + 1][2 * half], u[n + 1][2 * half + 1], pc);
-                    pf[mt][kk][2 + half] = pack4_p_codes(u[n + 2][2 * half], u[n + 2][2 * half + 1], u[n + 3][2 * half],
-                                                         u[n + 3][2 * half + 1], pc);
-                }
-            }
+            code_p<NT_KV, BKV>(u, pcoef, pf[mt]);
         }
 
         // Rebase O where m_ref moved (rare after the first tile: warp-uniform branch).
@@ -386,32 +355,16 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         __syncthreads();
     }
 
-    // O = acc / l, stored in the input dtype; base-2 LSE (+inf for rows that saw no key). A non-finite l
-    // (a NaN or inf input reached the row) gives NaN for both, so that the backward's P of the row is NaN.
+    // O = acc / l and the base-2 LSE (forward_parts.cuh).
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float l = l_run[mt][half];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
-            const bool finite = l < __int_as_float(0x7f800000);  // false for inf and NaN
-            const float nan = __int_as_float(0x7fffffff);
-            const float inv = l == 0.f ? 0.f : (finite ? 1.f / l : nan);
-            if (row < seq.len_q()) {
-                u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row);
-#pragma unroll
-                for (int n = 0; n < NT_D; ++n) {
-                    const int col = n * 8 + 2 * t;
-                    if (col < p.D)
-                        *reinterpret_cast<u32*>(orow + col) =
-                            pack2_f32<SB_BF16>(o[mt][n][2 * half] * inv, o[mt][n][2 * half + 1] * inv);
-                }
-                if (p.lse2 && t == 0)
-                    p.lse2[(SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row] =
-                        l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[mt][half] + log2_approx(l) : nan);
-            }
+            store_row<SB_BF16>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D, t,
+                               [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row); }, p.lse2, [&] {
+                                   return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;
+                               });
         }
     }
 }

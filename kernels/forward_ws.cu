@@ -6,7 +6,7 @@
 //   SB_KV_STAGES stages, each with a "full" mbarrier (bytes landed) and an "empty" one (every
 //   consumer warp done with it).
 //   Warpgroups 1..SB_CONSUMERS, the consumers: 64 query rows each, which they quantize themselves
-//   (forward_q.cuh). Per tile j a consumer issues S_j = Q̂K̂_jᵀ and then (P̂V̂)_{j-1}, both
+//   (forward_parts.cuh). Per tile j a consumer issues S_j = Q̂K̂_jᵀ and then (P̂V̂)_{j-1}, both
 //   asynchronous, and runs tile j's softmax while the second product is in flight; then it folds
 //   (P̂V̂)_{j-1} into O, rescales O for tile j's reference max and codes P̂_j. The order of every FP32
 //   operation on O and l is forward.cu's, so the results are bit for bit its results.
@@ -29,7 +29,7 @@
 #include "tma.cuh"
 #include "convert.cuh"
 #include "exp2.cuh"
-#include "forward_q.cuh"
+#include "forward_parts.cuh"
 
 #ifndef SB_CONSUMERS
 #define SB_CONSUMERS 2
@@ -255,6 +255,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     u32 pf[KSTEPS_P][4];           // P̂ of the tile whose P̂V̂ is next
     float pv_factor[2] = {0.f, 0.f};  // (β/255)·s_V of that tile, per row
     float alpha[2];
+    bool moved[2];  // the row's reference max moved with the tile just taken (O rebased)
     const float* vsg = p.v_scale + seq.k_block0(hk);
 
     // Tile j's stage is in; its V scales into sv.
@@ -297,14 +298,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     auto softmax = [&](int j, const float (&sv)[VBLOCKS], int (&acc)[NT_KV][4], float (&u)[NT_KV][4],
                        float (&pcoef)[VBLOCKS], float (&pv_next)[2]) {
         wgmma_hold_all(acc);
-        float smax = sv[0];
-#pragma unroll
-        for (int vb = 1; vb < VBLOCKS; ++vb)
-            if ((j * VBLOCKS + vb) * BKV < seq.len_k()) smax = max_nan(smax, sv[vb]);
-        const float inv = rcp_approx(smax);
-#pragma unroll
-        for (int vb = 0; vb < VBLOCKS; ++vb) pcoef[vb] = sv[vb] == smax ? PL : __fmul_rn(__fmul_rn(PL, sv[vb]), inv);
-        const float pv_scale = smax * (1.f / PL);
+        float pv_scale;
+        p_coefficients<VBLOCKS, BKV>(sv, j * VBLOCKS, seq.len_k(), PL, pcoef, pv_scale);
         const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + ((it0 + j) % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
         const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > qc0 + shift);
         float rmax[2] = {NEG_INF, NEG_INF};
@@ -328,18 +323,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         else scale_scores(Flag<false>{});
         float r_use[2], beta[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float rm = rmax[half];
-            rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
-            rm = fmaxf(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
-            rm *= qs[half];
-            const float m_old = m_ref[half];
-            const float m_use = rm > m_old + LAZY_LOG2 ? rm : m_old;
-            alpha[half] = exp2_approx(m_old - m_use);
-            m_ref[half] = m_use;
-            beta[half] = exp2_approx(rm - m_use);
-            r_use[half] = rm == NEG_INF ? 0.f : rm;
-        }
+        for (int half = 0; half < 2; ++half)
+            moved[half] = tile_row_max(rmax[half], qs[half], true, LAZY_LOG2, m_ref[half], alpha[half], beta[half], r_use[half]);
         float rsum[2] = {0.f, 0.f};
 #pragma unroll
         for (int n = 0; n < NT_KV; ++n)
@@ -358,21 +343,11 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     };
     // P̂ = rint(fp16(e)·fp16(coef)) as u8 in A-fragment order (forward.cu).
     auto code_p = [&](const float (&u)[NT_KV][4], const float (&pcoef)[VBLOCKS], u32 (&dst)[KSTEPS_P][4]) {
-#pragma unroll
-        for (int kk = 0; kk < KSTEPS_P; ++kk) {
-            const int n = 4 * kk;
-            const u32 pc = pack2_f32<false>(pcoef[kk * 32 / BKV], pcoef[kk * 32 / BKV]);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                dst[kk][half] = pack4_p_codes(u[n][2 * half], u[n][2 * half + 1], u[n + 1][2 * half], u[n + 1][2 * half + 1], pc);
-                dst[kk][2 + half] = pack4_p_codes(u[n + 2][2 * half], u[n + 2][2 * half + 1], u[n + 3][2 * half],
-                                                  u[n + 3][2 * half + 1], pc);
-            }
-        }
+        ::code_p<NT_KV, BKV>(u, pcoef, dst);
     };
     // O to the reference max of the tile just taken (where some row's moved: warp-uniform branch).
     auto rebase_o = [&] {
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        if (__any_sync(0xffffffffu, moved[0] || moved[1])) {
 #pragma unroll
             for (int n = 0; n < NT_D; ++n)
 #pragma unroll
@@ -479,27 +454,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         pass_turn();
     }
 
-    // O = acc / l and the base-2 LSE, as forward.cu.
+    // O = acc / l and the base-2 LSE (forward_parts.cuh).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        float l = l_run[half];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int row = rbase + 8 * half;
-        const bool finite = l < __int_as_float(0x7f800000);
-        const float nan = __int_as_float(0x7fffffff);
-        const float inv = l == 0.f ? 0.f : (finite ? 1.f / l : nan);
-        if (row < seq.len_q()) {
-            u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row);
-#pragma unroll
-            for (int n = 0; n < NT_D; ++n) {
-                const int col = n * 8 + 2 * t;
-                if (col < p.D)
-                    *reinterpret_cast<u32*>(orow + col) = pack2_f32<SB_BF16>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-            }
-            if (p.lse2 && t == 0)
-                p.lse2[seq.lse_row0(h) + row] = l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref[half] + log2_approx(l) : nan);
-        }
+        store_row<SB_BF16>(o, half, l_run[half], m_ref[half], row < seq.len_q(), p.D, t,
+                           [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row); }, p.lse2,
+                           [&] { return seq.lse_row0(h) + row; });
     }
     it0 += n_tiles;
     }

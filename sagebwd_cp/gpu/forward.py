@@ -57,7 +57,7 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
         spec = specs.forward_spec(dp, prob.dtype, prob.options, tiles, prob.varlen)
         grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
                               specs.forward_grid_order(prob.causal), "q")  # kernels/forward.cu SB_GRID_ORDER
-    # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_q.cuh).
+    # Without Q-smoothing the kernel quantizes Q itself (kernels/forward_parts.cuh).
     threads = ws.threads if ws is not None else tiles.threads
     plan.launch(spec, "attention_forward", grid, (threads, 1, 1), args, shared=KERNEL_LAYOUT)
 
