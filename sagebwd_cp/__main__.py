@@ -188,13 +188,20 @@ def _device_line(d: dict, current: bool) -> str:
             f"  {d['arch']}: {kernel_specs.kernel_family(d['arch'])}")
 
 
+def _runs_kernels(arch: str) -> bool:
+    """Whether a device of ``arch`` runs the kernels (as cubins or PTX): sm_80 and newer."""
+    number = arch.removeprefix("sm_")
+    return number.isdigit() and int(number) >= 80
+
+
 def cmd_info(args) -> int:
     print(_table(("component", "version"), _versions()))
     print(f"kernel cache: {_cache_dir_text()}")
     print("kernels by arch:")
     for archs, family in kernel_specs.kernel_families():
         print(f"  {archs}: {family}")
-    print("  other archs: not built")
+    print(f"  other archs from sm_80 on: {kernel_specs.PTX_FAMILY.format(target='the newest of those above, below their own')}")
+    print("  archs below sm_80: not supported")
     print()
     devices, why = cuda_devices()
     status = 0
@@ -207,11 +214,11 @@ def cmd_info(args) -> int:
         current, _ = cuda_device()
         for d in devices:
             print(_device_line(d, d["id"] == current["id"]))
-        if current["arch"] not in compiler.SUPPORTED_ARCHS:
-            print(f"the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}, not {current['arch']} (CUDA device "
+        if not _runs_kernels(current["arch"]):
+            print(f"the kernels need sm_80 or newer, not {current['arch']} (CUDA device "
                   f"{current['id']}); host arrays still run on the CPU emulator", file=sys.stderr)
             status = 1
-        archs = list(dict.fromkeys(d["arch"] for d in devices if d["arch"] in compiler.SUPPORTED_ARCHS))
+        archs = list(dict.fromkeys(d["arch"] for d in devices if _runs_kernels(d["arch"])))
         if not archs:
             return status
         print(f"Compiling one kernel for {', '.join(archs)} (every kernel: python -m sagebwd_cp compile).")

@@ -57,14 +57,16 @@ KEY_TEXT = {
 
 
 def _spec(family: str, filename: str, entries, choices: dict, implied: dict | None = None,
-          layout: bool = False) -> KernelSpec:
+          layout: bool = False, ptxas_level: int = 3) -> KernelSpec:
     """The spec of ``choices`` (every one a KEY_TEXT define: the key spells them) and ``implied``
-    defines (the sizes and constants the choices and the family fix), with the key built from them."""
+    defines (the sizes and constants the choices and the family fix), with the key built from them;
+    a ``ptxas_level`` other than ptxas's default 3 ends the key (``.o1``)."""
     implied = dict(implied or {})
     assert set(choices) <= set(KEY_TEXT), set(choices) - set(KEY_TEXT)
     assert not set(choices) & set(implied), set(choices) & set(implied)
     key = family + "".join(KEY_TEXT[name](choices[name]) for name in KEY_TEXT if name in choices)
-    return make_spec(key, filename, entries, layout=layout, **choices, **implied)
+    key += f".o{ptxas_level}" if ptxas_level != 3 else ""
+    return make_spec(key, filename, entries, layout=layout, ptxas_level=ptxas_level, **choices, **implied)
 
 
 def _dtype(dtype: str, varlen: bool = False) -> dict:
@@ -136,24 +138,41 @@ def use_wgmma(arch: str | None) -> bool:
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
+# Built (every kernel compiled for them, without spills, by CI) but never run on such a GPU: Blackwell,
+# B200 (sm_100) and the RTX 50xx (sm_120), through the mma.sync kernels.
+NOT_MEASURED_ARCHS = ("sm_100", "sm_120")
+PTX_FAMILY = "mma.sync kernels as PTX for {target}, JIT-compiled by the driver; not measured"
+
+
 def kernel_family(arch: str) -> str:
-    """In words, the kernels a device of ``arch`` runs, or that the library does not build for it."""
+    """In words, the kernels a device of ``arch`` runs, or that the library has none for it."""
     if arch in WGMMA_ARCHS:
         return ("wgmma kernels (sm_90a)" if use_wgmma(arch) else
                 "mma.sync kernels (SAGEBWD_WGMMA=0; wgmma kernels (sm_90a) without it)")
+    if arch in NOT_MEASURED_ARCHS:
+        return "mma.sync kernels, built, not measured"
     if arch in compiler.SUPPORTED_ARCHS:
         return "mma.sync kernels"
     number = arch.removeprefix("sm_")
-    if number.isdigit() and int(number) < 80:
+    if not number.isdigit():
+        return f"unknown arch {arch!r}; host arrays run on the CPU emulator"
+    if int(number) < 80:
         return "not supported: the kernels need sm_80 or newer; host arrays run on the CPU emulator"
-    return (f"not built: the library builds and tests {', '.join(compiler.SUPPORTED_ARCHS)} only; host arrays run "
-            "on the CPU emulator")
+    try:
+        target = compiler.compile_target(arch)
+    except ImportError:  # no NVRTC to ask: the built archs, assumed known to it
+        target = compiler.compile_target(arch, known=compiler.SUPPORTED_ARCHS)
+    except ValueError as exc:
+        return f"not built: {exc}"
+    return PTX_FAMILY.format(target=target)
 
 
 def kernel_families() -> list:
-    """``(archs, family)`` for every arch the library builds, the mma.sync archs together."""
-    mma = [a for a in compiler.SUPPORTED_ARCHS if a not in WGMMA_ARCHS]
-    return [(", ".join(mma), kernel_family(mma[0]))] + [(a, kernel_family(a)) for a in WGMMA_ARCHS]
+    """``(archs, family)`` for every arch the library builds, archs of one family together."""
+    groups: dict = {}
+    for arch in compiler.SUPPORTED_ARCHS:
+        groups.setdefault(kernel_family(arch), []).append(arch)
+    return [(", ".join(archs), family) for family, archs in groups.items()]
 
 
 def _env_choice(name: str, choices: tuple) -> int | None:
@@ -273,6 +292,7 @@ class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
+    ptxas_level: int = 3  # ptxas's -O (backward_ptxas_level); the key ends in .o1 where it is 1
 
     @property
     def filename(self) -> str:
@@ -347,11 +367,24 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
     return 3 if deterministic else 2
 
 
+# ptxas's optimization level of the mma.sync backward (kernels/backward.cu) per (arch, head dim), where
+# the default (3) spills: NVRTC 13.5's ptxas for Blackwell spills 8-48 bytes at d=128 on sm_100, 8-176
+# at d=128 and 8-40 (the two-CTA kernels) at d=64 on sm_120, where sm_80-sm_90's allocate the same code
+# without. At -O1 none spills, and the main loop issues within 1% of the -O3 instruction count at d=128,
+# 4-7% more at d=64 on sm_120 (SASS counted by tools/perf_model's counter); not measured on a GPU.
+BACKWARD_PTXAS_LEVEL = {("sm_100", 128): 1, ("sm_120", 64): 1, ("sm_120", 128): 1}
+
+
+def backward_ptxas_level(dp: int, arch: str | None) -> int:
+    return BACKWARD_PTXAS_LEVEL.get((arch, dp), 3)
+
+
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory)."""
-    wg = use_wgmma(arch)
-    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
+    one where two do not fit the device's shared memory), compiled at ``backward_ptxas_level``."""
+    if use_wgmma(arch):
+        return BackwardTiles(stages=2, wgmma=True, groups=wgmma_groups(dp, deterministic, varlen))
+    return BackwardTiles(stages=2, ptxas_level=backward_ptxas_level(dp, arch))
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
@@ -363,7 +396,7 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
-            tiles = BackwardTiles(stages=1)
+            tiles = dataclasses.replace(tiles, stages=1)
     return tiles, backward_spec(dp, dtype, options, tiles, varlen)
 
 
@@ -375,19 +408,33 @@ def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: Backwar
     choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias),
                "SB_FINE": int(fine), "SB_DETERMINISTIC": int(deterministic), **tiles.choices()}
     return _spec("backward", tiles.filename, ["attention_backward"], choices,
-                 {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True)
+                 {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True,
+                 ptxas_level=tiles.ptxas_level)
 
 
-# Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
-# what the tile choice sees on a device of that arch.
-ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+# Opt-in shared memory per block of each target (CUDA C Programming Guide, the technical
+# specifications per compute capability: 163 KB on 8.0, 99 KB on 8.6, 8.9 and 12.0, 227 KB on 9.0 and
+# 10.0): what the tile choice sees on a device of that arch (a device's plans read its own).
+ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_100": 232448,
+                     "sm_120": 101376}
+
+
+def arch_shared_limit(arch: str) -> int:
+    """``ARCH_SHARED_LIMIT``'s value for ``arch``, or, for an arch that runs PTX, its target's."""
+    if arch in ARCH_SHARED_LIMIT:
+        return ARCH_SHARED_LIMIT[arch]
+    try:
+        target = compiler.compile_target(arch)
+    except (ValueError, ImportError):
+        return ARCH_SHARED_LIMIT["sm_90"]
+    return ARCH_SHARED_LIMIT.get(target.replace("compute_", "sm_"), ARCH_SHARED_LIMIT["sm_90"])
 
 
 def all_specs(arch: str | None = None) -> list:
     """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90).
     The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
-    limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
+    limit = arch_shared_limit(arch)
     specs = [s(dt, varlen) for s in (quantize_spec, lse_spec, backward_rows_spec) for dt in DTYPES
              for varlen in (False, True)]
     specs += [bias_spec(dt) for dt in DTYPES]
@@ -408,7 +455,8 @@ def all_specs(arch: str | None = None) -> list:
                     for granularity in ("fine", "paper"):
                         for det in (False, True):
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
-                            specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
+                            mma = BackwardTiles(2, ptxas_level=backward_ptxas_level(dp, arch))
+                            specs.append(backward_kernel(dp, dt, bwd, mma, arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, bwd, BackwardTiles(2, True, wgmma_groups(dp, det, varlen)),
                                                            varlen))
