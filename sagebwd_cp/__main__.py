@@ -40,6 +40,7 @@ class KernelRow:
     spill_loads: int = 0
     seconds: float = 0.0
     error: str = ""
+    ptxas_level: int = 3  # compiler.SPILL_FALLBACK_LEVEL where -O3 spilled (compiler.SPILL_FALLBACK_ARCHS)
 
     @property
     def spill_bytes(self) -> int:
@@ -66,7 +67,7 @@ def _rows(spec, arch: str, result, seconds: float) -> list:
                                   error=f"ptxas reported no kernel named {entry!r}"))
             continue
         rows.append(KernelRow(spec.key, entry, arch, report.registers, report.stack_bytes,
-                              report.spill_stores, report.spill_loads, seconds))
+                              report.spill_stores, report.spill_loads, seconds, ptxas_level=result.ptxas_level))
     return rows
 
 
@@ -265,13 +266,16 @@ def cmd_compile(args) -> int:
     except ImportError as exc:
         print(f"cannot compile: {exc} (install the cuda13 or cuda12 extra)", file=sys.stderr)
         return 1
-    print(_table(("kernel", "arch", "registers", "stack", "spill bytes", "seconds"),
-                 [(_kernel_name(r), r.arch, *(("-",) * 3 if r.error else (r.registers, r.stack_bytes, r.spill_bytes)),
+    print(_table(("kernel", "arch", "registers", "stack", "spill bytes", "ptxas", "seconds"),
+                 [(_kernel_name(r), r.arch,
+                   *(("-",) * 4 if r.error else (r.registers, r.stack_bytes, r.spill_bytes, f"-O{r.ptxas_level}")),
                    "ERROR" if r.error else f"{r.seconds:.2f}") for r in rows]))
     status = _report_failures(rows)
     if status == 0:
+        lowered = sum(r.ptxas_level != 3 for r in rows)
         print(f"{len(rows)} kernels compiled for {', '.join(archs)} without register spills "
-              f"in {time.perf_counter() - start:.0f} s")
+              f"in {time.perf_counter() - start:.0f} s" +
+              (f" ({lowered} at ptxas -O{compiler.SPILL_FALLBACK_LEVEL}, where -O3 spilled)" if lowered else ""))
     return status
 
 

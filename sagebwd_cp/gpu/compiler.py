@@ -29,6 +29,16 @@ from .device import device_arch
 # The archs built as cubins (sm_90 also as sm_90a, its wgmma kernels); every other arch from sm_80 on
 # runs PTX (compile_target).
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+# Blackwell's ptxas (NVRTC 13.5) spills kernels that sm_80-sm_90's allocate without: the mma.sync backward,
+# 8-56 bytes in 14 of its 48 kernels at head dim 128 on sm_100; 8-176 bytes in 44 of 48 at 128 and 8-40
+# in the 8 two-CTA kernels at 64 on sm_120. For these archs a kernel that spills at ptxas's default
+# level (-O3) is compiled again at SPILL_FALLBACK_LEVEL, where none of them spills: in the kernels whose
+# SASS was counted (tools/perf_model's counter) the main loop then issues 2% fewer to 24% more
+# instructions than at -O3, mostly within 1% at head dim 128; not measured on a GPU. The log says so
+# (CompiledKernel.ptxas_level). On the other archs a spill stays a failure (``compile`` exits 1).
+SPILL_FALLBACK_ARCHS = ("sm_100", "sm_120")
+SPILL_FALLBACK_LEVEL = 1
+_LEVEL_LOG = "sagebwd_cp ptxas level: "
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
 
@@ -82,23 +92,23 @@ class KernelSpec:
     defines: tuple  # ((name, value), ...), sorted
     entries: tuple  # extern "C" kernel names
     layout: bool = False  # the file defines DYNAMIC_SHARED_BYTES, its kernels' shared layout (read back)
-    ptxas_level: int = 3  # ptxas's optimization level (-O); 3 is its default (no PTX target runs ptxas)
 
-    def options(self, arch: str) -> tuple:
-        """NVRTC's options for ``arch``: ``sm_XX`` (a cubin) or ``compute_XX`` (PTX)."""
+    def options(self, arch: str, ptxas_level: int = 3) -> tuple:
+        """NVRTC's options for ``arch``: ``sm_XX`` (a cubin) or ``compute_XX`` (PTX); ptxas at
+        ``ptxas_level`` (-O; 3, its default, unless SPILL_FALLBACK_ARCHS' retry asks for less)."""
         defs = dict(numerics.compile_defines())
         defs.update(dict(self.defines))
         if defs.get("SB_WGMMA"):  # wgmma needs the arch-specific target (sm_90a runs on sm_90 only)
             arch = arch if arch.endswith("a") else arch + "a"
         flags = [f"--gpu-architecture={arch}", *_BASE_OPTIONS]
-        if self.ptxas_level != 3:
-            flags.append(f"-Xptxas=-O{self.ptxas_level}")
+        if ptxas_level != 3:
+            flags.append(f"-Xptxas=-O{ptxas_level}")
         flags += [f"-D{k}={v}" for k, v in sorted(defs.items())]
         return tuple(flags)
 
 
-def make_spec(key: str, filename: str, entries, layout: bool = False, ptxas_level: int = 3, **defines) -> KernelSpec:
-    return KernelSpec(key, filename, tuple(sorted(defines.items())), tuple(entries), layout, ptxas_level)
+def make_spec(key: str, filename: str, entries, layout: bool = False, **defines) -> KernelSpec:
+    return KernelSpec(key, filename, tuple(sorted(defines.items())), tuple(entries), layout)
 
 
 def nvrtc_version() -> tuple:
@@ -155,7 +165,9 @@ def is_ptx(target: str) -> bool:
 def cache_key(spec: KernelSpec, arch: str, source: str | None = None) -> str:
     src = flatten_source(spec.filename) if source is None else source
     h = hashlib.sha256()
-    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries), repr(spec.layout)):
+    fallback = f"-O{SPILL_FALLBACK_LEVEL} where -O3 spills" if arch in SPILL_FALLBACK_ARCHS else ""
+    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries), repr(spec.layout),
+                 fallback):
         h.update(part.encode())
         h.update(b"\1")
     return h.hexdigest()[:32]
@@ -232,6 +244,12 @@ class CompiledKernel:
         return is_ptx(self.arch)
 
     @property
+    def ptxas_level(self) -> int:
+        """ptxas's -O of the cubin: 3, or SPILL_FALLBACK_LEVEL where -O3 spilled."""
+        m = re.search(re.escape(_LEVEL_LOG) + r"(\d+)", self.log)
+        return int(m.group(1)) if m else 3
+
+    @property
     def shared_bytes(self) -> int:
         """The dynamic shared memory a launch of this spec needs (``layout`` specs only)."""
         value = _layout_bytes(self.log)
@@ -258,15 +276,25 @@ def compile_spec(spec: KernelSpec, arch: str, *, use_disk_cache: bool = True) ->
     directory = cache_dir()
     cubin_path = directory / f"{spec.key}.{target}.{key}.{'ptx' if is_ptx(target) else 'cubin'}"
     # checked against the size and hashes recorded at write time; a damaged entry is recompiled
-    log = kernel_cache.load_or_compile(cubin_path, lambda: _nvrtc_compile(source, spec, target), use_disk_cache)
+    log = kernel_cache.load_or_compile(cubin_path, lambda: _compile_image(source, spec, target), use_disk_cache)
     result = CompiledKernel(spec, target, key, cubin_path, log, parse_ptxas_report(log))
     with _lock:  # threads that raced here all get the first one's entry
         result = _memory_cache.setdefault(key, result)
     return result
 
 
-def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
-    """(image, log): the cubin for ``sm_XX``, the PTX for ``compute_XX``."""
+def _compile_image(source: str, spec: KernelSpec, target: str):
+    """(image, log) of ``spec`` for ``target``: ``_nvrtc_compile``'s, or, where ``target`` is one of
+    SPILL_FALLBACK_ARCHS and ptxas's default level spills, the compile at SPILL_FALLBACK_LEVEL."""
+    image, log = _nvrtc_compile(source, spec, target)
+    if target in SPILL_FALLBACK_ARCHS and any(r.spills for r in parse_ptxas_report(log).values()):
+        image, log = _nvrtc_compile(source, spec, target, SPILL_FALLBACK_LEVEL)
+        log += f"\n{_LEVEL_LOG}{SPILL_FALLBACK_LEVEL} (-O3 spilled)\n"
+    return image, log
+
+
+def _nvrtc_compile(source: str, spec: KernelSpec, arch: str, ptxas_level: int = 3):
+    """(image, log): the cubin for ``sm_XX`` (ptxas at ``ptxas_level``), the PTX for ``compute_XX``."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source, f"{spec.key}.cu", [], [])
@@ -274,7 +302,7 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
         if spec.layout:
             nvrtc.addNameExpression(prog, _LAYOUT_EXPRESSION)
         try:
-            nvrtc.compileProgram(prog, list(spec.options(arch)))
+            nvrtc.compileProgram(prog, list(spec.options(arch, ptxas_level)))
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed on {spec.key} for {arch}: {exc}\n{log}") from None
@@ -319,7 +347,7 @@ def _get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: in
             fn = kernel_cache.load_function(  # an image the driver rejects is recompiled once
                 lambda: cupy.RawModule(path=str(compiled.cubin_path)).get_function(entry),
                 lambda: kernel_cache.load_or_compile(
-                    compiled.cubin_path, lambda: _nvrtc_compile(flatten_source(spec.filename), spec, compiled.arch),
+                    compiled.cubin_path, lambda: _compile_image(flatten_source(spec.filename), spec, compiled.arch),
                     use_disk_cache=False),
                 compiled.cubin_path)
         _modules[mkey] = fn

@@ -57,16 +57,14 @@ KEY_TEXT = {
 
 
 def _spec(family: str, filename: str, entries, choices: dict, implied: dict | None = None,
-          layout: bool = False, ptxas_level: int = 3) -> KernelSpec:
+          layout: bool = False) -> KernelSpec:
     """The spec of ``choices`` (every one a KEY_TEXT define: the key spells them) and ``implied``
-    defines (the sizes and constants the choices and the family fix), with the key built from them;
-    a ``ptxas_level`` other than ptxas's default 3 ends the key (``.o1``)."""
+    defines (the sizes and constants the choices and the family fix), with the key built from them."""
     implied = dict(implied or {})
     assert set(choices) <= set(KEY_TEXT), set(choices) - set(KEY_TEXT)
     assert not set(choices) & set(implied), set(choices) & set(implied)
     key = family + "".join(KEY_TEXT[name](choices[name]) for name in KEY_TEXT if name in choices)
-    key += f".o{ptxas_level}" if ptxas_level != 3 else ""
-    return make_spec(key, filename, entries, layout=layout, ptxas_level=ptxas_level, **choices, **implied)
+    return make_spec(key, filename, entries, layout=layout, **choices, **implied)
 
 
 def _dtype(dtype: str, varlen: bool = False) -> dict:
@@ -292,7 +290,6 @@ class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
-    ptxas_level: int = 3  # ptxas's -O (backward_ptxas_level); the key ends in .o1 where it is 1
 
     @property
     def filename(self) -> str:
@@ -367,24 +364,11 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
     return 3 if deterministic else 2
 
 
-# ptxas's optimization level of the mma.sync backward (kernels/backward.cu) per (arch, head dim), where
-# the default (3) spills: NVRTC 13.5's ptxas for Blackwell spills 8-48 bytes at d=128 on sm_100, 8-176
-# at d=128 and 8-40 (the two-CTA kernels) at d=64 on sm_120, where sm_80-sm_90's allocate the same code
-# without. At -O1 none spills, and the main loop issues within 1% of the -O3 instruction count at d=128,
-# 4-7% more at d=64 on sm_120 (SASS counted by tools/perf_model's counter); not measured on a GPU.
-BACKWARD_PTXAS_LEVEL = {("sm_100", 128): 1, ("sm_120", 64): 1, ("sm_120", 128): 1}
-
-
-def backward_ptxas_level(dp: int, arch: str | None) -> int:
-    return BACKWARD_PTXAS_LEVEL.get((arch, dp), 3)
-
-
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory), compiled at ``backward_ptxas_level``."""
-    if use_wgmma(arch):
-        return BackwardTiles(stages=2, wgmma=True, groups=wgmma_groups(dp, deterministic, varlen))
-    return BackwardTiles(stages=2, ptxas_level=backward_ptxas_level(dp, arch))
+    one where two do not fit the device's shared memory)."""
+    wg = use_wgmma(arch)
+    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
@@ -408,8 +392,7 @@ def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: Backwar
     choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias),
                "SB_FINE": int(fine), "SB_DETERMINISTIC": int(deterministic), **tiles.choices()}
     return _spec("backward", tiles.filename, ["attention_backward"], choices,
-                 {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True,
-                 ptxas_level=tiles.ptxas_level)
+                 {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True)
 
 
 # Opt-in shared memory per block of each target (CUDA C Programming Guide, the technical
@@ -455,8 +438,7 @@ def all_specs(arch: str | None = None) -> list:
                     for granularity in ("fine", "paper"):
                         for det in (False, True):
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
-                            mma = BackwardTiles(2, ptxas_level=backward_ptxas_level(dp, arch))
-                            specs.append(backward_kernel(dp, dt, bwd, mma, arch, limit, varlen)[1])
+                            specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
                                 specs.append(backward_spec(dp, dt, bwd, BackwardTiles(2, True, wgmma_groups(dp, det, varlen)),
                                                            varlen))
