@@ -616,14 +616,16 @@ def verdict(folders: list, readme_dir: str) -> str:
         "| GPU | forward+backward ÷ PyTorch's default (cuDNN) | ÷ FlashAttention-2 | "
         "training step ÷ PyTorch's default |",
         "|---|---|---|---|", *rows,
-        "| A100, A10, RTX 30xx/40xx, L4, L40 (sm_80-sm_89) | not measured | not measured | not measured |", "",
+        "| A100, A10, RTX 30xx/40xx, L4, L40 (sm_80-sm_89) | not measured | not measured | not measured |",
+        "| B200 (sm_100), RTX 50xx (sm_120): built (mma.sync kernels) | not measured | not measured | not measured |",
+        "",
         f"Speed ratios: ours ÷ peer, above 1 is faster; the median, and in brackets the range, over head dims "
         f"{dims}, {seqlen_label(ns[0])}-{seqlen_label(ns[-1])} tokens, {causal}, {dtypes}, each measured side by "
         "side in one run. "
         "Training step: a `transformers` Llama-style decoder (hidden 1024, 8 layers, GQA 4:1, bfloat16 autocast, "
         "16K tokens a step, `benchmarks/bench_model.py`), our step time against the same model's with SDPA. "
-        "On sm_80-sm_89 the kernels are compiled and their algorithm is tested on the CPU emulator, but no such "
-        "card has been measured."])
+        "On sm_80-sm_89, sm_100 and sm_120 the kernels are compiled (without register spills) and their "
+        "algorithm is tested on the CPU emulator, but no such card has been measured."])
 
 
 # ---------------------------------------------------------------------------------------------- all

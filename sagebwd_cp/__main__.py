@@ -40,6 +40,7 @@ class KernelRow:
     spill_loads: int = 0
     seconds: float = 0.0
     error: str = ""
+    ptxas_level: int = 3  # compiler.SPILL_FALLBACK_LEVEL where -O3 spilled (compiler.SPILL_FALLBACK_ARCHS)
 
     @property
     def spill_bytes(self) -> int:
@@ -66,7 +67,7 @@ def _rows(spec, arch: str, result, seconds: float) -> list:
                                   error=f"ptxas reported no kernel named {entry!r}"))
             continue
         rows.append(KernelRow(spec.key, entry, arch, report.registers, report.stack_bytes,
-                              report.spill_stores, report.spill_loads, seconds))
+                              report.spill_stores, report.spill_loads, seconds, ptxas_level=result.ptxas_level))
     return rows
 
 
@@ -188,13 +189,20 @@ def _device_line(d: dict, current: bool) -> str:
             f"  {d['arch']}: {kernel_specs.kernel_family(d['arch'])}")
 
 
+def _runs_kernels(arch: str) -> bool:
+    """Whether a device of ``arch`` runs the kernels (as cubins or PTX): sm_80 and newer."""
+    number = arch.removeprefix("sm_")
+    return number.isdigit() and int(number) >= 80
+
+
 def cmd_info(args) -> int:
     print(_table(("component", "version"), _versions()))
     print(f"kernel cache: {_cache_dir_text()}")
     print("kernels by arch:")
     for archs, family in kernel_specs.kernel_families():
         print(f"  {archs}: {family}")
-    print("  other archs: not built")
+    print(f"  other archs from sm_80 on: {kernel_specs.PTX_FAMILY.format(target='the newest of those above, below their own')}")
+    print("  archs below sm_80: not supported")
     print()
     devices, why = cuda_devices()
     status = 0
@@ -207,11 +215,11 @@ def cmd_info(args) -> int:
         current, _ = cuda_device()
         for d in devices:
             print(_device_line(d, d["id"] == current["id"]))
-        if current["arch"] not in compiler.SUPPORTED_ARCHS:
-            print(f"the kernels target {', '.join(compiler.SUPPORTED_ARCHS)}, not {current['arch']} (CUDA device "
+        if not _runs_kernels(current["arch"]):
+            print(f"the kernels need sm_80 or newer, not {current['arch']} (CUDA device "
                   f"{current['id']}); host arrays still run on the CPU emulator", file=sys.stderr)
             status = 1
-        archs = list(dict.fromkeys(d["arch"] for d in devices if d["arch"] in compiler.SUPPORTED_ARCHS))
+        archs = list(dict.fromkeys(d["arch"] for d in devices if _runs_kernels(d["arch"])))
         if not archs:
             return status
         print(f"Compiling one kernel for {', '.join(archs)} (every kernel: python -m sagebwd_cp compile).")
@@ -258,13 +266,16 @@ def cmd_compile(args) -> int:
     except ImportError as exc:
         print(f"cannot compile: {exc} (install the cuda13 or cuda12 extra)", file=sys.stderr)
         return 1
-    print(_table(("kernel", "arch", "registers", "stack", "spill bytes", "seconds"),
-                 [(_kernel_name(r), r.arch, *(("-",) * 3 if r.error else (r.registers, r.stack_bytes, r.spill_bytes)),
+    print(_table(("kernel", "arch", "registers", "stack", "spill bytes", "ptxas", "seconds"),
+                 [(_kernel_name(r), r.arch,
+                   *(("-",) * 4 if r.error else (r.registers, r.stack_bytes, r.spill_bytes, f"-O{r.ptxas_level}")),
                    "ERROR" if r.error else f"{r.seconds:.2f}") for r in rows]))
     status = _report_failures(rows)
     if status == 0:
+        lowered = sum(r.ptxas_level != 3 for r in rows)
         print(f"{len(rows)} kernels compiled for {', '.join(archs)} without register spills "
-              f"in {time.perf_counter() - start:.0f} s")
+              f"in {time.perf_counter() - start:.0f} s" +
+              (f" ({lowered} at ptxas -O{compiler.SPILL_FALLBACK_LEVEL}, where -O3 spilled)" if lowered else ""))
     return status
 
 

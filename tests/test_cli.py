@@ -54,19 +54,24 @@ def no_compile(monkeypatch):
 def test_info_reports_the_kernels_of_every_visible_gpu(monkeypatch, capsys, no_compile):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     devices = [_device(0, 4, "sm_90", "NVIDIA H100 80GB HBM3"), _device(1, 4, "sm_86", "NVIDIA RTX A6000"),
-               _device(2, 4, "sm_75", "Tesla T4"), _device(3, 4, "sm_100", "NVIDIA B200")]
+               _device(2, 4, "sm_75", "Tesla T4"), _device(3, 4, "sm_100", "NVIDIA B200"),
+               _device(4, 4, "sm_121", "NVIDIA GB10")]
     monkeypatch.setattr(cli, "cuda_devices", lambda: (devices, ""))
     monkeypatch.setattr(cli, "cuda_device", lambda: (devices[0], ""))
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "kernels by arch:\n  sm_80, sm_86, sm_89: mma.sync kernels\n  sm_90: wgmma kernels (sm_90a)\n" \
-           "  other archs: not built\n" in out
+           "  sm_100, sm_120: mma.sync kernels, built, not measured\n" \
+           "  other archs from sm_80 on: mma.sync kernels as PTX for the newest of those above, below their own, " \
+           "JIT-compiled by the driver; not measured\n  archs below sm_80: not supported\n" in out
     assert "CUDA device 0 of 4 (current): NVIDIA H100 80GB HBM3, sm_90, 132 SMs" in out
     assert "\n  sm_90: wgmma kernels (sm_90a)\nCUDA device 1 of 4: NVIDIA RTX A6000, sm_86" in out
     assert "\n  sm_86: mma.sync kernels\n" in out
     assert "\n  sm_75: not supported: the kernels need sm_80 or newer" in out
-    assert "\n  sm_100: not built: the library builds and tests sm_80, sm_86, sm_89, sm_90 only" in out
-    assert no_compile == ["sm_90", "sm_86"]  # one kernel per arch the library builds
+    assert "\n  sm_100: mma.sync kernels, built, not measured\n" in out
+    target = cli.compiler.compile_target("sm_121")
+    assert f"\n  sm_121: mma.sync kernels as PTX for {target}, JIT-compiled by the driver; not measured" in out
+    assert no_compile == ["sm_90", "sm_86", "sm_100", "sm_121"]  # one kernel per arch that runs the kernels
 
 
 def test_info_fails_where_the_current_gpu_takes_no_kernels(monkeypatch, capsys, no_compile):
@@ -76,7 +81,7 @@ def test_info_fails_where_the_current_gpu_takes_no_kernels(monkeypatch, capsys, 
     assert cli.main(["info"]) == 1
     captured = capsys.readouterr()
     assert "CUDA device 0 of 1: Tesla T4, sm_75" in captured.out
-    assert "the kernels target sm_80, sm_86, sm_89, sm_90, not sm_75" in captured.err
+    assert "the kernels need sm_80 or newer, not sm_75" in captured.err
     assert no_compile == []
 
 

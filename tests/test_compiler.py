@@ -17,7 +17,7 @@ from sagebwd_cp.gpu import compiler, device, specs
 from sagebwd_cp.options import AttentionOptions
 from sagebwd_cp.__main__ import compile_all, compile_pairs, main, representative_spec
 
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,6 +33,9 @@ def _one_spec_per_kernel_file(arch):
     chosen = [specs.lse_spec("bfloat16"), specs.bias_spec("float16"), specs.ceiling_spec(),
               specs.backward_rows_spec("bfloat16"), representative_spec(arch),
               specs.backward_spec(64, "float16", AttentionOptions(causal=True), specs.BackwardTiles(2))]
+    if arch in compiler.SPILL_FALLBACK_ARCHS:
+        # Blackwell's ptxas spills the d=128 backward at its default level: compiled again at a lower one.
+        chosen.append(_blackwell_backward(arch))
     if arch in ("sm_80", "sm_90"):
         # quantize.cu takes ~9 s a compile, and registers fall the same way on sm_80, 86 and 89 (its
         # spills have been seen on sm_80-89 or sm_90): the two families here, every arch in CI.
@@ -43,6 +46,11 @@ def _one_spec_per_kernel_file(arch):
                    specs.backward_spec(128, "bfloat16", AttentionOptions(deterministic=True), specs.BackwardTiles(2, True, 2)),
                    specs.backward_spec(64, "float16", AttentionOptions(causal=True, granularity="paper", deterministic=True), specs.BackwardTiles(2, True, 3))]
     return chosen
+
+
+def _blackwell_backward(arch):
+    return specs.backward_kernel(128, "bfloat16", AttentionOptions(causal=True), specs.BackwardTiles(2), arch,
+                                 specs.ARCH_SHARED_LIMIT[arch])[1]
 
 
 def test_every_kernel_file_compiles_for_every_arch_without_spills():
@@ -248,13 +256,13 @@ def test_cli_compile_exits_one_on_a_compile_error(tmp_path, monkeypatch, capsys)
     assert "undeclared_thing" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch", ["89", "sm_75", "sm_90a"])
+@pytest.mark.parametrize("arch", ["89", "sm_75", "sm_90a", "sm_121"])
 def test_cli_rejects_an_unsupported_arch(arch, capsys):
     with pytest.raises(SystemExit) as info:
         main(["compile", "--arch", arch])
     assert info.value.code == 2  # argparse's usage error, not a traceback
     err = capsys.readouterr().err
-    assert f"--arch: expected one of sm_80, sm_86, sm_89, sm_90, got '{arch}'" in err
+    assert f"--arch: expected one of sm_80, sm_86, sm_89, sm_90, sm_100, sm_120, got '{arch}'" in err
 
 
 def test_cli_rejects_a_bad_job_count(capsys):
@@ -308,7 +316,8 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
         with pytest.raises(ValueError, match=name):
             chosen()
         monkeypatch.delenv(name)
-    for arch in ("sm_80", "sm_86", "sm_89", None):
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120", "sm_121", None):
+        assert not specs.use_wgmma(arch)
         assert specs.forward_tiles(128, arch).key_tile == 64
         assert not specs.forward_tiles(128, arch).wgmma
         assert not specs.backward_tiles(128, arch).wgmma
@@ -320,7 +329,8 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
 def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
     """The stage count follows the compiled layout: two fit sm_80's and sm_90's shared memory at every
     head dim, and sm_86's at head dim 64; at 128 there it is one."""
-    for arch, dp, stages in (("sm_80", 128, 2), ("sm_90", 128, 2), ("sm_86", 64, 2), ("sm_86", 128, 1), ("sm_89", 128, 1)):
+    for arch, dp, stages in (("sm_80", 128, 2), ("sm_90", 128, 2), ("sm_86", 64, 2), ("sm_86", 128, 1), ("sm_89", 128, 1),
+                             ("sm_100", 128, 2), ("sm_120", 64, 2), ("sm_120", 128, 1)):
         tiles, spec = specs.backward_kernel(dp, "float16", AttentionOptions(), specs.BackwardTiles(2), arch,
                                             specs.ARCH_SHARED_LIMIT[arch])
         assert tiles.stages == stages and dict(spec.defines)["SB_STAGES"] == stages
@@ -337,7 +347,7 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
     assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", AttentionOptions(),
                                                             specs.ForwardTiles(4, 1)).options("sm_90")
-    for arch in ("sm_80", "sm_86", "sm_89"):
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120"):
         assert not [s for s in specs.all_specs(arch) if dict(s.defines).get("SB_WGMMA")]
     hopper_limit = specs.ARCH_SHARED_LIMIT["sm_90"]
     plain, wg = specs.BackwardTiles(2), specs.BackwardTiles(2, wgmma=True)
@@ -365,3 +375,72 @@ def test_shared_layouts_are_read_back_from_the_compiled_kernels():
         assert compiler.dynamic_shared_bytes(spec, "sm_90") <= hopper_limit
     with pytest.raises(ValueError, match="no shared layout"):
         compiler.compile_spec(specs.lse_spec("float16"), "sm_90").shared_bytes
+
+
+def test_archs_past_the_built_ones_get_ptx_of_the_newest_built_arch_below_them():
+    """A cubin for each built arch NVRTC knows; PTX (compute_XX, JIT-compiled by the driver) of the newest
+    such arch below any other from sm_80 on; nothing below sm_80."""
+    everything = ("sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121")
+    for arch in compiler.SUPPORTED_ARCHS + ("sm_90a",):
+        assert compiler.compile_target(arch, known=everything) == arch
+    for arch, target in (("sm_87", "compute_86"), ("sm_103", "compute_100"), ("sm_110", "compute_100"),
+                         ("sm_121", "compute_120"), ("sm_130", "compute_120")):
+        assert compiler.compile_target(arch, known=everything) == target
+    # An NVRTC that knows no Blackwell arch (CUDA 12 before 12.8): sm_90's PTX, whose mma.sync kernels run there.
+    older = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+    for arch in ("sm_100", "sm_120", "sm_121"):
+        assert compiler.compile_target(arch, known=older) == "compute_90"
+    for arch in ("sm_75", "sm_70", "compute_90", "90"):
+        with pytest.raises(ValueError, match="arch"):
+            compiler.compile_target(arch, known=everything)
+    assert set(compiler.nvrtc_archs()) >= {"sm_80", "sm_90"}
+
+
+def test_an_arch_nvrtc_builds_no_cubin_for_gets_ptx_in_its_own_cache_entries(tmp_path, monkeypatch):
+    """sm_121 (or, to an older NVRTC, any arch past the built ones): the PTX is produced and cached
+    apart from the cubins (the target is in the key and the file name); its shared layout is read back
+    as a cubin's is. Loading it, where the driver JIT-compiles it, needs a GPU."""
+    monkeypatch.setenv("SAGEBWD_CP_CACHE_DIR", str(tmp_path))
+    target = compiler.compile_target("sm_121")
+    assert compiler.is_ptx(target)
+    spec = specs.forward_spec(64, "float16", AttentionOptions(), specs.forward_tiles(64, "sm_121"))
+    ptx = compiler.compile_spec(spec, "sm_121")
+    native = compiler.compile_spec(spec, target.replace("compute_", "sm_"))
+    assert ptx.ptx and ptx.arch == target and not native.ptx
+    assert ptx.key != native.key and ptx.cubin_path != native.cubin_path
+    assert ptx.cubin_path.name.endswith(f".{target}.{ptx.key}.ptx") and ptx.cubin_path.parent == tmp_path
+    text = ptx.cubin_path.read_text()
+    assert ".entry attention_forward" in text and f".target {target.replace('compute_', 'sm_')}" in text
+    assert f"--gpu-architecture={target}" in spec.options(target)
+    assert ptx.reports == {}  # ptxas runs in the driver
+    assert ptx.shared_bytes == native.shared_bytes
+    assert compiler.compile_spec(spec, "sm_121") is ptx  # the memory cache
+    rows = compile_pairs([(spec, "sm_121")])
+    assert [(r.arch, r.registers, r.error) for r in rows] == [("sm_121", -1, "")]  # no report, no failure
+
+
+def test_blackwell_takes_the_mma_sync_kernels_compiled_again_at_a_lower_ptxas_level_where_they_spill():
+    """sm_100 and sm_120: mma.sync kernels (wgmma is sm_90a's) and the shared memory of their compute
+    capability; a kernel that spills at ptxas -O3 there is compiled again at -O1 (the log says so), one
+    that does not keeps -O3; elsewhere -O3 stays."""
+    _require_ptxas_report()
+    assert (specs.ARCH_SHARED_LIMIT["sm_100"], specs.ARCH_SHARED_LIMIT["sm_120"]) == (232448, 101376)
+    ptx_arch = compiler.compile_target("sm_121").replace("compute_", "sm_")  # sm_120 with NVRTC 12.8 or newer
+    assert specs.arch_shared_limit("sm_121") == specs.ARCH_SHARED_LIMIT[ptx_arch]
+    spec = _blackwell_backward("sm_120")
+    assert spec.key == "backward.hd128.bfloat16.causal.fine.s1"  # one stage in sm_120's 99 KB
+    source = compiler.flatten_source(spec.filename)
+    _, first = compiler._nvrtc_compile(source, spec, "sm_120")
+    lowered = compiler.compile_spec(spec, "sm_120")
+    report = lowered.reports["attention_backward"]
+    if compiler.parse_ptxas_report(first)["attention_backward"].spills:  # NVRTC 13.5 spills it
+        assert lowered.ptxas_level == compiler.SPILL_FALLBACK_LEVEL and "-O3 spilled" in lowered.log
+    assert not report.spills and report.stack_bytes == 0
+    assert compiler.compile_spec(specs.lse_spec("float16"), "sm_120").ptxas_level == 3
+    assert compiler.compile_spec(spec, "sm_89").ptxas_level == 3
+    assert "-Xptxas=-O1" in spec.options("sm_120", 1) and not any("-O1" in o for o in spec.options("sm_120"))
+    assert compiler.cache_key(spec, "sm_120", source) != compiler.cache_key(spec, "sm_89", source)
+    for arch in ("sm_100", "sm_120"):
+        assert specs.kernel_family(arch) == "mma.sync kernels, built, not measured"
+        assert {s.filename for s in specs.all_specs(arch)} == {
+            "quantize.cu", "lse.cu", "backward_rows.cu", "smooth_q_bias.cu", "ceiling.cu", "forward.cu", "backward.cu"}

@@ -219,6 +219,7 @@ def test_verdict_by_gpu_from_speed_and_model_results(tmp_path):
     assert "| **slower**: 0.21x (0.21) | **slower**: 0.30x (0.30) |" in row
     assert row.endswith("| 3-6% **slower** at 2K context; 12% **slower** at 32K context (an earlier version) |")
     assert "| A100, A10, RTX 30xx/40xx, L4, L40 (sm_80-sm_89) | not measured |" in text
+    assert "| B200 (sm_100), RTX 50xx (sm_120): built (mma.sync kernels) | not measured |" in text
     assert "head dims 128, 4K-16K tokens, causal and not, float16" in text
 
     readme = tmp_path / "README.md"

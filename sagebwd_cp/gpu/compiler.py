@@ -6,10 +6,15 @@ named by a readable key such as ``forward.hd128.float16.causal``.  Its source is
 header (CuPy's own cache does not hash ``-I`` headers).  The cache key also covers the options,
 the target arch and the NVRTC version.  NVRTC needs no GPU, so every specialization can be
 compiled for any ``sm_XX`` on a CPU-only machine; loading the cubin needs the device.
+
+The archs the library builds (``SUPPORTED_ARCHS``) get a cubin of their own.  A newer GPU whose arch
+is not among them (or that this NVRTC cannot target) gets PTX for the newest built arch below its own
+that NVRTC knows (``compile_target``), which the driver JIT-compiles when the module is loaded.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -21,7 +26,19 @@ from .. import numerics
 from . import kernel_cache
 from .device import device_arch
 
-SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# The archs built as cubins (sm_90 also as sm_90a, its wgmma kernels); every other arch from sm_80 on
+# runs PTX (compile_target).
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+# Blackwell's ptxas (NVRTC 13.5) spills kernels that sm_80-sm_90's allocate without: the mma.sync backward,
+# 8-56 bytes in 14 of its 48 kernels at head dim 128 on sm_100; 8-176 bytes in 44 of 48 at 128 and 8-40
+# in the 8 two-CTA kernels at 64 on sm_120. For these archs a kernel that spills at ptxas's default
+# level (-O3) is compiled again at SPILL_FALLBACK_LEVEL, where none of them spills: in the kernels whose
+# SASS was counted (tools/perf_model's counter) the main loop then issues 2% fewer to 24% more
+# instructions than at -O3, mostly within 1% at head dim 128; not measured on a GPU. The log says so
+# (CompiledKernel.ptxas_level). On the other archs a spill stays a failure (``compile`` exits 1).
+SPILL_FALLBACK_ARCHS = ("sm_100", "sm_120")
+SPILL_FALLBACK_LEVEL = 1
+_LEVEL_LOG = "sagebwd_cp ptxas level: "
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
 
@@ -76,12 +93,16 @@ class KernelSpec:
     entries: tuple  # extern "C" kernel names
     layout: bool = False  # the file defines DYNAMIC_SHARED_BYTES, its kernels' shared layout (read back)
 
-    def options(self, arch: str) -> tuple:
+    def options(self, arch: str, ptxas_level: int = 3) -> tuple:
+        """NVRTC's options for ``arch``: ``sm_XX`` (a cubin) or ``compute_XX`` (PTX); ptxas at
+        ``ptxas_level`` (-O; 3, its default, unless SPILL_FALLBACK_ARCHS' retry asks for less)."""
         defs = dict(numerics.compile_defines())
         defs.update(dict(self.defines))
         if defs.get("SB_WGMMA"):  # wgmma needs the arch-specific target (sm_90a runs on sm_90 only)
             arch = arch if arch.endswith("a") else arch + "a"
         flags = [f"--gpu-architecture={arch}", *_BASE_OPTIONS]
+        if ptxas_level != 3:
+            flags.append(f"-Xptxas=-O{ptxas_level}")
         flags += [f"-D{k}={v}" for k, v in sorted(defs.items())]
         return tuple(flags)
 
@@ -96,10 +117,57 @@ def nvrtc_version() -> tuple:
     return tuple(nvrtc.getVersion())
 
 
+def _arch_number(arch: str) -> int:
+    """30 of ``sm_30``, 120 of ``sm_120a`` or ``compute_120``; ValueError for anything else."""
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", arch)
+    if not m:
+        raise ValueError(f"arch: expected sm_XX, e.g. {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
+    return int(m.group(1))
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_archs() -> tuple:
+    """The ``sm_XX`` this NVRTC can target (``nvrtcGetSupportedArchs``); where CuPy's binding lacks the
+    call, the archs the library builds, assumed known."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    try:
+        numbers = nvrtc.getSupportedArchs()
+    except AttributeError:
+        return SUPPORTED_ARCHS
+    return tuple(f"sm_{n}" for n in numbers)
+
+
+def compile_target(arch: str, known=None) -> str:
+    """What a device of ``arch`` runs: ``arch`` itself (a cubin) where the library builds it and NVRTC
+    (``known``: its archs, default ``nvrtc_archs()``) can target it; else ``compute_XX``, PTX for the
+    newest such arch below ``arch`` (PTX runs on its own arch and every later one), which the driver
+    JIT-compiles at load. ``sm_90a`` stays itself. ValueError below sm_80."""
+    number = _arch_number(arch)
+    if number < 80 or arch.startswith("compute_"):
+        raise ValueError(f"arch: expected sm_80 or newer (e.g. {', '.join(SUPPORTED_ARCHS)}), got {arch!r}; "
+                         "the kernels' INT8 tensor-core products and asynchronous copies need sm_80")
+    known = set(nvrtc_archs() if known is None else known)
+    base = arch.removesuffix("a")
+    if base in SUPPORTED_ARCHS and base in known:
+        return arch
+    below = [a for a in SUPPORTED_ARCHS if a in known and _arch_number(a) <= number]
+    if not below:
+        raise ValueError(f"arch: this NVRTC ({'.'.join(map(str, nvrtc_version()))}) targets none of "
+                         f"{', '.join(SUPPORTED_ARCHS)} up to {arch}")
+    return "compute_" + str(max(_arch_number(a) for a in below))
+
+
+def is_ptx(target: str) -> bool:
+    return target.startswith("compute_")
+
+
 def cache_key(spec: KernelSpec, arch: str, source: str | None = None) -> str:
     src = flatten_source(spec.filename) if source is None else source
     h = hashlib.sha256()
-    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries), repr(spec.layout)):
+    fallback = f"-O{SPILL_FALLBACK_LEVEL} where -O3 spills" if arch in SPILL_FALLBACK_ARCHS else ""
+    for part in (src, "\0".join(spec.options(arch)), arch, repr(nvrtc_version()), repr(spec.entries), repr(spec.layout),
+                 fallback):
         h.update(part.encode())
         h.update(b"\1")
     return h.hexdigest()[:32]
@@ -165,11 +233,21 @@ def _layout_bytes(log: str) -> int | None:
 @dataclasses.dataclass
 class CompiledKernel:
     spec: KernelSpec
-    arch: str
+    arch: str  # the compile target: sm_XX (a cubin) or compute_XX (PTX, compile_target)
     key: str
-    cubin_path: Path
+    cubin_path: Path  # the image the driver loads: the cubin, or the PTX it JIT-compiles
     log: str
-    reports: dict
+    reports: dict  # ptxas's, per kernel entry (none for PTX: ptxas runs in the driver)
+
+    @property
+    def ptx(self) -> bool:
+        return is_ptx(self.arch)
+
+    @property
+    def ptxas_level(self) -> int:
+        """ptxas's -O of the cubin: 3, or SPILL_FALLBACK_LEVEL where -O3 spilled."""
+        m = re.search(re.escape(_LEVEL_LOG) + r"(\d+)", self.log)
+        return int(m.group(1)) if m else 3
 
     @property
     def shared_bytes(self) -> int:
@@ -185,27 +263,38 @@ _lock = threading.Lock()
 
 
 def compile_spec(spec: KernelSpec, arch: str, *, use_disk_cache: bool = True) -> CompiledKernel:
-    """Compile ``spec`` for ``arch`` (no GPU needed); cached in memory and on disk."""
-    m = re.fullmatch(r"sm_(\d+)a?", arch)
-    if not m or int(m.group(1)) < 80:
-        raise ValueError(f"arch: expected sm_80 or newer (e.g. {', '.join(SUPPORTED_ARCHS)}), got {arch!r}")
+    """Compile ``spec`` for a device of ``arch`` (no GPU needed): a cubin, or PTX where
+    ``compile_target`` says so (its own cache entries: the target is part of the key and the name);
+    cached in memory and on disk."""
+    target = compile_target(arch)
     source = flatten_source(spec.filename)
-    key = cache_key(spec, arch, source)
+    key = cache_key(spec, target, source)
     with _lock:
         hit = _memory_cache.get(key)
     if hit is not None:
         return hit
     directory = cache_dir()
-    cubin_path = directory / f"{spec.key}.{arch}.{key}.cubin"
+    cubin_path = directory / f"{spec.key}.{target}.{key}.{'ptx' if is_ptx(target) else 'cubin'}"
     # checked against the size and hashes recorded at write time; a damaged entry is recompiled
-    log = kernel_cache.load_or_compile(cubin_path, lambda: _nvrtc_compile(source, spec, arch), use_disk_cache)
-    result = CompiledKernel(spec, arch, key, cubin_path, log, parse_ptxas_report(log))
+    log = kernel_cache.load_or_compile(cubin_path, lambda: _compile_image(source, spec, target), use_disk_cache)
+    result = CompiledKernel(spec, target, key, cubin_path, log, parse_ptxas_report(log))
     with _lock:  # threads that raced here all get the first one's entry
         result = _memory_cache.setdefault(key, result)
     return result
 
 
-def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
+def _compile_image(source: str, spec: KernelSpec, target: str):
+    """(image, log) of ``spec`` for ``target``: ``_nvrtc_compile``'s, or, where ``target`` is one of
+    SPILL_FALLBACK_ARCHS and ptxas's default level spills, the compile at SPILL_FALLBACK_LEVEL."""
+    image, log = _nvrtc_compile(source, spec, target)
+    if target in SPILL_FALLBACK_ARCHS and any(r.spills for r in parse_ptxas_report(log).values()):
+        image, log = _nvrtc_compile(source, spec, target, SPILL_FALLBACK_LEVEL)
+        log += f"\n{_LEVEL_LOG}{SPILL_FALLBACK_LEVEL} (-O3 spilled)\n"
+    return image, log
+
+
+def _nvrtc_compile(source: str, spec: KernelSpec, arch: str, ptxas_level: int = 3):
+    """(image, log): the cubin for ``sm_XX`` (ptxas at ``ptxas_level``), the PTX for ``compute_XX``."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source, f"{spec.key}.cu", [], [])
@@ -213,7 +302,7 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
         if spec.layout:
             nvrtc.addNameExpression(prog, _LAYOUT_EXPRESSION)
         try:
-            nvrtc.compileProgram(prog, list(spec.options(arch)))
+            nvrtc.compileProgram(prog, list(spec.options(arch, ptxas_level)))
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed on {spec.key} for {arch}: {exc}\n{log}") from None
@@ -221,7 +310,7 @@ def _nvrtc_compile(source: str, spec: KernelSpec, arch: str):
         if spec.layout:  # e.g. _Z23sb_dynamic_shared_bytesILy50176EE: the template argument is the size
             size = re.search(r"IL[a-z](\d+)E", nvrtc.getLoweredName(prog, _LAYOUT_EXPRESSION)).group(1)
             log += f"\n{_LAYOUT_LOG}{size}\n"
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = bytes(nvrtc.getPTX(prog)).rstrip(b"\0") if is_ptx(arch) else nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
     return cubin, log
@@ -258,7 +347,7 @@ def _get_function(spec: KernelSpec, entry: str, device_id: int, dynamic_smem: in
             fn = kernel_cache.load_function(  # an image the driver rejects is recompiled once
                 lambda: cupy.RawModule(path=str(compiled.cubin_path)).get_function(entry),
                 lambda: kernel_cache.load_or_compile(
-                    compiled.cubin_path, lambda: _nvrtc_compile(flatten_source(spec.filename), spec, compiled.arch),
+                    compiled.cubin_path, lambda: _compile_image(flatten_source(spec.filename), spec, compiled.arch),
                     use_disk_cache=False),
                 compiled.cubin_path)
         _modules[mkey] = fn

@@ -136,24 +136,41 @@ def use_wgmma(arch: str | None) -> bool:
     return arch in WGMMA_ARCHS and os.environ.get("SAGEBWD_WGMMA", "1") != "0"
 
 
+# Built (every kernel compiled for them, without spills, by CI) but never run on such a GPU: Blackwell,
+# B200 (sm_100) and the RTX 50xx (sm_120), through the mma.sync kernels.
+NOT_MEASURED_ARCHS = ("sm_100", "sm_120")
+PTX_FAMILY = "mma.sync kernels as PTX for {target}, JIT-compiled by the driver; not measured"
+
+
 def kernel_family(arch: str) -> str:
-    """In words, the kernels a device of ``arch`` runs, or that the library does not build for it."""
+    """In words, the kernels a device of ``arch`` runs, or that the library has none for it."""
     if arch in WGMMA_ARCHS:
         return ("wgmma kernels (sm_90a)" if use_wgmma(arch) else
                 "mma.sync kernels (SAGEBWD_WGMMA=0; wgmma kernels (sm_90a) without it)")
+    if arch in NOT_MEASURED_ARCHS:
+        return "mma.sync kernels, built, not measured"
     if arch in compiler.SUPPORTED_ARCHS:
         return "mma.sync kernels"
     number = arch.removeprefix("sm_")
-    if number.isdigit() and int(number) < 80:
+    if not number.isdigit():
+        return f"unknown arch {arch!r}; host arrays run on the CPU emulator"
+    if int(number) < 80:
         return "not supported: the kernels need sm_80 or newer; host arrays run on the CPU emulator"
-    return (f"not built: the library builds and tests {', '.join(compiler.SUPPORTED_ARCHS)} only; host arrays run "
-            "on the CPU emulator")
+    try:
+        target = compiler.compile_target(arch)
+    except ImportError:  # no NVRTC to ask: the built archs, assumed known to it
+        target = compiler.compile_target(arch, known=compiler.SUPPORTED_ARCHS)
+    except ValueError as exc:
+        return f"not built: {exc}"
+    return PTX_FAMILY.format(target=target)
 
 
 def kernel_families() -> list:
-    """``(archs, family)`` for every arch the library builds, the mma.sync archs together."""
-    mma = [a for a in compiler.SUPPORTED_ARCHS if a not in WGMMA_ARCHS]
-    return [(", ".join(mma), kernel_family(mma[0]))] + [(a, kernel_family(a)) for a in WGMMA_ARCHS]
+    """``(archs, family)`` for every arch the library builds, archs of one family together."""
+    groups: dict = {}
+    for arch in compiler.SUPPORTED_ARCHS:
+        groups.setdefault(kernel_family(arch), []).append(arch)
+    return [(", ".join(archs), family) for family, archs in groups.items()]
 
 
 def _env_choice(name: str, choices: tuple) -> int | None:
@@ -363,7 +380,7 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
-            tiles = BackwardTiles(stages=1)
+            tiles = dataclasses.replace(tiles, stages=1)
     return tiles, backward_spec(dp, dtype, options, tiles, varlen)
 
 
@@ -378,16 +395,29 @@ def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: Backwar
                  {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True)
 
 
-# Opt-in shared memory per block of each target (CUDA C Programming Guide, compute capabilities):
-# what the tile choice sees on a device of that arch.
-ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+# Opt-in shared memory per block of each target (CUDA C Programming Guide, the technical
+# specifications per compute capability: 163 KB on 8.0, 99 KB on 8.6, 8.9 and 12.0, 227 KB on 9.0 and
+# 10.0): what the tile choice sees on a device of that arch (a device's plans read its own).
+ARCH_SHARED_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_100": 232448,
+                     "sm_120": 101376}
+
+
+def arch_shared_limit(arch: str) -> int:
+    """``ARCH_SHARED_LIMIT``'s value for ``arch``, or, for an arch that runs PTX, its target's."""
+    if arch in ARCH_SHARED_LIMIT:
+        return ARCH_SHARED_LIMIT[arch]
+    try:
+        target = compiler.compile_target(arch)
+    except (ValueError, ImportError):
+        return ARCH_SHARED_LIMIT["sm_90"]
+    return ARCH_SHARED_LIMIT.get(target.replace("compute_", "sm_"), ARCH_SHARED_LIMIT["sm_90"])
 
 
 def all_specs(arch: str | None = None) -> list:
     """Every specialization the library launches with the tiles it picks on ``arch`` (default sm_90).
     The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
-    limit = ARCH_SHARED_LIMIT.get(arch, ARCH_SHARED_LIMIT["sm_90"])
+    limit = arch_shared_limit(arch)
     specs = [s(dt, varlen) for s in (quantize_spec, lse_spec, backward_rows_spec) for dt in DTYPES
              for varlen in (False, True)]
     specs += [bias_spec(dt) for dt in DTYPES]
