@@ -107,16 +107,6 @@ constexpr float LAZY_LOG2 = 8.f;              // forward.cu: lazy rescaling
 constexpr float M_NONE = -1e30f;              // forward.cu: m_ref before any key
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-SB_DEVICE void mbarrier_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-template <int THREADS_>
-SB_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS_) : "memory"); }
-template <int REGS>
-SB_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-template <int REGS>
-SB_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-
 template <bool B>
 struct Flag {
     static constexpr bool value = B;
@@ -214,7 +204,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     const int c = wg - 1;
     const int ctid = threadIdx.x - 128 * wg;
     const int lane = threadIdx.x & 31, wv = ctid >> 5;
-    const int g = lane >> 2, t4 = lane & 3;
+    const int g = lane >> 2, t = lane & 3;  // the lane's row in 8 and column pair in each n-tile
     const u32 sQ = base + c * WG_ROWS * DP;
     const u32 q_desc = wgmma_desc_lo<DP>(sQ);
     // One turn of the ping-pong: a consumer issues its products between taking its turn and passing
@@ -247,7 +237,6 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     qs[0] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g), __int_as_float(1));
     qs[1] = max_nan(__shfl_sync(0xffffffffu, q_row_scale, 2 * g + 16), __int_as_float(1));
     const int rbase = qc0 + wv * 16 + g;  // this thread's rows: rbase, rbase + 8
-    const int t = t4;  // the lane's column pair in each n-tile
     float o[NT_D][4];
 #pragma unroll
     for (int n = 0; n < NT_D; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -341,10 +330,6 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             pv_next[half] = beta[half] * pv_scale;
         }
     };
-    // P̂ = rint(fp16(e)·fp16(coef)) as u8 in A-fragment order (forward.cu).
-    auto code_p = [&](const float (&u)[NT_KV][4], const float (&pcoef)[VBLOCKS], u32 (&dst)[KSTEPS_P][4]) {
-        ::code_p<NT_KV, BKV>(u, pcoef, dst);
-    };
     // O to the reference max of the tile just taken (where some row's moved: warp-uniform branch).
     auto rebase_o = [&] {
         if (__any_sync(0xffffffffu, moved[0] || moved[1])) {
@@ -387,7 +372,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             rebase_o();
             pv_factor[0] = pv_next[0];
             pv_factor[1] = pv_next[1];
-            code_p(u, pcoef, pf);
+            code_p<NT_KV, BKV>(u, pcoef, pf);
         }
         // Tile j: S_j and the first columns of (P̂V̂)_{j-1} in flight, then tile j's softmax.
         for (int j = 1; j < n_c; ++j) {
@@ -402,7 +387,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
             pass_turn();
             wgmma_wait<1>();
             softmax(j, sv, acc, u, pcoef, pv_next);
-            finish_pv(j - 1, pv, [&] { code_p(u, pcoef, pf_next); });
+            finish_pv(j - 1, pv, [&] { code_p<NT_KV, BKV>(u, pcoef, pf_next); });
             rebase_o();
             pv_factor[0] = pv_next[0];
             pv_factor[1] = pv_next[1];
@@ -435,7 +420,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         rebase_o();
         pv_factor[0] = pv_next[0];
         pv_factor[1] = pv_next[1];
-        code_p(u, pcoef, pf);
+        code_p<NT_KV, BKV>(u, pcoef, pf);
         take_turn();
         wgmma_fence();
         issue_pv(j, 0, pv);

@@ -33,6 +33,18 @@ SB_DEVICE u32 smem_u32(const void* p) {
 template <int THREADS>
 SB_DEVICE void named_barrier(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
 
+// bar.arrive on barrier `id` among THREADS threads: counts this warp in without waiting (the other
+// side of a named_barrier, e.g. passing a turn to the warps that wait there).
+template <int THREADS>
+SB_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+
+// setmaxnreg (sm_90a, every warp of a warpgroup): give registers back to the CTA's pool, or take more
+// from it (waits until the pool has them), so that warpgroups of different roles split the file.
+template <int REGS>
+SB_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+SB_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+
 // threadIdx.x read through a volatile asm: values derived from it are recomputed where they are
 // used instead of being held in registers across a loop (or spilled, in a register-bound kernel).
 SB_DEVICE u32 fresh_tid() {

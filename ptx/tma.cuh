@@ -29,6 +29,11 @@ SB_DEVICE void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// Arrive once on the current phase (no bytes expected): a consumer giving a buffer back.
+SB_DEVICE void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
 // Block until the phase with this parity has completed (its arrivals and bytes are in).
 SB_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
     asm volatile(
