@@ -214,10 +214,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
-    const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
+    const int hi = seq.band_hi();  // SB_CAUSAL: query r sees key c iff hi - win_width <= c - r <= hi
     if (SB_VARLEN && j * BKV >= seq.len_k()) return;  // packed: the grid covers the longest sequence
 
-    const QueryBlocks qb = query_blocks(j * BKV, seq.len_q(), seq.len_k());
+    const QueryBlocks qb = query_blocks(j * BKV, BKV, seq);
     const int i0 = qb.i0, n_i = qb.n_i;
     const int n_it = group * n_i;
 
@@ -294,7 +294,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
         const float s_do = *reinterpret_cast<const float*>(smem + stage_off + SSCALE);
         const int q0 = i * BQ;
-        const bool need_mask = q0 + BQ > seq.len_q() || (j + 1) * BKV > seq.len_k() || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + shift);
+        const bool need_mask = q0 + BQ > seq.len_q() || (j + 1) * BKV > seq.len_k() || (SB_CAUSAL && (j + 1) * BKV - 1 > q0 + hi);
+        const bool left_edge = SB_WINDOW && j * BKV + a.win_width < q0 + BQ - 1 + hi;  // a window's left edge cuts the tile
 
         // Sᵀ = K̂ Q̂ᵀ (exact int32), then Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2).
         float p[NT_Q][4];
@@ -335,7 +336,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                         const int key = key_lo + 8 * half, q = q0 + col;
                         const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                         float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                        if (need_mask && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                        if (need_mask && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
+                        if (left_edge && key + a.win_width < q + hi) e = 0.f;
                         p[n][2 * half + c] = e;
                     }
                 }
@@ -502,7 +504,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
 
         // The query block's dQ counter, formed where it is used (kept live across dQ it would spill at d=64).
         auto lock = [&] { return a.dq_lock + seq.q_block0(h) + i; };
-        if (SB_DETERMINISTIC && tid == 0) wait_turn(lock(), j);
+        if (SB_DETERMINISTIC && tid == 0) wait_turn(lock(), dq_turn(j, i * BQ, BKV, seq));
         __syncthreads();  // Ŷ, its per-query scales and the other half's Ẑᵀ are in shared memory
         {
             u32 af[2][4];
@@ -563,7 +565,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         if (SB_DETERMINISTIC) {
             __threadfence();
             __syncthreads();
-            if (tid == 0) pass_turn(lock(), j);
+            if (tid == 0) pass_turn(lock(), dq_turn(j, i * BQ, BKV, seq));
         }
         if (SB_STAGES == 1 && it + 1 < n_it) {
             __syncthreads();  // the single stage is free

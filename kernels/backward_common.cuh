@@ -106,10 +106,11 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
 // P's (LSE2, s_Q) is one 8-byte load.
 SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret_cast<const float2*>(stats_s)[2 * col]; }
 
-// Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends (need_mask) and above the diagonal.
-template <bool MASK, int N>
+// Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends and right of the band (MASK >= 1) and left
+// of it (MASK == 2: a sliding window's edge), hi the band's right edge (SeqInfo::band_hi).
+template <int MASK, int N>
 SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
-                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const BackwardSeq& seq, int shift) {
+                                const float4* stats_s, int qcol0, int t, int key_lo, int q0, const BackwardSeq& seq, int hi) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -122,21 +123,24 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
                 const int key = key_lo + 8 * half, q = q0 + col;
                 const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                 float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
-                if (MASK && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + shift))) e = 0.f;
+                if (MASK && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
+                if (MASK == 2 && key + seq.p.win_width < q + hi) e = 0.f;
                 p[n][2 * half + c] = e;
             }
         }
 }
-// need_mask is uniform over the warp: tiles inside the sequences and below the diagonal (most of
-// them) branch around the per-score compares and selects.
+// need_mask is uniform over the warp: tiles inside the sequences and the band (most of them) branch
+// around the per-score compares and selects. In SB_WINDOW kernels the masked tiles compare with the
+// window's left edge too (a third path, for the tiles that only the right edge or the ends cut, spilled
+// the d=128 wgmma kernels).
 template <int N>
 SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float (&s_k)[2], const float (&bias_row)[2],
                              const float4* stats_s, int qcol0, int t, int key_lo, int q0, bool need_mask, const BackwardSeq& seq,
-                             int shift) {
+                             int hi) {
     if (need_mask)
-        probabilities_of<true>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, shift);
+        probabilities_of<SB_WINDOW ? 2 : 1>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, hi);
     else
-        probabilities_of<false>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, shift);
+        probabilities_of<0>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, hi);
 }
 
 // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
@@ -188,20 +192,31 @@ SB_DEVICE void wait_turn(const int* lock, int j) {
 }
 SB_DEVICE void pass_turn(int* lock, int j) { asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1)); }
 
-// The query blocks (of SB_BLOCK_Q rows) that a CTA whose first key is first_key walks: i0 ..
-// i0 + n_i - 1. Causal (bottom-right aligned: query r sees key c iff c <= r + Lk - Lq), i0 is the first
-// block with a row that sees first_key; every later block does too. Blocks past Lq hold no valid row.
+// The query blocks (of SB_BLOCK_Q rows) that a CTA of keys first_key .. first_key + keys - 1 walks: i0 ..
+// i0 + n_i - 1. Under the band (SB_CAUSAL; seqinfo.cuh band_lo, band_hi), i0 is the first block with a row
+// that sees a key of the CTA (causal: every later block does too) and the last is the last such block (a
+// sliding window). Blocks past Lq hold no valid row.
 struct QueryBlocks {
     int i0, n_i;
 };
-SB_DEVICE QueryBlocks query_blocks(int first_key, int Lq, int Lk) {
+SB_DEVICE QueryBlocks query_blocks(int first_key, int keys, const BackwardSeq& seq) {
     constexpr int BQ = SB_BLOCK_Q;
-    int i0 = 0;
+    int i0 = 0, i_end = (seq.len_q() + BQ - 1) / BQ;
     if (SB_CAUSAL) {
-        const int x = first_key - (Lk - Lq) - (BQ - 1);
+        const int x = first_key - seq.band_hi() - (BQ - 1);  // a block that ends before the first row seeing first_key
         i0 = x <= 0 ? 0 : (x + BQ - 1) / BQ;
+        const int y = first_key + keys - 1 - seq.band_lo();  // the last row that sees the CTA's last key
+        if (SB_WINDOW) i_end = y < 0 ? 0 : min(i_end, y / BQ + 1);
     }
-    return {i0, max(0, (Lq + BQ - 1) / BQ - i0)};
+    return {i0, max(0, i_end - i0)};
+}
+
+// The deterministic turn of key CTA j (of cta_keys keys) at the query block whose first row is q0: the
+// CTAs that add into a query block's dQ are those from the first whose keys its rows see, in order.
+SB_DEVICE int dq_turn(int j, int q0, int cta_keys, const BackwardSeq& seq) {
+    if (!SB_WINDOW) return j;
+    const int first = q0 + seq.band_lo();  // the block's first row's first key
+    return first > 0 ? j - first / cta_keys : j;
 }
 
 // The order in which a CTA walks its (query head of the group, query block) pairs, the blocks i0..i_last of

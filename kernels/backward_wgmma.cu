@@ -36,7 +36,9 @@ constexpr int GROUPS = SB_GROUPS;    // warpgroups
 constexpr int CTA_KEYS = SB_CTA_KEYS;
 constexpr int THREADS = SB_THREADS;
 static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup per 64 keys");
-constexpr bool DK_SMEM = GROUPS > 2;  // dK's FP32 accumulators in shared memory (a slot per thread)
+// dK's FP32 accumulators in shared memory (a slot per thread): three warpgroups, and the d=128 window
+// kernels (whose left-edge compares spilled them at 255 registers with dK in registers).
+constexpr bool DK_SMEM = GROUPS > 2 || (SB_WINDOW && DP == 128);
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
 // Two warpgroups at head dim 64 use about 185 of the 255 registers a thread may hold at one CTA per
 // SM; the spare ones keep work out of shared memory and save products (ROOMY):
@@ -181,11 +183,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
-    const int shift = seq.causal_shift();  // causal: query r sees key c iff c <= r + shift
+    const int hi = seq.band_hi();  // SB_CAUSAL: query r sees key c iff hi - win_width <= c - r <= hi
     static_assert(CTA_KEYS == BACKWARD_CTA_KEYS, "backward_common.cuh's key count");
     if (SB_VARLEN && j * CTA_KEYS >= seq.len_k()) return;  // packed: the grid covers the longest sequence
 
-    const QueryBlocks qb = query_blocks(j * CTA_KEYS, seq.len_q(), seq.len_k());
+    const QueryBlocks qb = query_blocks(j * CTA_KEYS, CTA_KEYS, seq);
     const int i0 = qb.i0, n_i = qb.n_i;
     const int n_it = group * n_i;
 
@@ -278,9 +280,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const u32 dq_s = base + DQ_OFF;
     i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
     auto lock_pending = [&] { return a.dq_lock + pending_row / BQ; };  // its turn counter
+    // The partial's first row within its sequence: its row in the head's Nq_pad rows, less a packed
+    // sequence's first (seqinfo.cuh q_row0).
+    auto pending_q0 = [&] {
+        return static_cast<int>(pending_row % seq.nq_pad() - (SB_VARLEN ? varlen_row0(seq.q_start(), seq.b, SB_TOKEN_PAD) : 0));
+    };
     auto reduce_dq = [&] {
         if (SB_DETERMINISTIC) {
-            wait_turn(lock_pending(), j);
+            wait_turn(lock_pending(), dq_turn(j, pending_q0(), CTA_KEYS, seq));
             fence_proxy_async_global();
         }
         bulk_reduce_add_f32(a.dq_acc + pending_row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
@@ -289,7 +296,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             bulk_wait<0>();
             fence_proxy_async_global();
             __threadfence();
-            pass_turn(lock_pending(), j);
+            pass_turn(lock_pending(), dq_turn(j, pending_q0(), CTA_KEYS, seq));
         }
     };
 
@@ -339,7 +346,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
         // The lengths from the parameters, not through seq: the same values, but through seq ptxas spills 8
         // bytes of the d=128 causal fine kernels at their 255 registers.
-        const bool need_mask = q0 + BQ > (SB_VARLEN ? seq.len_q() : a.Lq) || key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) || (SB_CAUSAL && key0 + BKV - 1 > q0 + shift);
+        const bool need_mask = q0 + BQ > (SB_VARLEN ? seq.len_q() : a.Lq) || key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) ||
+                               (SB_CAUSAL && key0 + BKV - 1 > q0 + hi) ||
+                               (SB_WINDOW && key0 + a.win_width < q0 + BQ - 1 + hi);  // a window's left edge
 
         // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
         float p[NT_Q][4], ds[NT_Q][4];
@@ -370,7 +379,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 bias_row[0] = bp[fkey_lo];
                 bias_row[1] = bp[fkey_lo + 8];
             }
-            probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, seq, shift);
+            probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, seq, hi);
         }
 
         // P̂ᵀ per key (fine: inside the warp) or per 64x64 block (paper: over the warpgroup).

@@ -25,7 +25,10 @@ enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };
 #define SB_BF16 0            // 16-bit dtype bf16 (else fp16)
 #endif
 #ifndef SB_CAUSAL
-#define SB_CAUSAL 0          // bottom-right aligned causal mask
+#define SB_CAUSAL 0          // a banded mask: causal and/or a sliding window (seqinfo.cuh band_lo, band_hi)
+#endif
+#ifndef SB_WINDOW
+#define SB_WINDOW 0          // the band has a sliding window's edges (params.cuh win_right, win_width)
 #endif
 #ifndef SB_BIAS
 #define SB_BIAS 0            // Q-smoothing

@@ -111,7 +111,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const int qb = HEADS_BATCH_GRID ? (gridDim.z - 1 - blockIdx.z) : blockIdx.x;
     const int h = HEADS_BATCH_GRID ? blockIdx.x : blockIdx.y;
     const SeqInfo<ForwardParams> seq(p, HEADS_BATCH_GRID ? blockIdx.y : blockIdx.z);
-    const int hk = seq.kv_head(h), q0 = qb * CTA_Q, shift = seq.causal_shift();
+    const int hk = seq.kv_head(h), q0 = qb * CTA_Q, hi = seq.band_hi();  // SB_CAUSAL: row r sees key c iff
+                                                                          // hi - win_width <= c - r <= hi
     if (SB_VARLEN && q0 >= seq.len_q()) return;  // packed: the grid covers the longest sequence
 
     const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
@@ -128,12 +129,14 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * TILE + 4 * threadIdx.x);
     };
 
-    int n_tiles = (seq.len_k() + TILE - 1) / TILE;
-    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + shift) / TILE + 1));
-    if (SB_CAUSAL && q0 + CTA_Q - 1 + shift < 0) n_tiles = 0;
+    // Key tiles j_first .. n_tiles - 1: under the band, from the first row's first key to the last row's last.
+    int n_tiles = (seq.len_k() + TILE - 1) / TILE, j_first = 0;
+    if (SB_CAUSAL) n_tiles = min(n_tiles, max(0, (q0 + CTA_Q - 1 + hi) / TILE + 1));
+    if (SB_CAUSAL && q0 + CTA_Q - 1 + hi < 0) n_tiles = 0;
+    if (SB_WINDOW && q0 + seq.band_lo() > 0) j_first = (q0 + seq.band_lo()) / TILE;
 
     if (SB_BIAS) load_tile<DP, CTA_Q, THREADS, WG>(sQ, p.q8 + (seq.q_row0(h) + q0) * DP, DP);
-    if (n_tiles > 0) load_stage(sKV, 0);
+    if (n_tiles > j_first) load_stage(sKV + (j_first & 1) * STAGE_BYTES, j_first);
     cp_async_commit();
     float q_row_scale = 0.f;  // without Q-smoothing: the scale of the row this thread quantized
     if (!SB_BIAS) q_row_scale = quantize_q_rows<DP, WG>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale, threadIdx.x);
@@ -180,7 +183,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = j_first; j < n_tiles; ++j) {
         const u32 sK = sKV + (j & 1) * STAGE_BYTES;
         const u32 sV = sK + K_BYTES;
         // Prefetch the next tile into the other stage (its readers finished before the barrier
@@ -234,7 +237,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             p_coefficients<VBLOCKS, BKV>(sv, j * VBLOCKS, seq.len_k(), PL, pcoef, pv_scale);
         }
         const float* ks_s = reinterpret_cast<const float*>(smem_q + Q_BYTES + (j & 1) * STAGE_BYTES + K_BYTES + V_BYTES);
-        const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + shift);
+        const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > q0 + hi);
+        const bool left_edge = SB_WINDOW && j * TILE + p.win_width < q0 + CTA_Q - 1 + hi;  // a window's left edge
 
         u32 pf[SB_MT][KSTEPS_P][4];  // P̂ as A fragments for the 32-key k-steps
         float pv_factor[SB_MT][2], alpha[SB_MT][2];
@@ -255,7 +259,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int half = c >> 1, key = j * TILE + n * 8 + 2 * t + (c & 1);
-                    const bool ok = !need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= rbase + 8 * half + shift));
+                    const int row = rbase + 8 * half;
+                    const bool ok = (!need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= row + hi))) &&
+                                    (!left_edge || key + p.win_width >= row + hi);
                     const float x = static_cast<float>(s[mt][n][c]) * ((c & 1) ? ksn.y : ksn.x);
                     u[n][c] = ok ? (SB_BIAS ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)]) : x) : -__int_as_float(0x7f800000);
                     rmax[half] = fmaxf(rmax[half], u[n][c]);

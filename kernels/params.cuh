@@ -51,7 +51,8 @@
     F(i64, ob) F(i64, oh) F(i64, on) F(i64, q_sb) F(i64, q_sh) F(i64, q_sn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
     F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */ \
-    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
+    F(int, win_right) F(int, win_width)       /* SB_WINDOW: the band's right edge and width (seqinfo.cuh band_hi) */
 SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
 
 // forward_ws.cu attention_forward, after ForwardParams: the TMA maps of the key-side tiles
@@ -90,7 +91,8 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(i64, kb) F(i64, kh) F(i64, kn) F(i64, wb) F(i64, wh) F(i64, wn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
     F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
-    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
+    F(int, win_right) F(int, win_width)       /* SB_WINDOW: the band's right edge and width (seqinfo.cuh band_hi) */
 SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 
 // backward_wgmma.cu attention_backward, after BackwardParams: the TMA maps of the query-side tiles

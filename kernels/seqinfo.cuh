@@ -14,6 +14,7 @@
 #include "common.cuh"
 #include "config.cuh"
 
+static_assert(!SB_WINDOW || SB_CAUSAL, "a sliding window is a banded mask");
 static_assert(SB_TOKEN_PAD % SB_BLOCK_Q == 0 && SB_TOKEN_PAD % SB_BLOCK_KV == 0, "padded rows are whole 64-token blocks");
 
 // First row of packed sequence b in an INT8 buffer whose sequences are padded to multiples of pad:
@@ -72,6 +73,13 @@ struct SeqInfo {
     SB_DEVICE int nk_pad() const { return p.Nk_pad; }
     // Causal attention is bottom-right aligned: query r sees key c iff c <= r + causal_shift().
     SB_DEVICE int causal_shift() const { return len_k() - len_q(); }
+    // The banded mask of SB_CAUSAL kernels: query r sees key c iff band_lo() <= c - r <= band_hi(). Causal
+    // alone is band_hi() = causal_shift() with no left edge; SB_WINDOW kernels read the edges of a sliding
+    // window (params.cuh win_right, win_width; options.UNBOUNDED, 2^29, for an open side: sums of token
+    // indices and two of it stay in int32). The kernels hold band_hi() and test the left edge as
+    // key + win_width < row + band_hi(), which holds no second bound across their loops.
+    SB_DEVICE int band_hi() const { return causal_shift() + (SB_WINDOW ? p.win_right : 0); }
+    SB_DEVICE int band_lo() const { return SB_WINDOW ? band_hi() - p.win_width : -(1 << 30); }
     // The key head that query head h reads (GQA: Hq / Hkv query heads a key head).
     SB_DEVICE int kv_head(int h) const { return h / (p.Hq / p.Hkv); }
     // (batch, head) as one index: the slice number in [B][H]... arrays (k_mean; dense INT8 buffers).

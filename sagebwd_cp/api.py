@@ -20,7 +20,7 @@ from .numerics import k_mean_shape
 from .gpu import backward as gpu_backward, forward as gpu_forward
 from .gpu.plan import cached_plan, remember_plan
 from .host import emulator, packed
-from .options import AttentionOptions, check_flag
+from .options import AttentionOptions, check_flag, window_options
 from .problem import AttentionProblem, check_output, make_problem, make_varlen_problem
 
 
@@ -157,13 +157,13 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved,
                       ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, lse2_host, k_mean_host = packed.emulate_forward(
             qh, kh, vh, _host_offsets(prob), causal=prob.causal, softmax_scale=prob.softmax_scale,
-            smooth_k=prob.smooth_k, dtype=dtype)
+            smooth_k=prob.smooth_k, dtype=dtype, window=prob.window)
         o = host_result(o, prob.q, prob.dtype)
     else:
         qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                                  smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype,
-                                                 k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
+                                                 window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
         o = _to_layout(o, layout, prob.q, prob.dtype)
         lse2_host, k_mean_host = state["lse2"][:, :, :prob.len_q], state["inputs"]["k_mean"]
     if od is not None:
@@ -191,14 +191,16 @@ def _guard(q, k, accuracy_guard, options: AttentionOptions) -> None:
 
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False, k_mean=None, accuracy_guard=None):
+              out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1)):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
     (Hq a multiple of Hkv: GQA/MQA) and Lk tokens.  fp16 or bf16 on CUDA; on the host (the emulator)
     also fp32 and fp64; results in q's framework and dtype.  Causal masking is
-    bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2; rows
-    that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
+    bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2;
+    ``window_size=(left, right)`` is FlashAttention's sliding window (query i sees key j iff
+    -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0), and key tiles outside
+    every row's window are skipped.  Rows that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
     natural-log logsumexp, shape (B, Hq, Lq), float32, of the scores before K-smoothing (so LSEs of
     calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
     the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention
@@ -209,7 +211,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     """
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout)
+                               layout=layout, **window_options(window_size))
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
@@ -219,12 +221,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False, k_mean=None, accuracy_guard=None):
+                      out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1)):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
-    ``k_mean`` and ``accuracy_guard`` as in ``attention``."""
+    ``k_mean``, ``accuracy_guard`` and ``window_size`` as in ``attention``."""
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout)
+                               layout=layout, **window_options(window_size))
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
@@ -253,7 +255,7 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
 @jax_boundary
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
                               smooth_q=False, layout="HND", granularity="fine", deterministic=False,
-                              k_mean=None):
+                              k_mean=None, window_size=(-1, -1)):
     """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
     ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
     and dO.  The options must be those of the forward.  ``k_mean`` (optional, K-smoothing only):
@@ -261,7 +263,8 @@ def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_s
     pass over K; without it μ_K is computed again."""
     check_arrays("q, k, v, out, lse2, do, k_mean", q, k, v, out, lse2, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, granularity=granularity, deterministic=deterministic)
+                               layout=layout, granularity=granularity, deterministic=deterministic,
+                              **window_options(window_size))
     return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean)
 
 
@@ -276,11 +279,12 @@ _VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn
 
 @jax_boundary
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, smooth_k=True, out=None, return_lse=False):
+                     softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1)):
     """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
     check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
                  optional=("out",))
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
+                               **window_options(window_size))
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, varlen=varlen)
@@ -289,12 +293,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @jax_boundary
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                             softmax_scale=None, smooth_k=True, out=None, return_lse=False):
+                             softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1)):
     """Training forward over a packed batch: ``(out, saved)`` (or ``(out, lse, saved)``); the backward
     is ``attention_backward(saved, do)``."""
     check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
                  optional=("out",))
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD")
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
+                               **window_options(window_size))
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
@@ -305,12 +310,12 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 @jax_boundary
 def attention_varlen_backward_arrays(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      *, causal=False, softmax_scale=None, smooth_k=True,
-                                     granularity="fine", deterministic=False, k_mean=None):
+                                     granularity="fine", deterministic=False, k_mean=None, window_size=(-1, -1)):
     """``attention_backward_arrays`` for a packed batch: ``lse2`` (Hq, total_q), ``k_mean`` (batch, Hkv, D)."""
     check_arrays("q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, k_mean", q, k, v, out, lse2, do, cu_seqlens_q,
                  cu_seqlens_k, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               granularity=granularity, deterministic=deterministic)
+                               granularity=granularity, deterministic=deterministic, **window_options(window_size))
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean, varlen=varlen)
 
@@ -388,12 +393,12 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
         grads = packed.emulate_backward(qh, kh, vh, oh, host_numpy(lse2, "lse2"), doh, _host_offsets(prob),
                                         causal=prob.causal, softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k,
                                         dtype=_emulator_dtype(prob.dtype), granularity=options.granularity,
-                                        k_mean=host_numpy(k_mean, "k_mean") if given else None)
+                                        window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if given else None)
         return tuple(host_result(g, prob.q, prob.dtype) for g in grads)
     state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
                                       ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"))),
                                     host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,
                                     smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
-                                    k_mean=host_numpy(k_mean, "k_mean") if given else None)
+                                    window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if given else None)
     dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=options.granularity)
     return tuple(_to_layout(g, prob.layout, prob.q, prob.dtype) for g in (dq, dk, dv))

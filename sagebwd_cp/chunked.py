@@ -228,7 +228,8 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     if xp.__name__ == "torch":
         lse2 = lse2.contiguous()
     # Through the public function, which also takes JAX arrays; the options as checked here.
-    return attention_backward_arrays(q, k, v, out, lse2, do, **options._asdict(), k_mean=mean)
+    keywords = {name: value for name, value in options._asdict().items() if not name.startswith("window_")}
+    return attention_backward_arrays(q, k, v, out, lse2, do, **keywords, k_mean=mean)
 
 
 __all__ = ["array_namespace", "key_sum", "key_mean", "prefix_key_mean", "key_shift", "lse_to_lse2", "merge_attention",

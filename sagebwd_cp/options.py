@@ -1,7 +1,7 @@
 """The attention options, validated once: ``AttentionOptions``.
 
 One frozen, hashable value holds every option of a call (causal, softmax_scale, smooth_k,
-smooth_q, layout, granularity, deterministic).  It is checked when it is made, with one TypeError
+smooth_q, layout, granularity, deterministic, window_left, window_right).  It is checked when it is made, with one TypeError
 or ValueError naming the option; everything below the public functions takes it as it is: the
 plan and kernel caches key on it, torch's autograd context saves it, JAX takes it as a static
 argument, and the torch operators take its fields in order (``op(q, k, v, *options)``).
@@ -17,8 +17,12 @@ import numpy as np
 LAYOUTS = ("HND", "NHD", "THD")  # THD: packed (variable-length) batches, set by the varlen functions
 DENSE_LAYOUTS = ("HND", "NHD")
 GRANULARITIES = ("fine", "paper")
-FIELDS = ("causal", "softmax_scale", "smooth_k", "smooth_q", "layout", "granularity", "deterministic")
+FIELDS = ("causal", "softmax_scale", "smooth_k", "smooth_q", "layout", "granularity", "deterministic",
+          "window_left", "window_right")
 _INF = float("inf")
+# A window side this wide or wider is unbounded: the kernels add it (and both sides' sum) to token
+# indices in int32, and no sequence reaches it.
+UNBOUNDED = 1 << 29
 
 
 def check_flag(value, name: str) -> bool:
@@ -38,6 +42,33 @@ def check_softmax_scale(value) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale: expected a finite positive number, got {value}")
     return value
+
+
+def check_window_side(value, name: str) -> int:
+    """One side of a sliding window: an int ≥ 0 (keys that far from the diagonal are seen), or -1
+    (unbounded), as FlashAttention's ``window_size``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int (-1 for unbounded), got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < -1:
+        raise ValueError(f"{name}: expected -1 (unbounded) or a count of keys >= 0, got {value}")
+    return min(value, UNBOUNDED)
+
+
+def check_window_size(window_size) -> tuple:
+    """FlashAttention's ``window_size=(left, right)`` as (window_left, window_right)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair (left, right) of ints, -1 for unbounded, got "
+                        f"{window_size!r}") from None
+    return check_window_side(left, "window_size[0]"), check_window_side(right, "window_size[1]")
+
+
+def window_options(window_size) -> dict:
+    """FlashAttention's ``window_size`` as AttentionOptions keywords."""
+    left, right = check_window_size(window_size)
+    return {"window_left": left, "window_right": right}
 
 
 def _check_choice(value, name: str, choices: tuple) -> str:
@@ -68,10 +99,12 @@ class AttentionOptions(_Fields):
     __slots__ = ()
 
     def __new__(cls, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                granularity="fine", deterministic=False):
+                granularity="fine", deterministic=False, window_left=-1, window_right=-1):
         # The usual call passes exact types and a valid choice: a few identity tests; else the full checks.
         if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
                 and deterministic.__class__ is bool
+                and window_left.__class__ is int and -1 <= window_left < UNBOUNDED
+                and window_right.__class__ is int and -1 <= window_right < UNBOUNDED
                 and (softmax_scale is None or softmax_scale.__class__ is float and 0.0 < softmax_scale < _INF)
                 and layout.__class__ is str and layout in LAYOUTS
                 and granularity.__class__ is str and granularity in GRANULARITIES):
@@ -80,7 +113,14 @@ class AttentionOptions(_Fields):
             softmax_scale = check_softmax_scale(softmax_scale)
             layout = _check_choice(layout, "layout", LAYOUTS)
             granularity = check_granularity(granularity)
-        return tuple.__new__(cls, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic))
+            window_left = check_window_side(window_left, "window_left")
+            window_right = check_window_side(window_right, "window_right")
+        self = tuple.__new__(cls, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
+                                   window_left, window_right))
+        if smooth_q and (window_left >= 0 or window_right >= 0 and not causal):
+            raise ValueError("smooth_q: sliding windows take no Q-smoothing (its kernels are not built); pass "
+                             "smooth_q=False or window_size=(-1, -1)")
+        return self
 
     def _replace(self, **changes) -> AttentionOptions:
         """A copy with ``changes``, checked as a new value is."""
@@ -90,6 +130,23 @@ class AttentionOptions(_Fields):
     def fine(self) -> bool:
         """The backward's per-key / per-query scales (granularity "fine") rather than per-tile ones."""
         return self.granularity == "fine"
+
+    @property
+    def windowed(self) -> bool:
+        """A sliding window bounds some side of the mask (causal bounds the right side by itself)."""
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+
+    @property
+    def banded(self) -> bool:
+        """Some keys are masked by position: causal, a sliding window or both (the kernels' SB_CAUSAL)."""
+        return self.causal or self.windowed
+
+    def band(self) -> tuple:
+        """(left, right): query r sees key c iff -left <= c - r - (Lk - Lq) <= right (bottom-right aligned,
+        as FlashAttention's windows), UNBOUNDED for an open side; causal sets right to 0."""
+        left = UNBOUNDED if self.window_left < 0 else self.window_left
+        right = 0 if self.causal else UNBOUNDED if self.window_right < 0 else self.window_right
+        return left, right
 
     def __repr__(self) -> str:
         return "AttentionOptions(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in FIELDS) + ")"

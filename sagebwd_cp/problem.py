@@ -45,6 +45,11 @@ class AttentionProblem:
         return self.options.causal
 
     @property
+    def window(self) -> tuple:
+        """FlashAttention's window_size (left, right), -1 unbounded."""
+        return self.options.window_left, self.options.window_right
+
+    @property
     def smooth_k(self) -> bool:
         return self.options.smooth_k
 
@@ -96,6 +101,11 @@ class AttentionProblem:
     def lse_shape(self) -> tuple:
         """The LSE's shape: (batch, heads_q, len_q), or (heads_q, total_q) for packed batches."""
         return (self.heads_q, self.total_q) if self.varlen else (self.batch, self.heads_q, self.len_q)
+
+    def kernel_band(self) -> dict:
+        """The attention kernels' win_right, win_width fields (kernels/seqinfo.cuh band_hi, band_lo)."""
+        left, right = self.options.band()
+        return dict(win_right=right, win_width=left + right)
 
     def kernel_lengths(self) -> dict:
         """The kernels' Lq, Lk (token totals for packed batches) and cu_q, cu_k fields."""

@@ -112,8 +112,10 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     st.attention(q, k, v, causal=True, softmax_scale=0.2, smooth_k=False, smooth_q=True, granularity="paper",
                  deterministic=True).sum().backward()
     st.attention(q, k, v, smooth_q=True).sum().backward()  # the forward's μ_K goes to the backward
-    assert seen == [(True, 0.2, False, True, "HND", "paper", True, None),
-                    (False, None, True, True, "HND", "fine", False, (1, 2, 64))]
+    st.attention(q, k, v, window_size=(8, 3)).sum().backward()
+    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, None),
+                    (False, None, True, True, "HND", "fine", False, -1, -1, (1, 2, 64)),
+                    (False, None, True, False, "HND", "fine", False, 8, 3, (1, 2, 64))]
 
 
 def test_matches_the_neutral_api_exactly():
@@ -335,7 +337,8 @@ def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda
     (lambda q, k, v: st.scaled_dot_product_attention(q, k, v[..., :32]), ValueError, r"value: expected the head_dim of query"),
     (lambda q, k, v: st.scaled_dot_product_attention(q, k[None], v[None]), ValueError, r"same number of dimensions"),
     (lambda q, k, v: st.flash_attn_func(q, k, v, 0.1), ValueError, r"dropout_p: attention dropout is not supported"),
-    (lambda q, k, v: st.flash_attn_func(q, k, v, window_size=(16, 0)), ValueError, r"window_size: sliding-window"),
+    (lambda q, k, v: st.flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, r"window_size\[0\]: expected -1"),
+    (lambda q, k, v: st.flash_attn_func(q, k, v, window_size=16), TypeError, r"window_size: expected a pair"),
     (lambda q, k, v: st.flash_attn_func(q, k, v, softcap=30.0), ValueError, r"softcap: "),
     (lambda q, k, v: st.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes: "),
     (lambda q, k, v: st.flash_attn_func(q, k, v, return_attn_probs=True), ValueError, r"return_attn_probs: "),

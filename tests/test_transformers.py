@@ -1,7 +1,7 @@
-"""sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama with
-attn_implementation="sagebwd" against "sdpa" (logits and gradients) on plain, padded and packed
-batches, and every batch it cannot express (sliding windows, custom masks) refused with a clear
-error."""
+"""sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral and Qwen2
+with sliding windows) with attn_implementation="sagebwd" against "sdpa" (logits and gradients) on
+plain, padded and packed batches, and every batch it cannot express (custom masks) refused with a
+clear error."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,7 +15,8 @@ def _model(attn, family="llama", **extra):
 
     sage.register_transformers()
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+                             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
     config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                         attn_implementation=attn, **extra)
@@ -98,9 +99,34 @@ def test_a_custom_mask_is_refused():
         _model("sagebwd")(input_ids=x, attention_mask=mask)
 
 
-def test_a_sliding_window_is_refused():
-    with pytest.raises(ValueError, match="sagebwd_cp attention"):
-        _model("sagebwd", family="mistral", sliding_window=32)(input_ids=_tokens())
+_WINDOWED = {"mistral": dict(sliding_window=24),
+             "qwen2": dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)}
+
+
+@pytest.mark.parametrize("family", sorted(_WINDOWED))
+@pytest.mark.parametrize("batch", ["plain", "padded", "packed"])
+def test_sliding_window_layers_match_sdpa(family, batch):
+    """Sliding-window layers (Mistral's every layer, Qwen2's above max_window_layers): the layer's window
+    as the kernels' band, against SDPA's sliding-window mask, on plain, padded and packed batches."""
+    x = _tokens(batch=1 if batch == "packed" else 2)
+    kwargs, keep = {}, torch.ones_like(x)[..., None]
+    if batch == "padded":
+        mask = torch.ones_like(x)
+        mask[0, :10] = 0
+        kwargs["attention_mask"], keep = mask, mask[..., None]
+    if batch == "packed":
+        kwargs["position_ids"] = torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0)
+    res = {}
+    for attn in ("sdpa", "sagebwd"):
+        model = _model(attn, family=family, **_WINDOWED[family])
+        logits = model(input_ids=x, use_cache=False, **kwargs).logits * keep
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach(), model.model.layers[1].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["sdpa"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.06
+    # The window changes the answer: the same model without it is far off.
+    unwindowed = _model("sagebwd", family="llama")(input_ids=x, use_cache=False, **kwargs).logits.detach() * keep
+    assert _rel(unwindowed, ref) > 0.1
 
 
 def test_the_name_must_be_a_string():

@@ -30,28 +30,31 @@ import numpy as np
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe, framework_of, what_came
 from sagebwd_cp.numerics import k_mean_shape
-from sagebwd_cp.options import AttentionOptions
+from sagebwd_cp.options import AttentionOptions, window_options
 from sagebwd_cp.problem import make_problem
 
 __all__ = ["attention"]
 
 
 def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None,
-              smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False):
+              smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False,
+              window_size=(-1, -1)):
     """SageBwd attention, differentiable with ``jax.grad`` and traceable by ``jax.jit``.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
     ``jax.nn.dot_product_attention``); k, v: Hkv heads and Lk tokens, Hq a multiple of Hkv
     (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
-    Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq); rows that see
-    no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
+    Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
+    ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); rows that see no
+    key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
     ``sagebwd_cp.attention_backward``.  q, k and v are JAX arrays (others, NumPy included, are refused
     with a TypeError: convert them with ``jnp.asarray``); shapes, dtypes and options are checked when
     traced.
     """
     _check_arrays(q=q, k=k, v=v)
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                            layout=layout, granularity=granularity, deterministic=deterministic)
+                            layout=layout, granularity=granularity, deterministic=deterministic,
+                            **window_options(window_size))
     _check(q, k, v, opts)
     return _attention(q, k, v, opts)
 

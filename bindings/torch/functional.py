@@ -16,7 +16,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sagebwd_cp import guard
-from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag
+from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
+
+_NO_WINDOW = {}  # the default window_size: AttentionOptions' own defaults
 
 from . import _ops
 from ._checks import check_tensors
@@ -109,12 +111,15 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
               layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
-              deterministic: bool = False, accuracy_guard: bool | float | None = None) -> Tensor:
+              deterministic: bool = False, accuracy_guard: bool | float | None = None,
+              window_size=(-1, -1)) -> Tensor:
     """SageBwd attention with autograd.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
     tokens, Hq a multiple of Hkv (GQA/MQA).  Causal masking is bottom-right aligned (query i sees
-    key j iff j <= i + Lk - Lq); rows that see no key give 0.  ``softmax_scale`` defaults to
+    key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
+    (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
+    rows that see no key give 0.  ``softmax_scale`` defaults to
     1/sqrt(D).  ``smooth_k``/``smooth_q``: K/Q smoothing before quantization; ``granularity``
     ("fine" or "paper") and ``deterministic`` select the backward's quantization scales and dQ
     accumulation order.  CUDA tensors: fp16/bf16 (float32 is cast under autocast).  CPU tensors
@@ -125,7 +130,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     """
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, granularity=granularity, deterministic=deterministic)
+                               layout=layout, granularity=granularity, deterministic=deterministic,
+                               **(_NO_WINDOW if window_size == (-1, -1) else window_options(window_size)))
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a
@@ -210,12 +216,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     return out.reshape(query.shape)
 
 
-def check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+def check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs) -> None:
     """FlashAttention's options this library does not implement must keep their defaults."""
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size: sliding-window attention is not supported; expected (-1, -1), got {window_size}")
     if softcap != 0.0:
         raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
     if alibi_slopes is not None:
@@ -231,12 +235,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """Drop-in for FlashAttention's ``flash_attn_func``: q (B, Lq, Hq, D), k and v (B, Lk, Hkv, D),
     Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
 
-    ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes`` and ``return_attn_probs`` must keep
-    their defaults (ValueError otherwise).  ``deterministic`` orders the dQ accumulation;
-    ``smooth_k``, ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
+    ``window_size=(left, right)``: a sliding window, as FlashAttention's.  ``dropout_p``, ``softcap``,
+    ``alibi_slopes`` and ``return_attn_probs`` must keep their defaults (ValueError otherwise).
+    ``deterministic`` orders the dQ accumulation; ``smooth_k``, ``smooth_q`` and ``granularity`` are
+    this library's options (see ``attention``).
     """
     check_tensors("q, k, v", q, k, v)
-    check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD", smooth_k=smooth_k,
-                     smooth_q=smooth_q, granularity=granularity, deterministic=deterministic)
+                     smooth_q=smooth_q, granularity=granularity, deterministic=deterministic, window_size=window_size)
 

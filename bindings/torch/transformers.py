@@ -2,16 +2,18 @@
 
 ``register_transformers()`` registers an attention function and its mask function under a name
 (default ``"sagebwd"``), so that ``attn_implementation="sagebwd"`` works for Llama-, Qwen- and
-Mistral-style models, as FlashAttention's integration does:
+Mistral-style models, sliding-window layers included, as FlashAttention's integration does:
 
-- a batch without padding: causal attention by the kernels' own rule (no mask is built);
+- a batch without padding: causal attention by the kernels' own rule (no mask is built), with the
+  layer's ``sliding_window`` as the kernels' window (``window_size=(sliding_window - 1, ...)``, the
+  keys transformers' sliding-window mask keeps);
 - a padded batch (a 2-D ``attention_mask`` with zeros, left or right padding): the valid tokens are
   gathered into a packed batch, attended by the variable-length kernels, and scattered back (padded
   positions give 0);
 - packed sequences in one row (``position_ids`` restarting, or the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
   directly;
-- anything else (sliding windows, soft-capping, a cache with an offset, padding beside a cache, any
+- anything else (soft-capping, attention sinks, a cache with an offset, padding beside a cache, any
   custom mask): a ``ValueError`` that says so, never a silent wrong answer.
 
 The mask function returns None for plain causal or packed-by-position batches, the 2-D padding mask
@@ -54,7 +56,7 @@ def _packed_offsets(kwargs: dict, position_ids, batch: int):
     return cu_q, cu_k, int(max_q), int(max_k)
 
 
-def _unpadded_attention(q, k, v, mask, causal: bool, scaling):
+def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1)):
     """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
     valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
     b, n = mask.shape
@@ -63,7 +65,8 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling):
     cu = torch.nn.functional.pad(valid.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
     # n bounds every sequence's length (max_seqlen need not be exact): no second read of the lengths.
-    out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling)
+    out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling,
+                                 window_size=window_size)
     full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
     return full.reshape(b, n, *out.shape[1:])
 
@@ -76,41 +79,44 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     check_ranks("HND", query=query, key=key, value=value)
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
-    if sliding_window is not None:
-        raise _refuse(f"a sliding window ({sliding_window})")
     if softcap is not None:
         raise _refuse(f"logit soft-capping ({softcap})")
+    if kwargs.get("s_aux") is not None:
+        raise _refuse("attention sinks (s_aux)")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    # transformers' sliding-window mask keeps key j for query i iff i - sliding_window < j (and j <= i, causal).
+    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D)
     if attention_mask is not None:
         if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
             raise _refuse(f"attention_mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
-        return _unpadded_attention(q, k, v, attention_mask, causal, scaling), None
+        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
     if packed is not None:
         if q.shape[0] != 1:
             raise _refuse(f"packed sequences in a batch of {q.shape[0]} rows (one row expected)")
-        out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling)
+        out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling,
+                                     window_size=window)
         return out[None], None
-    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling)
+    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window)
     return out, None
 
 
 def _plain_causal_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                                attention_mask=None, local_size=None, **kwargs):
     """None for causal attention that the attention function computes by itself (no padding, or
-    packed sequences it reads from position_ids), the 2-D padding mask of a padded batch, else the
-    mask SDPA would get, which the attention function refuses."""
+    packed sequences it reads from position_ids; a sliding window of ``local_size`` keys, which the
+    layer passes to the attention function as its ``sliding_window``), the 2-D padding mask of a padded
+    batch, else the mask SDPA would get, which the attention function refuses."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    causal_rule = local_size is None and _causal_or_packed(mask_function, causal_mask_function)
+    causal_rule = _causal_or_packed(mask_function, causal_mask_function, local_size)
     no_offset = not _nonzero(q_offset) and not _nonzero(kv_offset) and q_length == kv_length
     if causal_rule and no_offset:
         if _nothing_padded(attention_mask):
             return None
-        if attention_mask.ndim == 2 and attention_mask.shape[1] == kv_length and mask_function in (
-                None, causal_mask_function):
+        if attention_mask.ndim == 2 and attention_mask.shape[1] == kv_length and _unpacked(mask_function):
             return attention_mask
     kwargs.pop("allow_is_causal_skip", None)  # a skipped mask would read as plain causal here
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -118,23 +124,49 @@ def _plain_causal_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_o
                      attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
 
 
-def _causal_or_packed(mask_function, causal_mask_function) -> bool:
+def _causal_or_packed(mask_function, causal_mask_function, window=None) -> bool:
     """The default causal rule, alone or as transformers restricts it to packed sequences found in
     restarting position_ids (which the attention function reads itself): intersected with a
     same-sequence mask (``and_masks``, transformers 5.17) or applied to positions remapped per sequence
-    (``remap_positions_for_packed_sequence``, later versions). Any other mask function is not."""
+    (``remap_positions_for_packed_sequence``, later versions); with ``window``, also intersected with
+    transformers' sliding-window overlay of that many keys (``sliding_window_causal_mask_function``),
+    which the attention function applies from its ``sliding_window``. Any other mask function is not."""
     if mask_function in (None, causal_mask_function):
         return True
     name = getattr(mask_function, "__qualname__", "")
     cells = [c.cell_contents for c in getattr(mask_function, "__closure__", None) or ()]
-    if name == "and_masks.<locals>.and_mask":  # 5.24: and_masks(remapped causal, same-sequence mask)
+    if name == "and_masks.<locals>.and_mask":  # and_masks(causal or remapped causal, overlays)
         parts = next((c for c in cells if isinstance(c, tuple)), ())
         packed = "packed_sequence_mask_function.<locals>.inner_mask"
-        return bool(parts) and all(getattr(p, "__qualname__", "") == packed or _causal_or_packed(p, causal_mask_function)
-                                   for p in parts)
+        return bool(parts) and all(getattr(p, "__qualname__", "") == packed or _window_overlay(p, window) or
+                                   _causal_or_packed(p, causal_mask_function, window) for p in parts)
     if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        return any(c is causal_mask_function for c in cells)
+        inner = next((c for c in cells if callable(c)), None)
+        return any(c is causal_mask_function for c in cells) or (
+            inner is not None and _causal_or_packed(inner, causal_mask_function, window))
     return False
+
+
+def _unpacked(mask_function) -> bool:
+    """Whether a mask function that _causal_or_packed accepted leaves packed sequences out (so that a 2-D
+    padding mask says all that is left): plain causal, or causal with a sliding-window overlay."""
+    def parts(f):
+        if getattr(f, "__qualname__", "") != "and_masks.<locals>.and_mask":
+            return [f]
+        cells = [c.cell_contents for c in f.__closure__ or ()]
+        return [p for t in cells if isinstance(t, tuple) for q in t for p in parts(q)]
+    from transformers.masking_utils import causal_mask_function
+
+    return mask_function is None or all(
+        p is causal_mask_function or getattr(p, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"
+        for p in parts(mask_function))
+
+
+def _window_overlay(mask_function, window) -> bool:
+    """Whether ``mask_function`` is transformers' sliding-window overlay of ``window`` keys."""
+    if window is None or getattr(mask_function, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return False
+    return [c.cell_contents for c in mask_function.__closure__ or ()] == [window]
 
 
 def _nothing_padded(attention_mask) -> bool:

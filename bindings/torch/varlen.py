@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sagebwd_cp.api import run_backward, run_forward
-from sagebwd_cp.options import FIELDS, AttentionOptions
+from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
 
 from ._checks import check_tensors
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
@@ -67,10 +67,12 @@ def _check_packed(**arrays) -> None:
 @torch.library.custom_op(f"{NAMESPACE}::varlen_forward", mutates_args=())
 def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
-                      layout: str, granularity: str, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                      layout: str, granularity: str, deterministic: bool, window_left: int,
+                      window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
-    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
+                               window_left, window_right)
     return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
 
@@ -88,11 +90,12 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                        softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
-                       deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                       deterministic: bool, window_left: int, window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k", q, k, v, out, lse2, k_mean, dout,
                   cu_seqlens_q, cu_seqlens_k)
-    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic)
+    options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
+                               window_left, window_right)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          options)
 
@@ -131,15 +134,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Hkv, D), Hq a multiple of Hkv; sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
     cu_seqlens_k[b].. of k and v (int32, batch + 1 entries, on q's device); ``max_seqlen_*`` (ints) at
     least the longest sequence's lengths (not checked on a GPU: the offsets are not read back).
-    Causal masks are bottom-right aligned within each sequence. Returns (total_q, Hq, D).
+    Causal masks and sliding windows (``window_size``, as FlashAttention's) are bottom-right aligned
+    within each sequence. Returns (total_q, Hq, D).
 
-    ``dropout_p``, ``window_size``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and
-    ``block_table`` must keep their defaults (ValueError otherwise); ``smooth_k`` and ``granularity``
-    are this library's options (``sagebwd_cp.torch.attention``)."""
+    ``dropout_p``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep
+    their defaults (ValueError otherwise); ``smooth_k`` and ``granularity`` are this library's options
+    (``sagebwd_cp.torch.attention``)."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
-    check_flash_defaults(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               granularity=granularity, deterministic=deterministic)
+                               granularity=granularity, deterministic=deterministic, **window_options(window_size))
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):

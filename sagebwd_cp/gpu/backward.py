@@ -89,10 +89,11 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     costs it a register it does not have at d=64 (specs.backward_fixed_grid_order)."""
     blocks = -(-prob.len_k // block_keys)
     few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks < sms
-    fixed = specs.backward_fixed_grid_order(wgmma, prob.causal, deterministic)
+    banded = prob.options.banded
+    fixed = specs.backward_fixed_grid_order(wgmma, banded, deterministic)
     if fixed is not None:
         order = fixed
-    elif not prob.causal or not (deterministic or few):
+    elif not banded or not (deterministic or few):
         order = BLOCKS_FIRST
     elif deterministic or 2 * blocks * prob.heads_kv <= sms:
         order = HEADS_BATCH_FIRST
@@ -160,7 +161,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                                dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
                                wn=wn, Hq=Hq, Hkv=Hk, D=D, Nq_pad=nq, Nk_pad=nk, grid_order=grid_order,
-                               **lengths) + maps,
+                               **prob.kernel_band(), **lengths) + maps,
                 shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
     # the allocator before dq is allocated (a lower peak than holding them with every output).

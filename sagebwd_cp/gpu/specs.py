@@ -40,6 +40,7 @@ KEY_TEXT = {
     "SB_DP": lambda v: f".hd{v}",
     "SB_BF16": lambda v: ".bfloat16" if v else ".float16",
     "SB_CAUSAL": lambda v: ".causal" if v else ".full",
+    "SB_WINDOW": lambda v: ".window" if v else "",
     "SB_BIAS": lambda v: ".qbias" if v else "",
     "SB_FINE": lambda v: ".fine" if v else ".paper",
     "SB_DETERMINISTIC": lambda v: ".det" if v else "",
@@ -197,6 +198,12 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     return FORWARD_TILES[dp]
 
 
+def _window(options: AttentionOptions) -> dict:
+    """SB_WINDOW where a sliding window bounds the mask (absent otherwise: the causal kernels' keys stay)."""
+    assert not (options.windowed and options.smooth_q), "Q-smoothing has no sliding-window kernels"
+    return {"SB_WINDOW": 1} if options.windowed else {}
+
+
 def forward_grid_order(causal: bool) -> int:
     """The order of the forward's grid (launch.attention_grid; kernels/forward.cu SB_GRID_ORDER): causal
     query blocks differ in work, and the heads-and-batch-first grid starts every (head, batch entry)'s
@@ -205,10 +212,12 @@ def forward_grid_order(causal: bool) -> int:
 
 
 def forward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: ForwardTiles, varlen: bool = False) -> KernelSpec:
-    """The forward of ``options``' causal mask and Q-smoothing (its other options do not change the kernel)."""
-    causal, bias = options.causal, options.smooth_q
+    """The forward of ``options``' mask (causal or windowed: SB_CAUSAL, the band) and Q-smoothing (its other
+    options do not change the kernel)."""
+    causal, bias = options.banded, options.smooth_q
     assert not (bias and varlen), "Q-smoothing takes dense batches"
-    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias), **tiles.choices()}
+    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), **_window(options), "SB_BIAS": int(bias),
+               **tiles.choices()}
     implied = {**_token_pad(), **tiles.implied(), "SB_GRID_ORDER": forward_grid_order(causal)}
     return _spec("forward", "forward.cu", ["attention_forward"], choices, implied, layout=True)
 
@@ -275,6 +284,7 @@ def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | 
 def forward_ws_spec(dp: int, dtype: str, options: AttentionOptions, tiles: WsForwardTiles,
                     varlen: bool = False) -> KernelSpec:
     assert not options.smooth_q, "the warp-specialized forward has no Q-smoothing"
+    assert not options.windowed, "the warp-specialized forward has no sliding windows"
     choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(options.causal), **tiles.choices()}
     return _spec("forward_ws", "forward_ws.cu", ["attention_forward"], choices, {**_token_pad(), **tiles.implied(dp)},
                  layout=True)
@@ -386,10 +396,11 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
 
 def backward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles,
                   varlen: bool = False) -> KernelSpec:
-    """The backward of ``options``' causal mask, Q-smoothing, granularity and deterministic order."""
-    causal, bias, fine, deterministic = options.causal, options.smooth_q, options.fine, options.deterministic
+    """The backward of ``options``' mask (causal or windowed: SB_CAUSAL, the band), Q-smoothing, granularity
+    and deterministic order."""
+    causal, bias, fine, deterministic = options.banded, options.smooth_q, options.fine, options.deterministic
     assert not (bias and varlen), "Q-smoothing takes dense batches"
-    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), "SB_BIAS": int(bias),
+    choices = {"SB_DP": dp, **_dtype(dtype, varlen), "SB_CAUSAL": int(causal), **_window(options), "SB_BIAS": int(bias),
                "SB_FINE": int(fine), "SB_DETERMINISTIC": int(deterministic), **tiles.choices()}
     return _spec("backward", tiles.filename, ["attention_backward"], choices,
                  {**_token_pad(), **tiles.implied(dp, causal, deterministic)}, layout=True)
@@ -425,14 +436,17 @@ def all_specs(arch: str | None = None) -> list:
     # Packed batches (varlen) have no Q-smoothing variants.
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
-            for causal in (False, True):
+            # Masks: none, causal, a sliding window (without Q-smoothing).
+            for causal, window in ((False, -1), (True, -1), (True, 1)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    fwd = AttentionOptions(causal=causal, smooth_q=bias)
+                    if bias and window >= 0:
+                        continue
+                    fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
-                        if not bias:  # the default shape of SAGEBWD_FORWARD_WS=1
+                        if not bias and window < 0:  # the default shape of SAGEBWD_FORWARD_WS=1
                             ws = WsForwardTiles(consumers=3 if dp == 64 else 1, pingpong=False)
                             specs.append(forward_ws_spec(dp, dt, fwd, ws, varlen))
                     for granularity in ("fine", "paper"):

@@ -29,7 +29,7 @@ from ..numerics import (
     round_to_dtype,
     token_mean,
 )
-from ..options import GRANULARITIES, check_granularity
+from ..options import GRANULARITIES, AttentionOptions, check_granularity
 
 __all__ = ["quantize_inputs", "emulate_forward", "backward_state", "emulate_backward", "GRANULARITIES"]
 
@@ -138,23 +138,33 @@ def _check_inputs(q, k, v):
 
 # ----------------------------------------------------------------------------- tiles
 
-def _tile_mask(r0: int, r1: int, c0: int, c1: int, lq: int, lk: int, causal: bool) -> np.ndarray:
-    """(r1 - r0, c1 - c0) bool: True where query row r may see key c (both in range, causal
-    bottom-right aligned: c <= r + lk - lq)."""
+def _band(causal: bool, window: tuple) -> tuple | None:
+    """(left, right) of the mask (options.AttentionOptions.band), or None where no key is masked by position."""
+    opts = AttentionOptions(causal=causal, window_left=window[0], window_right=window[1])
+    return opts.band() if opts.banded else None
+
+
+def _tile_mask(r0: int, r1: int, c0: int, c1: int, lq: int, lk: int, band) -> np.ndarray:
+    """(r1 - r0, c1 - c0) bool: True where query row r may see key c (both in range and, with a band
+    (left, right), -left <= c - r - (lk - lq) <= right: bottom-right aligned)."""
     rows = np.arange(r0, r1)[:, None]
     cols = np.arange(c0, c1)[None, :]
     mask = (rows < lq) & (cols < lk)
-    if causal:
-        mask &= cols <= rows + (lk - lq)
+    if band is not None:
+        offset = cols - rows - (lk - lq)
+        mask &= (offset >= -band[0]) & (offset <= band[1])
     return mask
 
 
-def _tile_visible(r0: int, r1: int, c0: int, lq: int, lk: int, causal: bool) -> bool:
-    """Whether any row of [r0, r1) sees any key of the tile starting at c0."""
-    last_row = min(r1, lq) - 1
-    if last_row < r0 or c0 >= lk:
+def _tile_visible(r0: int, r1: int, c0: int, c1: int, lq: int, lk: int, band) -> bool:
+    """Whether any row of [r0, r1) sees any key of [c0, c1)."""
+    last_row, last_key = min(r1, lq) - 1, min(c1, lk) - 1
+    if last_row < r0 or last_key < c0:
         return False
-    return not causal or c0 <= last_row + (lk - lq)
+    if band is None:
+        return True
+    shift = lk - lq
+    return c0 - last_row - shift <= band[1] and last_key - r0 - shift >= -band[0]
 
 
 def _smooth_q_bias(q_mean: np.ndarray, k_smoothed_j: np.ndarray) -> np.ndarray:
@@ -255,12 +265,14 @@ def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
 
 @_nonfinite_quiet
 def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                    quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None):
+                    quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None, window=(-1, -1)):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
     ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
     key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64 or 128) is the kernel's
     keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale.  ``k_mean``: μ_K
-    (B,Hkv,D) to smooth K with instead of K's token mean."""
+    (B,Hkv,D) to smooth K with instead of K's token mean.  ``window``: FlashAttention's ``window_size``
+    (left, right), -1 unbounded (causal sets right to 0)."""
+    band = _band(causal, window)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
     if key_tile not in (BLOCK_KV, 2 * BLOCK_KV):
@@ -292,14 +304,14 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     for c0 in range(0, n_kb * BLOCK_KV, key_tile):
         c1 = min(c0 + key_tile, n_kb * BLOCK_KV)
         blocks = np.arange(c0 // BLOCK_KV, c1 // BLOCK_KV)
-        if not _tile_visible(0, lq_pad, c0, lq, lk, causal):
+        if not _tile_visible(0, lq_pad, c0, c1, lq, lk, band):
             continue
         bias = None
         if smooth_q:  # per 64-key block, as the backward recomputes it
             bias = np.concatenate([_rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c:c + BLOCK_KV]), BLOCK_Q)
                                    for c in range(c0, c1, BLOCK_KV)], axis=-1)
         s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias)
-        mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, causal)
+        mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, band)
         s = np.where(mask, s, _F32(-np.inf))
 
         rmax = np.max(s, axis=-1)
@@ -321,7 +333,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         pv = _int_matmul(p_hat, v_hat[:, :, c0:c1])
         # A non-finite V block (s_max NaN or inf) reaches every row of a 64-query block that sees a key of the
         # tile, also a row that sees none (0·NaN), as in the kernels, whose query tiles hold 64 rows or more.
-        rows_see = np.repeat([_tile_visible(r, r + BLOCK_Q, c0, lq, lk, causal) for r in range(0, lq_pad, BLOCK_Q)],
+        rows_see = np.repeat([_tile_visible(r, r + BLOCK_Q, c0, c1, lq, lk, band) for r in range(0, lq_pad, BLOCK_Q)],
                              BLOCK_Q)
         factor = np.where(rows_see, (beta / _F32(P_LEVELS)) * s_max[..., None], zero).astype(np.float32)
         acc = (alpha[..., None] * acc + pv * factor[..., None]).astype(np.float32)
@@ -350,6 +362,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         "o": o16,
         "v": v32,
         "causal": bool(causal),
+        "window": tuple(window),
         "softmax_scale": float(softmax_scale),
         "smooth_q": bool(smooth_q),
         "quantize": bool(quantize),
@@ -365,7 +378,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
 @_nonfinite_quiet
 def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                   quantize=True, dtype="float16", k_mean=None):
+                   quantize=True, dtype="float16", k_mean=None, window=(-1, -1)):
     """The dict ``emulate_backward`` reads, rebuilt from the inputs, the stored output and the
     base-2 LSE (B, Hq, Lq) of a forward (and its μ_K, if given): the quantization is deterministic,
     so Q̂, K̂ and their scales come out exactly as the forward had them."""
@@ -381,7 +394,7 @@ def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth
         raise ValueError(f"lse2: expected shape {q32.shape[:3]}, got {lse2.shape}")
     pad = qi["q_int8"].shape[2] - lq
     lse2 = np.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=np.inf).astype(np.float32)
-    return {"inputs": qi, "lse2": lse2, "o": _as_f32(o), "v": v32, "causal": bool(causal),
+    return {"inputs": qi, "lse2": lse2, "o": _as_f32(o), "v": v32, "causal": bool(causal), "window": tuple(window),
             "softmax_scale": float(softmax_scale), "smooth_q": bool(smooth_q), "quantize": bool(quantize),
             "dtype": dtype, "group": group, "lq": lq, "lk": lk}
 
@@ -394,7 +407,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     "fine": per-key scales for P (dV) and for dK's dS operand, per-query scales for dQ's."""
     check_granularity(granularity)
     qi = saved["inputs"]
-    causal, group = saved["causal"], saved["group"]
+    band, group = _band(saved["causal"], saved.get("window", (-1, -1))), saved["group"]
     lq, lk = saved["lq"], saved["lk"]
     smooth_q = saved["smooth_q"]
     fine = granularity == "fine"
@@ -433,9 +446,9 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
         dv_j = np.zeros((b, hq, BLOCK_KV, d), dtype=np.float32)
         for i in range(n_qb):
             r0, r1 = i * BLOCK_Q, (i + 1) * BLOCK_Q
-            if not _tile_visible(r0, r1, c0, lq, lk, causal):
+            if not _tile_visible(r0, r1, c0, c1, lq, lk, band):
                 continue
-            mask = _tile_mask(r0, r1, c0, c1, lq, lk, causal)
+            mask = _tile_mask(r0, r1, c0, c1, lq, lk, band)
             bias = bias_j[:, :, i, None, :] if smooth_q else None
             s_q_i, s_k_j = s_q[:, :, r0:r1], s_k[:, :, c0:c1]
             s = _tile_logits(q_hat[:, :, r0:r1], s_q_i, k_j, s_k_j, bias)

@@ -1,0 +1,130 @@
+"""Sliding-window attention against its peers, side by side in one run (bf16, d = 128, GQA 4:1).
+
+For each shape, forward and forward+backward in ms (CUDA events, median): this library with the
+window; FlexAttention (compiled) with a sliding-window block mask; this library and SDPA-cuDNN on full
+causal attention. "band" is the fraction of the causal mask's (query, key) pairs the window keeps; the
+target is windowed time <= 1.2 · band · full causal time (ours), the skipped key tiles costing nothing.
+``--causal-only`` times this library's plain causal attention alone (to compare two versions of the
+library, each run with its own Python).
+
+    python benchmarks/bench_windows.py [--shapes 1x16x4x32768x4096 2x16x4x8192x1024] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import timed  # noqa: E402
+
+DEFAULT_SHAPES = ("1x16x4x32768x4096", "2x16x4x8192x4096", "2x16x4x8192x1024")
+
+
+def band_fraction(n: int, window: int) -> float:
+    """(query, key) pairs with 0 <= i - j <= window, over those with 0 <= i - j (N queries, N keys)."""
+    causal = n * (n + 1) // 2
+    w = min(window, n - 1)
+    return (causal - (n - w - 1) * (n - w) // 2) / causal
+
+
+def _inputs(b, hq, hk, n, d):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda h: torch.randn((b, h, n, d), generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = make(hq), make(hk), make(hk)
+    return q, k, v, torch.randn_like(q)
+
+
+def _ours(q, k, v, do, window):
+    import sagebwd_cp
+
+    kw = {"causal": True, "window_size": (window, 0)} if window else {"causal": True}
+    fwd = lambda: sagebwd_cp.attention(q, k, v, **kw)
+
+    def fwdbwd():
+        _, saved = sagebwd_cp.attention_forward(q, k, v, **kw)
+        sagebwd_cp.attention_backward(saved, do)
+
+    return fwd, fwdbwd
+
+
+def _torch_pair(attend, q, k, v, do):
+    import torch
+
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    fwd = lambda: attend(q, k, v)
+
+    def fwdbwd():
+        torch.autograd.grad(attend(qr, kr, vr), (qr, kr, vr), do)
+
+    return fwd, fwdbwd
+
+
+def _cudnn(q, k, v, do):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return _torch_pair(attend, q, k, v, do)
+
+
+def _flex(q, k, v, do, window):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = q.shape[2]
+    mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= window), None, None, n, n, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxWINDOW, d = 128")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    records = []
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    for text in args.shapes:
+        b, hq, hk, n, window = map(int, text.split("x"))
+        q, k, v, do = _inputs(b, hq, hk, n, 128)
+        runs = {"ours causal": _ours(q, k, v, do, None)}
+        if not args.causal_only:
+            runs = {"ours window": _ours(q, k, v, do, window), **runs, "cudnn causal": _cudnn(q, k, v, do)}
+            try:
+                runs["flex window"] = _flex(q, k, v, do, window)
+            except Exception as exc:  # noqa: BLE001 - a torch without FlexAttention: the row is left out
+                print(f"  flex unavailable: {str(exc)[:100]}", file=sys.stderr)
+        rec = {"shape": text, "band": band_fraction(n, window)}
+        for name, (fwd, fwdbwd) in runs.items():
+            rec[name] = {"fwd_ms": timed(fwd, args.reps), "fwdbwd_ms": timed(fwdbwd, args.reps)}
+        records.append(rec)
+        cells = "  ".join(f"{name} {r['fwd_ms']:.3f}/{r['fwdbwd_ms']:.3f}" for name, r in rec.items()
+                          if isinstance(r, dict))
+        print(f"{text} band {rec['band']:.3f}: {cells}  (fwd/fwd+bwd ms)")
+        if "ours window" in rec:
+            ours, full = rec["ours window"]["fwdbwd_ms"], rec["ours causal"]["fwdbwd_ms"]
+            line = f"  window/(band·causal) {ours / (rec['band'] * full):.2f}"
+            if "flex window" in rec:
+                line += (f"  flex/ours fwd {rec['flex window']['fwd_ms'] / rec['ours window']['fwd_ms']:.2f} "
+                         f"fwd+bwd {rec['flex window']['fwdbwd_ms'] / ours:.2f}")
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

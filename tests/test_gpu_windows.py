@@ -1,0 +1,171 @@
+"""Sliding windows on the GPU, both kernel families (the default, wgmma on sm_90, and mma.sync), with
+poisoned workspaces: the forward and backward against the emulator of the same quantized algorithm
+(and, loosely, the exact FP64 reference), over ragged shapes, Lq != Lk, GQA, causal and not, windows
+that leave rows without keys; a window wider than the sequence equal bit for bit to plain causal
+attention (the window kernels skip nothing then and must compute the same); packed batches equal to
+their dense calls; deterministic gradients repeatable."""
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from sagebwd_cp.host import emulator, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
+EMU_TOL = {"float16": (2e-3, 4e-3), "bfloat16": (8e-3, 1e-2)}  # (forward, backward), as the dense tests'
+
+# (B, Hq, Hkv, Lq, Lk, D), causal, window_size
+CASES = [
+    ((1, 4, 1, 1000, 1000, 64), True, (100, -1)),
+    ((1, 2, 2, 300, 257, 128), False, (40, 17)),
+    ((2, 2, 2, 17, 17, 128), True, (0, -1)),
+    ((1, 4, 2, 100, 1000, 128), False, (-1, 30)),
+    ((1, 2, 2, 1000, 100, 64), True, (50, -1)),  # rows before Lq - Lk - 50 see no key
+    ((1, 1, 1, 4097, 4097, 64), True, (1000, -1)),
+    ((1, 2, 1, 300, 300, 80), False, (64, 64)),
+    ((1, 2, 2, 1, 1, 64), False, (3, 3)),
+]
+IDS = [f"{'x'.join(map(str, s))}-{'causal' if c else 'full'}-{w[0]}.{w[1]}" for s, c, w in CASES]
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    from sagebwd_cp.gpu import plan
+
+    for name, value in request.param.items():
+        monkeypatch.setenv(name, value)
+    plan.clear_plans()
+    yield request.param
+    plan.clear_plans()
+
+
+def _grad_output(q, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
+
+
+def _run(q, k, v, do, causal, window, deterministic=False):
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, return_lse=True)
+        grads = sagebwd_cp.attention_backward(saved, do, deterministic=deterministic)
+    return out, lse, saved, grads
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("shape,causal,window", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window, dtype):
+    import torch
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, seed=lq + 5 * lk)
+    do = _grad_output(q, seed=lq + lk)
+    out, lse, saved, grads = _run(q, k, v, do, causal, window)
+    torch.cuda.synchronize()
+    qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
+    key_tile = forward_key_tile(d)
+    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, dtype=dtype,
+                                                  key_tile=key_tile)
+    fwd_tol, bwd_tol = EMU_TOL[dtype]
+    assert rel_l2(oh, o_emu) < fwd_tol
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+    assert not oh[~np.broadcast_to(finite[..., None], oh.shape)].any()  # rows without keys give 0
+
+    state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=causal, window=window,
+                                    dtype=dtype)
+    expected = emulator.emulate_backward(state, doh)
+    exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=causal, window=window)
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, exact):
+        gh = to_hnd_numpy(g, "HND")
+        assert np.isfinite(gh).all(), name
+        assert rel_l2(gh, e) < bwd_tol, (name, rel_l2(gh, e))
+        if np.abs(x).max() > 1e-3:  # the algorithm's own error against FP64 (windows of one key have none)
+            assert rel_l2(gh, x) < 0.1, (name, rel_l2(gh, x))
+    o_ref, _ = reference.attention_reference(qh, kh, vh, causal=causal, window=window)
+    assert rel_l2(oh, o_ref) < 0.05
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16")])
+def test_a_window_wider_than_the_sequence_is_causal_attention_bit_for_bit(kernels, d, dtype):
+    import torch
+
+    q, k, v = make_qkv(1, 4, 2, 700, 700, d, dtype, seed=9)
+    do = _grad_output(q, seed=10)
+    causal = _run(q, k, v, do, True, (-1, -1), deterministic=True)
+    wide = _run(q, k, v, do, True, (700, -1), deterministic=True)
+    torch.cuda.synchronize()
+    assert torch.equal(causal[0], wide[0]) and torch.equal(causal[1], wide[1])
+    for g, h in zip(causal[3], wide[3]):
+        assert torch.equal(g, h)
+    narrow = _run(q, k, v, do, True, (100, -1))[0]
+    assert not torch.equal(causal[0], narrow)
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("causal,window", [(True, (70, -1)), (False, (33, 5))])
+def test_each_packed_sequence_equals_its_dense_call(kernels, causal, window):
+    import torch
+
+    lens_q, lens_k = [1, 130, 300, 64, 1000], [1, 130, 257, 64, 900]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rand = lambda n, h: torch.randn((n, h, 64), generator=g, device="cuda").to(torch.float16)
+    cu = lambda lens: torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v, do = rand(sum(lens_q), 4), rand(sum(lens_k), 2), rand(sum(lens_k), 2), rand(sum(lens_q), 4)
+    cq, ck = cu(lens_q), cu(lens_k)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal,
+                                                              window_size=window, return_lse=True)
+        dq, dk, dv = sagebwd_cp.attention_backward(saved, do, deterministic=True)
+    for b in range(len(lens_q)):
+        sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        with poisoned_workspaces():
+            o1, l1, s1 = sagebwd_cp.attention_forward(q[sq][None], k[sk][None], v[sk][None], causal=causal,
+                                                      window_size=window, layout="NHD", return_lse=True)
+            g1 = sagebwd_cp.attention_backward(s1, do[sq][None], deterministic=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out[sq], o1[0]) and torch.equal(lse[:, sq], l1[0]), b
+        assert torch.equal(dq[sq], g1[0][0]) and torch.equal(dk[sk], g1[1][0]) and torch.equal(dv[sk], g1[2][0]), b
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+def test_windowed_deterministic_gradients_repeat_bit_for_bit(kernels):
+    import torch
+
+    q, k, v = make_qkv(2, 8, 2, 2000, 2000, 128, "bfloat16", seed=4)
+    do = _grad_output(q, seed=5)
+    first = _run(q, k, v, do, True, (300, -1), deterministic=True)[3]
+    for _ in range(2):
+        again = _run(q, k, v, do, True, (300, -1), deterministic=True)[3]
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_flash_attn_func_window_size_is_sdpa_with_the_window_mask():
+    import torch
+
+    import sagebwd_cp.torch as st
+
+    q, k, v = make_qkv(2, 8, 2, 1500, 1500, 128, "bfloat16", layout="NHD", seed=12)
+    for x in (q, k, v):
+        x.requires_grad_()
+    out = st.flash_attn_func(q, k, v, causal=True, window_size=(256, 0))
+    n = q.shape[1]
+    i = torch.arange(n, device="cuda")
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 256)
+    qt, kt, vt = (x.detach().transpose(1, 2).float().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qt, kt.repeat_interleave(4, 1), vt.repeat_interleave(4, 1),
+                                                           attn_mask=mask)
+    g = torch.randn_like(ref)
+    out.backward(g.transpose(1, 2).to(out.dtype))
+    ref.backward(g)
+    assert rel_l2(out.float().transpose(1, 2).detach().cpu().numpy(), ref.detach().cpu().numpy()) < 0.03
+    for x, r in zip((q, k, v), (qt, kt, vt)):
+        assert rel_l2(x.grad.float().transpose(1, 2).cpu().numpy(), r.grad.cpu().numpy()) < 0.06
