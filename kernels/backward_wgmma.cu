@@ -36,9 +36,8 @@ constexpr int GROUPS = SB_GROUPS;    // warpgroups
 constexpr int CTA_KEYS = SB_CTA_KEYS;
 constexpr int THREADS = SB_THREADS;
 static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup per 64 keys");
-// dK's FP32 accumulators in shared memory (a slot per thread): three warpgroups, and the d=128 window
-// kernels (whose left-edge compares spilled them at 255 registers with dK in registers).
-constexpr bool DK_SMEM = GROUPS > 2 || (SB_WINDOW && DP == 128);
+// dK's FP32 accumulators in shared memory (a slot per thread): three warpgroups.
+constexpr bool DK_SMEM = GROUPS > 2;
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
 // Two warpgroups at head dim 64 use about 185 of the 255 registers a thread may hold at one CTA per
 // SM; the spare ones keep work out of shared memory and save products (ROOMY):
@@ -102,6 +101,7 @@ struct BackwardShared {
     i8 ds[KEY_BLOCKS][BQ * 128];     // Ŷ [key block][64 q][128 keys] int8
     float red[RED_FLOATS];
     float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
+    int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials
     float dq[BQ * DQ_PITCH];         // the dQ partial's tile
     float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
 };
@@ -115,7 +115,8 @@ constexpr int SBAR = SSTATS + sizeof(BackwardStage::stats);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
 constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
 constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF + sizeof(BackwardShared::ds);
-constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), DQ_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
+constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
+constexpr int DQ_OFF = TURN_OFF + sizeof(BackwardShared::turn);
 constexpr int DK_OFF = DQ_OFF + sizeof(BackwardShared::dq);
 static_assert(SBAR == STAGE_TILES && STAGE_BYTES == SBAR + sizeof(BackwardStage::bar) + sizeof(BackwardStage::pad) &&
               sizeof(BackwardShared) == DK_OFF + sizeof(BackwardShared::dk), "no padding in the layout");
@@ -280,14 +281,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const u32 dq_s = base + DQ_OFF;
     i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
     auto lock_pending = [&] { return a.dq_lock + pending_row / BQ; };  // its turn counter
-    // The partial's first row within its sequence: its row in the head's Nq_pad rows, less a packed
-    // sequence's first (seqinfo.cuh q_row0).
-    auto pending_q0 = [&] {
-        return static_cast<int>(pending_row % seq.nq_pad() - (SB_VARLEN ? varlen_row0(seq.q_start(), seq.b, SB_TOKEN_PAD) : 0));
-    };
-    auto reduce_dq = [&] {
+    // The partial's turn: j, or under a window (dq_turn) the one the thread left in shared memory at the
+    // top of iteration `it` (slot it % 2; formed later, or held across the loop, it spilled).
+    int* turn_s = reinterpret_cast<int*>(smem + TURN_OFF);
+    auto reduce_dq = [&](int it) {
+        const int turn = SB_WINDOW ? turn_s[it & 1] : j;
         if (SB_DETERMINISTIC) {
-            wait_turn(lock_pending(), dq_turn(j, pending_q0(), CTA_KEYS, seq));
+            wait_turn(lock_pending(), turn);
             fence_proxy_async_global();
         }
         bulk_reduce_add_f32(a.dq_acc + pending_row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
@@ -296,7 +296,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             bulk_wait<0>();
             fence_proxy_async_global();
             __threadfence();
-            pass_turn(lock_pending(), dq_turn(j, pending_q0(), CTA_KEYS, seq));
+            pass_turn(lock_pending(), turn);
         }
     };
 
@@ -341,6 +341,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const float s_do = a.do_scale[seq.q_block0(h) + i];
         mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
+        if (SB_WINDOW && SB_DETERMINISTIC && tid == REDUCER) turn_s[it & 1] = dq_turn(j, q0, CTA_KEYS, seq);
         const int ftid = loop_tid();
         const int key0 = j * CTA_KEYS + loop_wg() * BKV;  // the warpgroup's first key
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
@@ -368,7 +369,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
                                       wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
             wgmma_commit();
-            if (tid == REDUCER && it > 0) reduce_dq();  // the previous query block's partial is in its tile
+            if (tid == REDUCER && it > 0) reduce_dq(it - 1);  // the previous query block's partial is in its tile
             wgmma_wait<1>();
             wgmma_hold_all(s);
 
@@ -642,7 +643,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
         __syncthreads();       // the last query block's dQ partial is in shared memory
         if (tid == REDUCER) {
-            reduce_dq();
+            reduce_dq(n_it - 1);
             bulk_wait<0>();
         }
     }

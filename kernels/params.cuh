@@ -52,7 +52,8 @@
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
     F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
-    F(int, win_right) F(int, win_width)       /* SB_WINDOW: the band's right edge and width (seqinfo.cuh band_hi) */
+    F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
+                                              /* and width (seqinfo.cuh band_hi) */
 SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
 
 // forward_ws.cu attention_forward, after ForwardParams: the TMA maps of the key-side tiles
@@ -92,7 +93,8 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
     F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
-    F(int, win_right) F(int, win_width)       /* SB_WINDOW: the band's right edge and width (seqinfo.cuh band_hi) */
+    F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
+                                              /* and width (seqinfo.cuh band_hi) */
 SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 
 // backward_wgmma.cu attention_backward, after BackwardParams: the TMA maps of the query-side tiles

@@ -75,10 +75,11 @@ struct SeqInfo {
     SB_DEVICE int causal_shift() const { return len_k() - len_q(); }
     // The banded mask of SB_CAUSAL kernels: query r sees key c iff band_lo() <= c - r <= band_hi(). Causal
     // alone is band_hi() = causal_shift() with no left edge; SB_WINDOW kernels read the edges of a sliding
-    // window (params.cuh win_right, win_width; options.UNBOUNDED, 2^29, for an open side: sums of token
-    // indices and two of it stay in int32). The kernels hold band_hi() and test the left edge as
-    // key + win_width < row + band_hi(), which holds no second bound across their loops.
-    SB_DEVICE int band_hi() const { return causal_shift() + (SB_WINDOW ? p.win_right : 0); }
+    // window (params.cuh win_hi, win_width; options.UNBOUNDED, 2^29, for an open side: sums of token
+    // indices and two of it stay in int32): a dense batch's band_hi() is the parameter itself, which the
+    // compiler reads where used. The kernels test the left edge as key + win_width < row + band_hi(), which
+    // holds no second bound across their loops (both spilled the d=128 wgmma backward).
+    SB_DEVICE int band_hi() const { return SB_WINDOW ? (SB_VARLEN ? causal_shift() : 0) + p.win_hi : causal_shift(); }
     SB_DEVICE int band_lo() const { return SB_WINDOW ? band_hi() - p.win_width : -(1 << 30); }
     // The key head that query head h reads (GQA: Hq / Hkv query heads a key head).
     SB_DEVICE int kv_head(int h) const { return h / (p.Hq / p.Hkv); }

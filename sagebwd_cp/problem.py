@@ -103,9 +103,10 @@ class AttentionProblem:
         return (self.heads_q, self.total_q) if self.varlen else (self.batch, self.heads_q, self.len_q)
 
     def kernel_band(self) -> dict:
-        """The attention kernels' win_right, win_width fields (kernels/seqinfo.cuh band_hi, band_lo)."""
+        """The attention kernels' win_hi, win_width fields (kernels/seqinfo.cuh band_hi, band_lo): the band's
+        right edge (a packed batch's sequences add their own Lk - Lq) and width."""
         left, right = self.options.band()
-        return dict(win_right=right, win_width=left + right)
+        return dict(win_hi=right + (0 if self.varlen else self.len_k - self.len_q), win_width=left + right)
 
     def kernel_lengths(self) -> dict:
         """The kernels' Lq, Lk (token totals for packed batches) and cu_q, cu_k fields."""

@@ -384,9 +384,14 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
                     varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
-    where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128).
+    where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128); the
+    mma.sync kernel in place of the wgmma one for a deterministic sliding window over a dense batch at
+    head dim 128.
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
+    if tiles.wgmma and options.windowed and options.deterministic and dp == 128 and not varlen:
+        # The wgmma kernel of this one case spills (its band tests at 255 registers): the mma.sync kernel.
+        tiles = BackwardTiles(stages=2)
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
@@ -454,8 +459,10 @@ def all_specs(arch: str | None = None) -> list:
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
                             specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                specs.append(backward_spec(dp, dt, bwd, BackwardTiles(2, True, wgmma_groups(dp, det, varlen)),
-                                                           varlen))
+                                wg = BackwardTiles(2, True, wgmma_groups(dp, det, varlen))
+                                spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
+                                if spec not in specs:
+                                    specs.append(spec)
     return specs
 
 
