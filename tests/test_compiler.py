@@ -342,8 +342,8 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # Forward: 2 head dims x 2 dtypes x (causal x (dense, Q-smoothing, packed) + window x (dense, packed)) x 64- or
     # 128-key tiles; backward: the same masks and batches x granularity x deterministic
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2) * 2
-    # (less the deterministic dense d=128 window kernels, which are mma.sync ones: specs.backward_kernel)
-    assert len([s for s in wg if s.key.startswith("backward.")]) == 2 * 2 * (2 * 3 + 2) * 2 * 2 - 2 * 2
+    # (less the deterministic d=128 window kernels, which are mma.sync ones: specs.backward_kernel)
+    assert len([s for s in wg if s.key.startswith("backward.")]) == 2 * 2 * (2 * 3 + 2) * 2 * 2 - 2 * 2 * 2
     assert all(".causal.window." in s.key for s in wg if dict(s.defines).get("SB_WINDOW"))
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")

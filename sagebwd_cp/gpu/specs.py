@@ -385,12 +385,12 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
                     varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128); the
-    mma.sync kernel in place of the wgmma one for a deterministic sliding window over a dense batch at
-    head dim 128.
+    mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128.
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
-    if tiles.wgmma and options.windowed and options.deterministic and dp == 128 and not varlen:
-        # The wgmma kernel of this one case spills (its band tests at 255 registers): the mma.sync kernel.
+    if tiles.wgmma and options.windowed and options.deterministic and dp == 128:
+        # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
+        # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
         tiles = BackwardTiles(stages=2)
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
