@@ -21,6 +21,7 @@ from .gpu import backward as gpu_backward, forward as gpu_forward
 from .gpu.plan import cached_plan, remember_plan
 from .host import emulator, packed
 from .options import AttentionOptions, check_flag, window_options
+from .sinks import check_sinks, join_sinks, sinks_grad
 from .problem import AttentionProblem, check_output, make_problem, make_varlen_problem
 
 
@@ -35,6 +36,8 @@ class AttentionSaved:
     out: ArrayDesc
     lse2: ArrayDesc
     k_mean: ArrayDesc | None = None
+    sinks: object = None  # attention sinks (sinks.py): the logits, and the natural-log LSE they joined
+    sink_lse: object = None
 
 
 def _host_array(desc: ArrayDesc, layout: str, name: str) -> np.ndarray:
@@ -191,7 +194,7 @@ def _guard(q, k, accuracy_guard, options: AttentionOptions) -> None:
 
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1)):
+              out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), sinks=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -207,7 +210,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     over chunks of the keys passes all of them one (``key_mean``) so the backward is exact.
     ``accuracy_guard`` (None: the global setting, off unless SAGEBWD_ACCURACY_GUARD or
     ``set_accuracy_guard`` turns it on; True; False; or a threshold): warn once per shape where INT8
-    scores get coarse (guard.py).
+    scores get coarse (guard.py).  ``sinks`` (Hq,), a floating array in q's framework: attention sinks,
+    a logit per query head that joins each row's softmax normalizer and attends to nothing (sinks.py;
+    the LSE then includes them).
     """
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
@@ -215,21 +220,49 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, options, out, return_lse, k_mean, sinks)
     o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, k_mean=k_mean)
+    return (o, lse) if return_lse else o
+
+
+def _query_heads(q, layout: str) -> int:
+    return q.shape[1] if layout == "HND" else q.shape[2]
+
+
+def _attention_with_sinks(q, k, v, options, out, return_lse, k_mean, sinks):
+    check_sinks(sinks, _query_heads(q, options.layout), q)
+    o, lse, _ = run_forward(q, k, v, options, return_lse=True, k_mean=k_mean)
+    o, lse, _ = join_sinks(o, lse, None, sinks, options.layout)
+    if out is not None:
+        out[...] = o
+        o = out
     return (o, lse) if return_lse else o
 
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1)):
+                      out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), sinks=None):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
-    ``k_mean``, ``accuracy_guard`` and ``window_size`` as in ``attention``."""
+    ``k_mean``, ``accuracy_guard``, ``window_size`` and ``sinks`` as in ``attention`` (with sinks, the
+    backward also returns their gradient)."""
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, **window_options(window_size))
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
+    if sinks is not None:
+        check_sinks(sinks, _query_heads(q, options.layout), q)
+        o, lse, saved = run_forward(q, k, v, options, training=True, return_lse=True, want_saved=True, k_mean=k_mean)
+        o, lse, lse2 = join_sinks(o, lse, saved.lse2.obj, sinks, options.layout)
+        if out is not None:
+            out[...] = o
+            o = out
+        out_desc = describe(o, "out")
+        out_desc.dtype = saved.out.dtype  # CuPy holds bfloat16 outputs as uint16
+        saved = dataclasses.replace(saved, out=out_desc, lse2=describe(lse2, "lse2"), sinks=sinks, sink_lse=lse)
+        return (o, lse, saved) if return_lse else (o, saved)
     o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
                                 k_mean=k_mean)
     return (o, lse, saved) if return_lse else (o, saved)
@@ -237,7 +270,8 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
 
 @jax_boundary
 def attention_backward(saved: AttentionSaved, do, *, granularity="fine", deterministic=False):
-    """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO.
+    """dQ, dK, dV (in q's layout and dtype) from the saved forward state and dO; and the sinks'
+    gradient (Hq,) if the forward had sinks.
 
     granularity: "fine" (per-key P scales for dV, per-query / per-key dS scales for dQ / dK) or
     "paper" (one scale per 64x64 tile for P and dS, as published).  deterministic=True orders the
@@ -248,8 +282,11 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
     check_arrays("the forward's q, do", p.q, do)
     options = p.options._replace(granularity=granularity, deterministic=deterministic)
     varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
-    return run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
-                        varlen=varlen)
+    grads = run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
+                         varlen=varlen)
+    if saved.sinks is None:
+        return grads
+    return tuple(grads) + (sinks_grad(saved.out.obj, saved.sink_lse, do, saved.sinks, p.layout),)
 
 
 @jax_boundary

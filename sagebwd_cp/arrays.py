@@ -174,6 +174,32 @@ def what_came(x) -> str:
 _split_names: dict = {}  # "q, k, v" -> ("q", "k", "v")
 
 
+def array_namespace(x, name: str = "array"):
+    """The module whose functions compute on ``x``: numpy, torch or cupy (the elementwise helpers around
+    the kernels, chunked.py and sinks.py, are written once for the three)."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "numpy":
+        return np
+    if mod == "torch":
+        import torch
+
+        return torch
+    if mod == "cupy":
+        import cupy
+
+        return cupy
+    raise TypeError(f"{name}: expected a NumPy array, a torch tensor or a CuPy array, got {type(x).__name__}")
+
+
+def as_dtype(xp, x, dtype):
+    """``x`` as ``dtype`` (a name, or another array's dtype) in namespace ``xp``."""
+    if isinstance(dtype, str):
+        dtype = getattr(xp, dtype)
+    if xp.__name__ == "torch":
+        return x.to(dtype)
+    return xp.asarray(x, dtype=dtype)
+
+
 def check_arrays(names: str, *arrays, optional: tuple = ()) -> str:
     """The one framework of a public function's array arguments (``names``: theirs, comma-separated,
     in order; None is taken for those in ``optional``).  TypeError naming the first argument that is

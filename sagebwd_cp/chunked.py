@@ -15,33 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from .api import attention_backward_arrays
-from .arrays import array_list, check_arrays, check_rank, layout_dims
+from .arrays import array_list, array_namespace, as_dtype as _cast, check_arrays, check_rank, layout_dims
 from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
 from .options import AttentionOptions, check_layout
 
 _INF = float("inf")
-
-
-def array_namespace(x, name: str = "array"):
-    """The module whose functions compute on ``x``: numpy, torch or cupy."""
-    mod = type(x).__module__.split(".")[0]
-    if mod == "numpy":
-        return np
-    if mod == "torch":
-        import torch
-
-        return torch
-    if mod == "cupy":
-        import cupy
-
-        return cupy
-    raise TypeError(f"{name}: expected a NumPy array, a torch tensor or a CuPy array, got {type(x).__name__}")
-
-
-def _cast(xp, x, dtype: str):
-    if xp.__name__ == "torch":
-        return x.to(getattr(xp, dtype))
-    return xp.asarray(x, dtype=getattr(xp, dtype))
 
 
 def _seq_axis(layout: str) -> int:

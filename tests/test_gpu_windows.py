@@ -173,3 +173,31 @@ def test_flash_attn_func_window_size_is_sdpa_with_the_window_mask():
     assert rel_l2(out.float().transpose(1, 2).detach().cpu().numpy(), ref.detach().cpu().numpy()) < 0.03
     for x, r in zip((q, k, v), (qt, kt, vt)):
         assert rel_l2(x.grad.float().transpose(1, 2).cpu().numpy(), r.grad.cpu().numpy()) < 0.06
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("layout,window", [("HND", (-1, -1)), ("NHD", (200, -1))])
+def test_sinks_against_the_exact_reference(kernels, layout, window):
+    """Attention sinks around the kernels (sagebwd_cp/sinks.py): output, dQ, dK, dV and dσ through torch's
+    autograd, against FP64 on the host; inference equal to the training forward bit for bit."""
+    import torch
+
+    import sagebwd_cp.torch as st
+
+    q, k, v = make_qkv(2, 8, 2, 1000, 1000, 128, "bfloat16", layout=layout, seed=21)
+    sinks = (2 * torch.randn(8, generator=torch.Generator().manual_seed(2))).cuda().requires_grad_()
+    for x in (q, k, v):
+        x.requires_grad_()
+    out = st.attention(q, k, v, causal=True, layout=layout, window_size=window, sinks=sinks)
+    do = _grad_output(out, seed=22)
+    out.backward(do)
+    with torch.no_grad():
+        assert torch.equal(st.attention(q, k, v, causal=True, layout=layout, window_size=window, sinks=sinks), out)
+    host = [to_hnd_numpy(x.detach(), layout).astype(np.float64) for x in (q, k, v)]
+    s = sinks.detach().cpu().double().numpy()
+    o_ref, _ = reference.attention_reference(*host, causal=True, window=window, sinks=s)
+    refs = reference.attention_reference_backward(*host, to_hnd_numpy(do, layout), causal=True, window=window, sinks=s)
+    assert rel_l2(to_hnd_numpy(out.detach(), layout), o_ref) < 0.03
+    for x, ref in zip((q, k, v), refs):
+        assert rel_l2(to_hnd_numpy(x.grad, layout), ref) < 0.06
+    assert rel_l2(sinks.grad.cpu().numpy(), refs[3]) < 0.06

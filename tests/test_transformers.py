@@ -1,7 +1,8 @@
-"""sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral and Qwen2
-with sliding windows) with attn_implementation="sagebwd" against "sdpa" (logits and gradients) on
-plain, padded and packed batches, and every batch it cannot express (custom masks) refused with a
-clear error."""
+"""sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral, Qwen2 and
+Gemma 3 with sliding windows, and a GPT-OSS with sliding windows and attention sinks) with
+attn_implementation="sagebwd" against "sdpa" or "eager" (logits and gradients) on plain, padded and
+packed batches, and every batch it cannot express (custom masks, soft-capping) refused with a clear
+error."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -129,6 +130,66 @@ def test_sliding_window_layers_match_sdpa(family, batch):
     assert _rel(unwindowed, ref) > 0.1
 
 
+def _tiny(config_cls, model_cls, attn, **extra):
+    sage.register_transformers()
+    config = config_cls(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, attn_implementation=attn,
+                        **extra)
+    torch.manual_seed(0)
+    return model_cls(config)
+
+
+def _gpt_oss(attn):
+    import transformers
+
+    model = _tiny(transformers.GptOssConfig, transformers.GptOssForCausalLM, attn, intermediate_size=64,
+                  sliding_window=24, num_local_experts=2, num_experts_per_tok=2)  # (no routing to flip)
+    with torch.no_grad():  # sinks of either sign and some size (they start at zero)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+def _gemma3(attn):
+    import transformers
+
+    return _tiny(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, attn, intermediate_size=256,
+                 sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("family,reference", [("gpt_oss", "eager"), ("gemma3", "sdpa")])
+def test_gpt_oss_and_gemma3_match_the_reference(family, reference):
+    """GPT-OSS: alternating sliding-window and full layers, each with per-head attention sinks (their
+    gradient checked too); Gemma 3: alternating sliding-window and full layers."""
+    make = {"gpt_oss": _gpt_oss, "gemma3": _gemma3}[family]
+    x = _tokens()
+    res = {}
+    for attn in (reference, "sagebwd"):
+        model = make(attn)
+        logits = model(input_ids=x, use_cache=False).logits
+        logits.float().square().mean().backward()
+        attn_layer = model.model.layers[0].self_attn
+        res[attn] = (logits.detach(), attn_layer.k_proj.weight.grad) + (
+            (attn_layer.sinks.grad,) if family == "gpt_oss" else ())
+    (ref, *g_ref), (out, *g) = res[reference], res["sagebwd"]
+    assert _rel(out, ref) < 0.03
+    for a, b in zip(g, g_ref):
+        assert _rel(a, b) < 0.06
+
+
+def test_what_is_not_supported_names_itself():
+    import transformers
+
+    mask = torch.ones(2, 96, dtype=torch.long)
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\) in a padded batch"):
+        _gpt_oss("sagebwd")(input_ids=_tokens(), attention_mask=mask, use_cache=False)
+    gemma2 = _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, "sagebwd", intermediate_size=256,
+                   sliding_window=24, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match=r"logit soft-capping \(50.0\) is not supported"):
+        gemma2(input_ids=_tokens(), use_cache=False)
+
+
 def test_the_name_must_be_a_string():
     with pytest.raises(TypeError, match="name"):
         sage.register_transformers(name=3)
@@ -170,3 +231,21 @@ def test_only_the_causal_rule_and_its_packed_forms_pass_the_mask_function():
     assert _causal_or_packed(None, causal_mask_function) and _causal_or_packed(causal_mask_function, causal_mask_function)
     for custom in (other, and_masks(causal_mask_function, other), or_masks(causal_mask_function, other)):
         assert not _causal_or_packed(custom, causal_mask_function)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_gpt_oss_matches_eager():
+    """GPT-OSS (sliding windows, attention sinks) in bf16 autocast on the GPU, against "eager"."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = _tokens().cuda()
+    res = {}
+    for attn in ("eager", "sagebwd"):
+        model = _gpt_oss(attn).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x, use_cache=False).logits
+        logits.float().square().mean().backward()
+        layer = model.model.layers[0].self_attn
+        res[attn] = logits.detach().float(), layer.k_proj.weight.grad, layer.sinks.grad
+    for a, b in zip(res["sagebwd"], res["eager"]):
+        assert _rel(a, b) < 0.06

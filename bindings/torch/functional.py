@@ -10,13 +10,17 @@ path runs: no LSE is computed and nothing is saved.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sagebwd_cp import guard
+from sagebwd_cp.chunked import key_shift
+from sagebwd_cp.numerics import LN2
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
+from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
 _NO_WINDOW = {}  # the default window_size: AttentionOptions' own defaults
 
@@ -98,6 +102,49 @@ class _EagerAttention(torch.autograd.Function):
         return _input_grads(ctx, dout) + (None,)
 
 
+def _sink_forward(q, k, v, sinks, options: AttentionOptions) -> tuple:
+    """The sink attention's output and what its backward needs (sagebwd_cp/sinks.py): (out, lse2, k_mean,
+    lse), lse2 the base-2 LSE the kernels' backward reads and lse the natural-log one, both with the sinks."""
+    out, lse2, k_mean = _ops.forward_impl(q, k, v, options)
+    scale = options.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
+    lse = lse2 * LN2  # the natural-log LSE: +inf (a row without keys) becomes -inf below
+    if k_mean.numel():
+        lse = lse + scale * key_shift(q.detach(), k_mean, options.layout, torch)
+    lse = torch.where(lse2 == math.inf, -math.inf, lse)
+    out, lse, lse2 = join_sinks(out, lse, lse2, sinks.detach(), options.layout)
+    return out, lse2.contiguous(), k_mean, lse
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Attention with sinks around the kernels' forward and backward: saves q, k, v, the sink attention's
+    output, its LSEs, μ_K and the sinks, and gives the sinks' gradient too."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, options):
+        out, lse2, k_mean, lse = _sink_forward(q, k, v, sinks, options)
+        ctx.save_for_backward(q, k, v, out, lse2, k_mean, lse, sinks)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse2, k_mean, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = _ops.backward_impl(q, k, v, out, lse2, k_mean, dout, ctx.options)
+        need = ctx.needs_input_grad
+        dsinks = sinks_grad(out, lse, dout, sinks, ctx.options.layout) if need[3] else None
+        return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dsinks, None
+
+
+@torch.compiler.disable  # (its CuPy and NumPy arithmetic is not traced: a graph break)
+def _attention_with_sinks(q, k, v, sinks, options: AttentionOptions) -> Tensor:
+    check_tensors("q, sinks", q, sinks)
+    check_sinks(sinks, q.shape[1] if options.layout == "HND" else q.shape[2], q)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, sinks)):
+        return _SinkAttention.apply(q, k, v, sinks, options)
+    return _sink_forward(q, k, v, sinks, options)[0]
+
+
 def _autocast(q: Tensor, k: Tensor, v: Tensor):
     """Under CUDA autocast, float32 inputs are cast to the autocast dtype (the kernels take fp16 or
     bf16 only), as autocast does for torch's own attention."""
@@ -112,14 +159,16 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
               layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
               deterministic: bool = False, accuracy_guard: bool | float | None = None,
-              window_size=(-1, -1)) -> Tensor:
+              window_size=(-1, -1), sinks: Tensor | None = None) -> Tensor:
     """SageBwd attention with autograd.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
     tokens, Hq a multiple of Hkv (GQA/MQA).  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
-    rows that see no key give 0.  ``softmax_scale`` defaults to
+    rows that see no key give 0.  ``sinks`` (Hq,): attention sinks, a logit per query head that joins
+    each row's softmax normalizer and attends to nothing (GPT-OSS), with their gradient; outside
+    ``torch.compile``'s graphs.  ``softmax_scale`` defaults to
     1/sqrt(D).  ``smooth_k``/``smooth_q``: K/Q smoothing before quantization; ``granularity``
     ("fine" or "paper") and ``deterministic`` select the backward's quantization scales and dQ
     accumulation order.  CUDA tensors: fp16/bf16 (float32 is cast under autocast).  CPU tensors
@@ -144,6 +193,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
         if threshold is not None:
             guard.check_scores(q, k, threshold, softmax_scale=options.softmax_scale, smooth_k=options.smooth_k,
                                layout=options.layout)
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, sinks, options)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         if compiling:
             return _ops.attention_op(q, k, v, *options)

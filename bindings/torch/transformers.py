@@ -13,8 +13,9 @@ Mistral-style models, sliding-window layers included, as FlashAttention's integr
 - packed sequences in one row (``position_ids`` restarting, or the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
   directly;
-- anything else (soft-capping, attention sinks, a cache with an offset, padding beside a cache, any
-  custom mask): a ``ValueError`` that says so, never a silent wrong answer.
+- GPT-OSS's attention sinks (``s_aux``) on batches without padding or packing;
+- anything else (soft-capping, sinks beside padding or packing, a cache with an offset, padding beside
+  a cache, any custom mask): a ``ValueError`` that says so, never a silent wrong answer.
 
 The mask function returns None for plain causal or packed-by-position batches, the 2-D padding mask
 for a padded one, and otherwise the mask transformers' SDPA integration would build, which the
@@ -81,8 +82,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         raise _refuse(f"attention dropout ({dropout})")
     if softcap is not None:
         raise _refuse(f"logit soft-capping ({softcap})")
-    if kwargs.get("s_aux") is not None:
-        raise _refuse("attention sinks (s_aux)")
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per query head
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # transformers' sliding-window mask keeps key j for query i iff i - sliding_window < j (and j <= i, causal).
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
@@ -91,15 +91,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
             raise _refuse(f"attention_mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
+        if sinks is not None:
+            raise _refuse("attention sinks (s_aux) in a padded batch")
         return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
     if packed is not None:
         if q.shape[0] != 1:
             raise _refuse(f"packed sequences in a batch of {q.shape[0]} rows (one row expected)")
+        if sinks is not None:
+            raise _refuse("attention sinks (s_aux) with packed sequences")
         out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling,
                                      window_size=window)
         return out[None], None
-    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window)
+    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window, sinks=sinks)
     return out, None
 
 
