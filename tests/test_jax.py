@@ -108,6 +108,36 @@ def test_cpu_backend_runs_the_emulator(jax_cpu):
         assert rel_l2(np.asarray(g, np.float64), r) < 0.03, name
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_adapter_takes_a_sliding_window(platform, request):
+    """``window_size`` under jax.jit and jax.grad: the same bits as the neutral API's call with the window,
+    within the algorithm's error of the FP64 reference, and not what the call without it gives."""
+    jax = request.getfixturevalue(f"jax_{platform}")
+    jnp = jax.numpy
+    import sagebwd_cp.jax as sj
+
+    device = jax.devices(platform)[0]
+    q, k, v = _qkv(jax, (1, 4, 300, 64), (1, 2, 300, 64), jnp.float16, 7, device)
+    do = _qkv(jax, (1, 4, 300, 64), (1, 1, 1, 64), jnp.float16, 8, device)[0]
+    window = (50, 0)
+
+    @jax.jit
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: sj.attention(q, k, v, causal=True, window_size=window), q, k, v)
+        return (out,) + vjp(do)
+
+    result = forward_backward(q, k, v)
+    o, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, window_size=window)
+    for x, y in zip(result, (o,) + tuple(sagebwd_cp.attention_backward(saved, do))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    host = [np.asarray(x, np.float64) for x in (q, k, v, do)]
+    o_ref, _ = reference.attention_reference(*host[:3], causal=True, window=window)
+    refs = reference.attention_reference_backward(*host, causal=True, window=window)
+    for x, r in zip(result, (o_ref,) + tuple(refs)):
+        assert rel_l2(np.asarray(x, np.float64), r) < 0.06
+    assert rel_l2(np.asarray(sj.attention(q, k, v, causal=True), np.float64), o_ref) > 0.1
+
+
 def test_errors_name_the_argument(jax_cpu):
     jax, jnp = jax_cpu, jax_cpu.numpy
     import sagebwd_cp.jax as sj
