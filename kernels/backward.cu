@@ -335,7 +335,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                     for (int half = 0; half < 2; ++half) {
                         const int key = key_lo + 8 * half, q = q0 + col;
                         const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
-                        float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
+                        float e = exp2_approx(SB_BIAS      ? fmaf(u, sq, bias_row[half]) - lse
+                                              : SB_SOFTCAP ? soft_cap(u * sq, a.softcap2, a.inv_softcap2) - lse
+                                                           : fmaf(u, sq, -lse));
                         if (need_mask && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
                         if (left_edge && key + a.win_width < q + hi) e = 0.f;
                         p[n][2 * half + c] = e;
@@ -398,7 +400,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
                 mma_16816<SB_BF16>(ds[n + 1], va, b1);
             }
         }
-        ds_from_dp(ds, p, stats_s, qcol0, t);
+        ds_from_dp(ds, p, stats_s, qcol0, t, a);
 
         // Ẑ (dK) and Ŷ (dQ) quantize dS. Their maxima of |dS|: per key for Ẑ (over both query halves),
         // per query for Ŷ (over the four key groups); or each one's tile max (paper).

@@ -8,6 +8,7 @@
 #include "seqinfo.cuh"
 #include "convert.cuh"
 #include "exp2.cuh"
+#include "softcap.cuh"
 
 // Compile-time parameters (specs.backward_spec sets them; the defaults let a file compile alone).
 // The grid's axes (config.cuh GridOrder over key blocks, Hkv, B; backward.backward_grid says which grid
@@ -122,7 +123,9 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
             for (int half = 0; half < 2; ++half) {
                 const int key = key_lo + 8 * half, q = q0 + col;
                 const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
-                float e = exp2_approx(SB_BIAS ? fmaf(u, sq, bias_row[half]) - lse : fmaf(u, sq, -lse));
+                float e = exp2_approx(SB_BIAS      ? fmaf(u, sq, bias_row[half]) - lse
+                                      : SB_SOFTCAP ? soft_cap(u * sq, seq.p.softcap2, seq.p.inv_softcap2) - lse
+                                                   : fmaf(u, sq, -lse));
                 if (MASK && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
                 if (MASK == 2 && key + seq.p.win_width < q + hi) e = 0.f;
                 p[n][2 * half + c] = e;
@@ -143,16 +146,23 @@ SB_DEVICE void probabilities(float (&p)[N][4], const int (&s)[N][4], const float
         probabilities_of<0>(p, s, s_k, bias_row, stats_s, qcol0, t, key_lo, q0, seq, hi);
 }
 
-// dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
-template <int N>
-SB_DEVICE void ds_from_dp(float (&ds)[N][4], const float (&p)[N][4], const float4* stats_s, int qcol0, int t) {
+// dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers; soft-capped, times the cap's slope (softcap.cuh).
+template <int N, class Params>
+SB_DEVICE void ds_from_dp(float (&ds)[N][4], const float (&p)[N][4], const float4* stats_s, int qcol0, int t,
+                          const Params& params) {
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const float dl = stats_s[qcol0 + n * 8 + 2 * t + c].z;
+            const float4* st = stats_s + qcol0 + n * 8 + 2 * t + c;
+            const float dl = st->z;
             ds[n][c] = p[n][c] * (ds[n][c] - dl);
             ds[n][2 + c] = p[n][2 + c] * (ds[n][2 + c] - dl);
+            if (SB_SOFTCAP) {
+                const float lse2 = st->x;
+                ds[n][c] *= soft_cap_slope(p[n][c], lse2, params.inv_softcap2);
+                ds[n][2 + c] *= soft_cap_slope(p[n][2 + c], lse2, params.inv_softcap2);
+            }
         }
 }
 

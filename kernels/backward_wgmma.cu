@@ -410,7 +410,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
         wgmma_wait<0>();
         wgmma_hold_all(ds);
-        ds_from_dp(ds, p, stats_s, 0, t);
+        ds_from_dp(ds, p, stats_s, 0, t, a);
 
         // dV += P̂ᵀ dÔ, one chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);

@@ -30,6 +30,9 @@ enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };
 #ifndef SB_WINDOW
 #define SB_WINDOW 0          // the band has a sliding window's edges (params.cuh win_right, win_width)
 #endif
+#ifndef SB_SOFTCAP
+#define SB_SOFTCAP 0         // logit soft-capping (softcap.cuh)
+#endif
 #ifndef SB_BIAS
 #define SB_BIAS 0            // Q-smoothing
 #endif

@@ -29,6 +29,7 @@
 #include "exp2.cuh"
 #include "quantizer.cuh"
 #include "forward_parts.cuh"
+#include "softcap.cuh"
 
 constexpr int DP = SB_DP;
 constexpr int BKV = SB_BLOCK_KV;             // keys per V scale block
@@ -77,6 +78,9 @@ constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned,
 // at most 2^8, far from overflow, and the accumulation needs one FFMA per element and tile instead
 // of a rescale by α and an FFMA. Same sums in another FP32 order (numerics: the running max).
 constexpr float LAZY_LOG2 = 8.f;
+// The tile's u are the base-2 logits themselves (the Q-smoothing bias or the soft-cap applied s_Q), not
+// logits over s_Q (which the exponent's FMA applies).
+constexpr bool LOGIT_U = SB_BIAS || SB_SOFTCAP;
 constexpr float M_NONE = -1e30f;              // m_ref before any key: exp2(M_NONE - x) = 0
 static_assert(SB_BLOCK_Q % 16 == 0, "a warp's 16 rows share one Q-smoothing mean block");
 static_assert(BKV == 64, "V scale blocks of 64 keys: two 32-key k-steps of P̂V̂ each");
@@ -263,14 +267,17 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                     const bool ok = (!need_mask || (key < seq.len_k() && (!SB_CAUSAL || key <= row + hi))) &&
                                     (!left_edge || key + p.win_width >= row + hi);
                     const float x = static_cast<float>(s[mt][n][c]) * ((c & 1) ? ksn.y : ksn.x);
-                    u[n][c] = ok ? (SB_BIAS ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)]) : x) : -__int_as_float(0x7f800000);
+                    const float y = SB_BIAS      ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)])
+                                    : SB_SOFTCAP ? soft_cap(x * qs[mt][half], p.softcap2, p.inv_softcap2)
+                                                 : x;
+                    u[n][c] = ok ? y : -__int_as_float(0x7f800000);
                     rmax[half] = fmaxf(rmax[half], u[n][c]);
                 }
             }
             float r_use[2], beta[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half)  // (forward_parts.cuh; O is rebased below, once the warp agrees)
-                rebase |= tile_row_max(rmax[half], qs[mt][half], !SB_BIAS, LAZY_LOG2, m_ref[mt][half], alpha[mt][half],
+                rebase |= tile_row_max(rmax[half], qs[mt][half], !LOGIT_U, LAZY_LOG2, m_ref[mt][half], alpha[mt][half],
                                        beta[half], r_use[half]);
             float rsum[2] = {0.f, 0.f};
 #pragma unroll
@@ -278,7 +285,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int half = c >> 1;
-                    const float x = exp2_approx(SB_BIAS ? u[n][c] - r_use[half] : fmaf(u[n][c], qs[mt][half], -r_use[half]));
+                    const float x = exp2_approx(LOGIT_U ? u[n][c] - r_use[half] : fmaf(u[n][c], qs[mt][half], -r_use[half]));
                     u[n][c] = x;
                     rsum[half] += x;
                 }

@@ -53,7 +53,8 @@
     F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
     F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
-                                              /* and width (seqinfo.cuh band_hi) */
+                                              /* and width (seqinfo.cuh band_hi) */ \
+    F(float, softcap2) F(float, inv_softcap2) /* SB_SOFTCAP: C = softcap·log2(e) and 1/C (softcap.cuh) */
 SB_STRUCT(ForwardParams, SB_FORWARD_FIELDS)
 
 // forward_ws.cu attention_forward, after ForwardParams: the TMA maps of the key-side tiles
@@ -94,7 +95,8 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
     F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
-                                              /* and width (seqinfo.cuh band_hi) */
+                                              /* and width (seqinfo.cuh band_hi) */ \
+    F(float, softcap2) F(float, inv_softcap2) /* SB_SOFTCAP: C = softcap·log2(e) and 1/C (softcap.cuh) */
 SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 
 // backward_wgmma.cu attention_backward, after BackwardParams: the TMA maps of the query-side tiles

@@ -22,3 +22,10 @@ SB_DEVICE float log2_approx(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
+
+// tanh.approx.f32 (sm_75+): tanh(x) on the special-function unit (relative error below 2^-10.9).
+SB_DEVICE float tanh_approx(float x) {
+    float r;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}

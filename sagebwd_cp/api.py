@@ -160,13 +160,15 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved,
                       ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, lse2_host, k_mean_host = packed.emulate_forward(
             qh, kh, vh, _host_offsets(prob), causal=prob.causal, softmax_scale=prob.softmax_scale,
-            smooth_k=prob.smooth_k, dtype=dtype, window=prob.window)
+            smooth_k=prob.smooth_k, dtype=dtype, window=prob.window,
+            softcap=prob.options.softcap)
         o = host_result(o, prob.q, prob.dtype)
     else:
         qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                                  smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype,
-                                                 window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
+                                                 window=prob.window, softcap=prob.options.softcap,
+                                                 k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
         o = _to_layout(o, layout, prob.q, prob.dtype)
         lse2_host, k_mean_host = state["lse2"][:, :, :prob.len_q], state["inputs"]["k_mean"]
     if od is not None:
@@ -194,7 +196,8 @@ def _guard(q, k, accuracy_guard, options: AttentionOptions) -> None:
 
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-              out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), sinks=None):
+              out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), softcap=0.0,
+              sinks=None):
     """Inference attention (saves nothing for a backward).
 
     q: (B, Hq, Lq, D) for layout "HND" or (B, Lq, Hq, D) for "NHD"; k, v likewise with Hkv heads
@@ -203,7 +206,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     bottom-right aligned (query i sees key j iff j <= i + Lk - Lq), as in FlashAttention2;
     ``window_size=(left, right)`` is FlashAttention's sliding window (query i sees key j iff
     -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0), and key tiles outside
-    every row's window are skipped.  Rows that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
+    every row's window are skipped.  ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (as
+    FlashAttention's and Gemma 2's; needs smooth_k=False, and causal or a window).  Rows that see no
+    key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
     natural-log logsumexp, shape (B, Hq, Lq), float32, of the scores before K-smoothing (so LSEs of
     calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
     the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention
@@ -216,7 +221,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     """
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, **window_options(window_size))
+                               layout=layout, **window_options(window_size), softcap=softcap)
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
@@ -242,13 +247,14 @@ def _attention_with_sinks(q, k, v, options, out, return_lse, k_mean, sinks):
 
 @jax_boundary
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                      out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), sinks=None):
+                      out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), softcap=0.0,
+              sinks=None):
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
     ``k_mean``, ``accuracy_guard``, ``window_size`` and ``sinks`` as in ``attention`` (with sinks, the
     backward also returns their gradient)."""
     check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, **window_options(window_size))
+                               layout=layout, **window_options(window_size), softcap=softcap)
     return_lse = check_flag(return_lse, "return_lse")
     if accuracy_guard is not None or guard._threshold is not None:
         _guard(q, k, accuracy_guard, options)
@@ -292,7 +298,7 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
 @jax_boundary
 def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_scale=None, smooth_k=True,
                               smooth_q=False, layout="HND", granularity="fine", deterministic=False,
-                              k_mean=None, window_size=(-1, -1)):
+                              k_mean=None, window_size=(-1, -1), softcap=0.0):
     """The backward from plain arrays (what frameworks save): q, k, v and ``out`` of the forward,
     ``lse2`` its base-2 LSE (``lse2_shape``; returned by ``attention_forward`` in ``saved.lse2``),
     and dO.  The options must be those of the forward.  ``k_mean`` (optional, K-smoothing only):
@@ -301,7 +307,7 @@ def attention_backward_arrays(q, k, v, out, lse2, do, *, causal=False, softmax_s
     check_arrays("q, k, v, out, lse2, do, k_mean", q, k, v, out, lse2, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic,
-                              **window_options(window_size))
+                              **window_options(window_size), softcap=softcap)
     return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean)
 
 
@@ -316,12 +322,13 @@ _VARLEN_DOC = """Packed (variable-length) batches, FlashAttention's ``flash_attn
 
 @jax_boundary
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1)):
+                     softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1),
+                     softcap=0.0):
     """Inference attention over a packed batch; returns ``out`` or ``(out, lse)``."""
     check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
                  optional=("out",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               **window_options(window_size))
+                               **window_options(window_size), softcap=softcap)
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, varlen=varlen)
@@ -330,13 +337,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @jax_boundary
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                             softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1)):
+                             softmax_scale=None, smooth_k=True, out=None, return_lse=False, window_size=(-1, -1),
+                     softcap=0.0):
     """Training forward over a packed batch: ``(out, saved)`` (or ``(out, lse, saved)``); the backward
     is ``attention_backward(saved, do)``."""
     check_arrays("q, k, v, cu_seqlens_q, cu_seqlens_k, out", q, k, v, cu_seqlens_q, cu_seqlens_k, out,
                  optional=("out",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               **window_options(window_size))
+                               **window_options(window_size), softcap=softcap)
     return_lse = check_flag(return_lse, "return_lse")
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
@@ -347,12 +355,14 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 @jax_boundary
 def attention_varlen_backward_arrays(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      *, causal=False, softmax_scale=None, smooth_k=True,
-                                     granularity="fine", deterministic=False, k_mean=None, window_size=(-1, -1)):
+                                     granularity="fine", deterministic=False, k_mean=None, window_size=(-1, -1),
+                                     softcap=0.0):
     """``attention_backward_arrays`` for a packed batch: ``lse2`` (Hq, total_q), ``k_mean`` (batch, Hkv, D)."""
     check_arrays("q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k, k_mean", q, k, v, out, lse2, do, cu_seqlens_q,
                  cu_seqlens_k, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               granularity=granularity, deterministic=deterministic, **window_options(window_size))
+                               granularity=granularity, deterministic=deterministic, **window_options(window_size),
+                               softcap=softcap)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean, varlen=varlen)
 
@@ -430,12 +440,14 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
         grads = packed.emulate_backward(qh, kh, vh, oh, host_numpy(lse2, "lse2"), doh, _host_offsets(prob),
                                         causal=prob.causal, softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k,
                                         dtype=_emulator_dtype(prob.dtype), granularity=options.granularity,
-                                        window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if given else None)
+                                        window=prob.window, softcap=prob.options.softcap,
+                                        k_mean=host_numpy(k_mean, "k_mean") if given else None)
         return tuple(host_result(g, prob.q, prob.dtype) for g in grads)
     state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
                                       ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"))),
                                     host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,
                                     smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
-                                    window=prob.window, k_mean=host_numpy(k_mean, "k_mean") if given else None)
+                                    window=prob.window, softcap=prob.options.softcap,
+                                    k_mean=host_numpy(k_mean, "k_mean") if given else None)
     dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=options.granularity)
     return tuple(_to_layout(g, prob.layout, prob.q, prob.dtype) for g in (dq, dk, dv))

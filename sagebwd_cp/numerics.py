@@ -50,6 +50,10 @@ Conventions
   here), so a block holding NaN or inf gets a NaN or inf scale and codes 0, and every result
   dequantized with it is non-finite; the forward's O and LSE2 are NaN where l is not finite
   (docs/ALGORITHM.md, non-finite inputs).
+* Soft-capping (``softcap`` c, on the unsmoothed scores: no K- or Q-smoothing): the base-2 score x
+  becomes C·tanh(x·(1/C)) with C = c·log2(e) (``soft_cap``) before the row max and the exponent, in the
+  forward and the backward's recomputed P; the backward's dS gains the factor 1 - tanh², tanh recovered
+  from P and the LSE (``soft_cap_slope``).
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
@@ -149,6 +153,32 @@ def forward_p_codes(e: np.ndarray, coef) -> np.ndarray:
     # A NaN e or coefficient (a non-finite input) codes 0 here (the kernel: some byte); its row's l or its
     # tile's V scale is NaN then, and that carries the NaN (numerics: non-finite inputs).
     return np.where(np.isnan(codes), 0, codes).astype(np.float32)
+
+
+def softcap_constants(softcap: float) -> tuple:
+    """Logit soft-capping on base-2 scores: (C, 1/C) as float32, C = float32(softcap·log2(e)) and 1/C
+    rounded once from float64 (the kernels' softcap2 and inv_softcap2)."""
+    c = np.float32(softcap * LOG2E)
+    return c, np.float32(1.0 / float(c))
+
+
+def soft_cap(x, c, inv_c) -> np.ndarray:
+    """C·tanh(x·(1/C)) on float32 base-2 scores x, as the kernels compute it after the scales (their tanh is
+    the SFU's tanh.approx, relative error below 2^-10.9, where this one is NumPy's)."""
+    x = np.asarray(x, dtype=np.float32)
+    return (c * np.tanh((x * inv_c).astype(np.float32))).astype(np.float32)
+
+
+def soft_cap_slope(p, lse2, inv_c) -> np.ndarray:
+    """The soft-cap's derivative 1 - tanh² at a score whose probability is p under base-2 LSE lse2, tanh
+    recovered as (log2 p + lse2)/C and clamped to [-1, 1] (the kernels' backward holds p, not tanh;
+    kernels/softcap.cuh); 0 where p is 0 (log2 p = -inf, and a NaN from an infinite LSE clamps too).  The kernels form 1 - th² in one FMA: float64
+    here, rounded once."""
+    p = np.asarray(p, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # fmax/fmin take the number over a NaN, as the kernels' fmaxf/fminf (p = 0 on a padded row: -inf + inf)
+        th = np.fmin(np.fmax(((np.log2(p) + lse2).astype(np.float32) * inv_c).astype(np.float32), -1), 1)
+        return (1.0 - th.astype(np.float64) ** 2).astype(np.float32)
 
 
 # The accuracy guard (guard.py) warns where score_step passes this, in base-2 logit units: at head dim 64

@@ -1,7 +1,7 @@
 """The attention options, validated once: ``AttentionOptions``.
 
 One frozen, hashable value holds every option of a call (causal, softmax_scale, smooth_k,
-smooth_q, layout, granularity, deterministic, window_left, window_right).  It is checked when it is made, with one TypeError
+smooth_q, layout, granularity, deterministic, window_left, window_right, softcap).  It is checked when it is made, with one TypeError
 or ValueError naming the option; everything below the public functions takes it as it is: the
 plan and kernel caches key on it, torch's autograd context saves it, JAX takes it as a static
 argument, and the torch operators take its fields in order (``op(q, k, v, *options)``).
@@ -18,7 +18,7 @@ LAYOUTS = ("HND", "NHD", "THD")  # THD: packed (variable-length) batches, set by
 DENSE_LAYOUTS = ("HND", "NHD")
 GRANULARITIES = ("fine", "paper")
 FIELDS = ("causal", "softmax_scale", "smooth_k", "smooth_q", "layout", "granularity", "deterministic",
-          "window_left", "window_right")
+          "window_left", "window_right", "softcap")
 _INF = float("inf")
 # A window side this wide or wider is unbounded: the kernels add it (and both sides' sum) to token
 # indices in int32, and no sequence reaches it.
@@ -71,6 +71,17 @@ def window_options(window_size) -> dict:
     return {"window_left": left, "window_right": right}
 
 
+def check_softcap(value) -> float:
+    """Logit soft-capping's c (scores become c·tanh(s/c)), a finite float > 0, or 0.0 for none (as
+    FlashAttention's ``softcap``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softcap: expected a float (0.0 for none), got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap: expected a finite number >= 0 (0.0 for none), got {value}")
+    return value
+
+
 def _check_choice(value, name: str, choices: tuple) -> str:
     # The packed layout is set by the varlen functions, not asked of users: the message names the dense ones.
     shown = DENSE_LAYOUTS if choices == LAYOUTS else choices
@@ -99,12 +110,13 @@ class AttentionOptions(_Fields):
     __slots__ = ()
 
     def __new__(cls, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                granularity="fine", deterministic=False, window_left=-1, window_right=-1):
+                granularity="fine", deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
         # The usual call passes exact types and a valid choice: a few identity tests; else the full checks.
         if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
                 and deterministic.__class__ is bool
                 and window_left.__class__ is int and -1 <= window_left < UNBOUNDED
                 and window_right.__class__ is int and -1 <= window_right < UNBOUNDED
+                and softcap.__class__ is float and 0.0 <= softcap < _INF
                 and (softmax_scale is None or softmax_scale.__class__ is float and 0.0 < softmax_scale < _INF)
                 and layout.__class__ is str and layout in LAYOUTS
                 and granularity.__class__ is str and granularity in GRANULARITIES):
@@ -115,12 +127,28 @@ class AttentionOptions(_Fields):
             granularity = check_granularity(granularity)
             window_left = check_window_side(window_left, "window_left")
             window_right = check_window_side(window_right, "window_right")
+            softcap = check_softcap(softcap)
         self = tuple.__new__(cls, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                                   window_left, window_right))
+                                   window_left, window_right, softcap))
         if smooth_q and (window_left >= 0 or window_right >= 0 and not causal):
             raise ValueError("smooth_q: sliding windows take no Q-smoothing (its kernels are not built); pass "
                              "smooth_q=False or window_size=(-1, -1)")
+        if softcap:
+            self._check_softcap()
         return self
+
+    def _check_softcap(self) -> None:
+        """The soft-capped kernels that are built: causal or windowed, fine granularity, on the unsmoothed
+        scores (the K-smoothing shift does not pass through tanh)."""
+        if self.smooth_k or self.smooth_q:
+            raise ValueError(f"softcap: soft-capping needs the unsmoothed scores; pass smooth_k=False and "
+                             f"smooth_q=False (got smooth_k={self.smooth_k}, smooth_q={self.smooth_q})")
+        if not (self.causal or self.windowed):
+            raise ValueError("softcap: soft-capped kernels are built for causal or sliding-window attention; got "
+                             "causal=False and no window")
+        if self.granularity != "fine":
+            raise ValueError(f"softcap: soft-capped backward kernels are built for granularity 'fine', got "
+                             f"{self.granularity!r}")
 
     def _replace(self, **changes) -> AttentionOptions:
         """A copy with ``changes``, checked as a new value is."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from .arrays import ArrayDesc, describe, host_numpy
 from .numerics import PADDED_HEAD_DIMS, padded_head_dim
+from .numerics import softcap_constants
 from .options import AttentionOptions
 
 KERNEL_DTYPES = ("float16", "bfloat16")
@@ -107,6 +108,11 @@ class AttentionProblem:
         right edge (a packed batch's sequences add their own Lk - Lq) and width."""
         left, right = self.options.band()
         return dict(win_hi=right + (0 if self.varlen else self.len_k - self.len_q), win_width=left + right)
+
+    def kernel_softcap(self) -> dict:
+        """The attention kernels' softcap2, inv_softcap2 fields (kernels/softcap.cuh; 0 without soft-capping)."""
+        c, inv = softcap_constants(self.options.softcap) if self.options.softcap else (0.0, 0.0)
+        return dict(softcap2=float(c), inv_softcap2=float(inv))
 
     def kernel_lengths(self) -> dict:
         """The kernels' Lq, Lk (token totals for packed batches) and cu_q, cu_k fields."""

@@ -113,9 +113,11 @@ def test_options_are_passed_to_the_backward(monkeypatch):
                  deterministic=True).sum().backward()
     st.attention(q, k, v, smooth_q=True).sum().backward()  # the forward's μ_K goes to the backward
     st.attention(q, k, v, window_size=(8, 3)).sum().backward()
-    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, None),
-                    (False, None, True, True, "HND", "fine", False, -1, -1, (1, 2, 64)),
-                    (False, None, True, False, "HND", "fine", False, 8, 3, (1, 2, 64))]
+    st.attention(q, k, v, causal=True, smooth_k=False, softcap=30.0).sum().backward()
+    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, 0.0, None),
+                    (False, None, True, True, "HND", "fine", False, -1, -1, 0.0, (1, 2, 64)),
+                    (False, None, True, False, "HND", "fine", False, 8, 3, 0.0, (1, 2, 64)),
+                    (True, None, False, False, "HND", "fine", False, -1, -1, 30.0, None)]
 
 
 def test_matches_the_neutral_api_exactly():

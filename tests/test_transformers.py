@@ -1,8 +1,8 @@
 """sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral, Qwen2 and
 Gemma 3 with sliding windows, and a GPT-OSS with sliding windows and attention sinks) with
 attn_implementation="sagebwd" against "sdpa" or "eager" (logits and gradients) on plain, padded and
-packed batches, and every batch it cannot express (custom masks, soft-capping) refused with a clear
-error."""
+packed batches; a Gemma 2 with logit soft-capping; and every batch it cannot express (custom masks,
+sinks beside padding) refused with a clear error."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -177,17 +177,41 @@ def test_gpt_oss_and_gemma3_match_the_reference(family, reference):
         assert _rel(a, b) < 0.06
 
 
-def test_what_is_not_supported_names_itself():
+def _gemma2(attn):
     import transformers
 
+    model = _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, attn, intermediate_size=256,
+                  sliding_window=24, attn_logit_softcapping=5.0, query_pre_attn_scalar=32)
+    with torch.no_grad():  # scores of a few units, which a cap of 5 bends (at initialization they are ~0.01)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def test_gemma2_soft_capping_matches_eager():
+    """Gemma 2: logit soft-capping in every layer (a small cap, 5.0, that changes the answer), sliding
+    windows in alternate layers; K-smoothing off for soft-capped layers."""
+    x = _tokens()
+    res = {}
+    for attn in ("eager", "sagebwd"):
+        model = _gemma2(attn)
+        logits = model(input_ids=x, use_cache=False).logits
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach(), model.model.layers[0].self_attn.k_proj.weight.grad
+    (ref, g_ref), (out, g) = res["eager"], res["sagebwd"]
+    assert _rel(out, ref) < 0.03 and _rel(g, g_ref) < 0.06
+    uncapped = _gemma2("eager")
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert _rel(uncapped(input_ids=x, use_cache=False).logits.detach(), ref) > 0.01
+
+
+def test_what_is_not_supported_names_itself():
     mask = torch.ones(2, 96, dtype=torch.long)
     mask[0, :5] = 0
     with pytest.raises(ValueError, match=r"attention sinks \(s_aux\) in a padded batch"):
         _gpt_oss("sagebwd")(input_ids=_tokens(), attention_mask=mask, use_cache=False)
-    gemma2 = _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, "sagebwd", intermediate_size=256,
-                   sliding_window=24, attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match=r"logit soft-capping \(50.0\) is not supported"):
-        gemma2(input_ids=_tokens(), use_cache=False)
 
 
 def test_the_name_must_be_a_string():

@@ -38,15 +38,15 @@ __all__ = ["attention"]
 
 def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None,
               smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False,
-              window_size=(-1, -1)):
+              window_size=(-1, -1), softcap: float = 0.0):
     """SageBwd attention, differentiable with ``jax.grad`` and traceable by ``jax.jit``.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
     ``jax.nn.dot_product_attention``); k, v: Hkv heads and Lk tokens, Hq a multiple of Hkv
     (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
-    ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); rows that see no
-    key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
+    ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); ``softcap`` > 0
+    logit soft-capping (causal or windowed, smooth_k=False); rows that see no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
     ``sagebwd_cp.attention_backward``.  q, k and v are JAX arrays (others, NumPy included, are refused
     with a TypeError: convert them with ``jnp.asarray``); shapes, dtypes and options are checked when
     traced.
@@ -54,7 +54,7 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     _check_arrays(q=q, k=k, v=v)
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
-                            **window_options(window_size))
+                            **window_options(window_size), softcap=softcap)
     _check(q, k, v, opts)
     return _attention(q, k, v, opts)
 

@@ -22,7 +22,7 @@ from sagebwd_cp.numerics import LN2
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
 from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
-_NO_WINDOW = {}  # the default window_size: AttentionOptions' own defaults
+_NO_WINDOW = {}  # the default window_size and softcap: AttentionOptions' own defaults
 
 from . import _ops
 from ._checks import check_tensors
@@ -159,13 +159,14 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
               layout: str = "HND", smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine",
               deterministic: bool = False, accuracy_guard: bool | float | None = None,
-              window_size=(-1, -1), sinks: Tensor | None = None) -> Tensor:
+              window_size=(-1, -1), softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """SageBwd attention with autograd.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
     tokens, Hq a multiple of Hkv (GQA/MQA).  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
+    ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (causal or windowed, smooth_k=False);
     rows that see no key give 0.  ``sinks`` (Hq,): attention sinks, a logit per query head that joins
     each row's softmax normalizer and attends to nothing (GPT-OSS), with their gradient; outside
     ``torch.compile``'s graphs.  ``softmax_scale`` defaults to
@@ -180,7 +181,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic,
-                               **(_NO_WINDOW if window_size == (-1, -1) else window_options(window_size)))
+                               **(_NO_WINDOW if window_size == (-1, -1) else window_options(window_size)),
+                               **(_NO_WINDOW if not softcap else {"softcap": softcap}))
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a
@@ -267,12 +269,16 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     return out.reshape(query.shape)
 
 
-def check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs) -> None:
+def default_smooth_k(smooth_k, softcap) -> bool:
+    """The drop-ins' K-smoothing: on unless asked otherwise, off with soft-capping (which needs the
+    unsmoothed scores)."""
+    return (not softcap) if smooth_k is None else smooth_k
+
+
+def check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs) -> None:
     """FlashAttention's options this library does not implement must keep their defaults."""
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: attention dropout is not supported; expected 0.0, got {dropout_p}")
-    if softcap != 0.0:
-        raise ValueError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported; expected None")
     if return_attn_probs:
@@ -281,18 +287,20 @@ def check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs) ->
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                    deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool = True,
+                    deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool | None = None,
                     smooth_q: bool = False, granularity: str = "fine") -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_func``: q (B, Lq, Hq, D), k and v (B, Lk, Hkv, D),
     Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
 
-    ``window_size=(left, right)``: a sliding window, as FlashAttention's.  ``dropout_p``, ``softcap``,
+    ``window_size=(left, right)``: a sliding window, as FlashAttention's; ``softcap`` > 0: logit
+    soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).  ``dropout_p``,
     ``alibi_slopes`` and ``return_attn_probs`` must keep their defaults (ValueError otherwise).
-    ``deterministic`` orders the dQ accumulation; ``smooth_k``, ``smooth_q`` and ``granularity`` are
-    this library's options (see ``attention``).
+    ``deterministic`` orders the dQ accumulation; ``smooth_k`` (default: on, off with ``softcap``),
+    ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
     """
     check_tensors("q, k, v", q, k, v)
-    check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs)
-    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD", smooth_k=smooth_k,
-                     smooth_q=smooth_q, granularity=granularity, deterministic=deterministic, window_size=window_size)
+    check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD",
+                     smooth_k=default_smooth_k(smooth_k, softcap), smooth_q=smooth_q, granularity=granularity,
+                     deterministic=deterministic, window_size=window_size, softcap=softcap)
 

@@ -14,8 +14,9 @@ Mistral-style models, sliding-window layers included, as FlashAttention's integr
   ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
   directly;
 - GPT-OSS's attention sinks (``s_aux``) on batches without padding or packing;
-- anything else (soft-capping, sinks beside padding or packing, a cache with an offset, padding beside
-  a cache, any custom mask): a ``ValueError`` that says so, never a silent wrong answer.
+- Gemma 2's logit soft-capping (``softcap``), on the unsmoothed scores (K-smoothing off for those layers);
+- anything else (sinks beside padding or packing, a cache with an offset, padding beside a cache, any
+  custom mask): a ``ValueError`` that says so, never a silent wrong answer.
 
 The mask function returns None for plain causal or packed-by-position batches, the 2-D padding mask
 for a padded one, and otherwise the mask transformers' SDPA integration would build, which the
@@ -57,7 +58,7 @@ def _packed_offsets(kwargs: dict, position_ids, batch: int):
     return cu_q, cu_k, int(max_q), int(max_k)
 
 
-def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1)):
+def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1), cap=None):
     """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
     valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
     b, n = mask.shape
@@ -67,7 +68,7 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -
     take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
     # n bounds every sequence's length (max_seqlen need not be exact): no second read of the lengths.
     out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling,
-                                 window_size=window_size)
+                                 window_size=window_size, **(cap or {}))
     full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
     return full.reshape(b, n, *out.shape[1:])
 
@@ -80,8 +81,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     check_ranks("HND", query=query, key=key, value=value)
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
-    if softcap is not None:
-        raise _refuse(f"logit soft-capping ({softcap})")
+    # Gemma 2's logit soft-capping: on the unsmoothed scores (no K-smoothing), as the kernels define it.
+    cap = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per query head
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # transformers' sliding-window mask keeps key j for query i iff i - sliding_window < j (and j <= i, causal).
@@ -93,7 +94,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
         if sinks is not None:
             raise _refuse("attention sinks (s_aux) in a padded batch")
-        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window), None
+        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window, cap), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
     if packed is not None:
         if q.shape[0] != 1:
@@ -101,9 +102,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if sinks is not None:
             raise _refuse("attention sinks (s_aux) with packed sequences")
         out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling,
-                                     window_size=window)
+                                     window_size=window, **cap)
         return out[None], None
-    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window, sinks=sinks)
+    out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window, sinks=sinks,
+                    **cap)
     return out, None
 
 

@@ -22,7 +22,7 @@ from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
 
 from ._checks import check_tensors
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
-from .functional import _autocast, check_flash_defaults
+from .functional import _autocast, check_flash_defaults, default_smooth_k
 
 __all__ = ["flash_attn_varlen_func"]
 
@@ -68,11 +68,11 @@ def _check_packed(**arrays) -> None:
 def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
                       layout: str, granularity: str, deterministic: bool, window_left: int,
-                      window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+                      window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right)
+                               window_left, window_right, softcap)
     return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
 
@@ -90,12 +90,13 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                        softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
-                       deterministic: bool, window_left: int, window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+                       deterministic: bool, window_left: int, window_right: int,
+                       softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k", q, k, v, out, lse2, k_mean, dout,
                   cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right)
+                               window_left, window_right, softcap)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          options)
 
@@ -128,7 +129,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table=None, *, smooth_k: bool = True,
+                           return_attn_probs: bool = False, block_table=None, *, smooth_k: bool | None = None,
                            granularity: str = "fine") -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_varlen_func``: q (total_q, Hq, D), k and v (total_k,
     Hkv, D), Hq a multiple of Hkv; sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
@@ -137,13 +138,15 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Causal masks and sliding windows (``window_size``, as FlashAttention's) are bottom-right aligned
     within each sequence. Returns (total_q, Hq, D).
 
-    ``dropout_p``, ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep
-    their defaults (ValueError otherwise); ``smooth_k`` and ``granularity`` are this library's options
-    (``sagebwd_cp.torch.attention``)."""
+    ``softcap`` > 0: logit soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).
+    ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
+    (ValueError otherwise); ``smooth_k`` (default: on, off with ``softcap``) and ``granularity`` are this
+    library's options (``sagebwd_cp.torch.attention``)."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
-    check_flash_defaults(dropout_p, softcap, alibi_slopes, return_attn_probs)
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, layout="THD",
-                               granularity=granularity, deterministic=deterministic, **window_options(window_size))
+    check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
+                               layout="THD", granularity=granularity, deterministic=deterministic,
+                               **window_options(window_size), softcap=softcap)
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):

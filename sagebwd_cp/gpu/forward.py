@@ -36,15 +36,15 @@ def _key_tile_maps(prob: AttentionProblem, qz: Quantized, ws: specs.WsForwardTil
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
     arch = device_arch(dev)
-    # (The warp-specialized forward has no sliding windows: those take forward.cu.)
-    ws = None if prob.options.windowed else specs.forward_ws_tiles(dp, arch, prob.smooth_q)
+    # (The warp-specialized forward has no sliding windows or soft-capping: those take forward.cu.)
+    ws = None if prob.options.windowed or prob.options.softcap else specs.forward_ws_tiles(dp, arch, prob.smooth_q)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     args = params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
                        vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
                        ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                        D=prob.head_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
-                       q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_band(),
+                       q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_band(), **prob.kernel_softcap(),
                        **prob.kernel_lengths())
     if ws is not None:
         # A 1-D grid over the work tiles (kernels/forward_ws.cu's schedule), or a CTA per SM for each.

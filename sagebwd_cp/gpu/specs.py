@@ -41,6 +41,7 @@ KEY_TEXT = {
     "SB_BF16": lambda v: ".bfloat16" if v else ".float16",
     "SB_CAUSAL": lambda v: ".causal" if v else ".full",
     "SB_WINDOW": lambda v: ".window" if v else "",
+    "SB_SOFTCAP": lambda v: ".softcap" if v else "",
     "SB_BIAS": lambda v: ".qbias" if v else "",
     "SB_FINE": lambda v: ".fine" if v else ".paper",
     "SB_DETERMINISTIC": lambda v: ".det" if v else "",
@@ -199,9 +200,10 @@ def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
 
 
 def _window(options: AttentionOptions) -> dict:
-    """SB_WINDOW where a sliding window bounds the mask (absent otherwise: the causal kernels' keys stay)."""
+    """SB_WINDOW where a sliding window bounds the mask, SB_SOFTCAP where the scores are soft-capped (absent
+    otherwise: the other kernels' keys stay)."""
     assert not (options.windowed and options.smooth_q), "Q-smoothing has no sliding-window kernels"
-    return {"SB_WINDOW": 1} if options.windowed else {}
+    return {**({"SB_WINDOW": 1} if options.windowed else {}), **({"SB_SOFTCAP": 1} if options.softcap else {})}
 
 
 def forward_grid_order(causal: bool) -> int:
@@ -441,20 +443,23 @@ def all_specs(arch: str | None = None) -> list:
     # Packed batches (varlen) have no Q-smoothing variants.
     for dp in PADDED_HEAD_DIMS:
         for dt in DTYPES:
-            # Masks: none, causal, a sliding window (without Q-smoothing).
-            for causal, window in ((False, -1), (True, -1), (True, 1)):
+            # Masks: none, causal, a sliding window (without Q-smoothing); soft-capped causal and windowed
+            # attention (unsmoothed scores, granularity "fine": AttentionOptions).
+            for causal, window, cap in ((False, -1, 0.0), (True, -1, 0.0), (True, 1, 0.0), (True, -1, 1.0),
+                                        (True, 1, 1.0)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    if bias and window >= 0:
+                    if bias and (window >= 0 or cap):
                         continue
-                    fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window)
+                    fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
+                                           smooth_k=not cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
-                        if not bias and window < 0:  # the default shape of SAGEBWD_FORWARD_WS=1
+                        if not bias and window < 0 and not cap:  # the default shape of SAGEBWD_FORWARD_WS=1
                             ws = WsForwardTiles(consumers=3 if dp == 64 else 1, pingpong=False)
                             specs.append(forward_ws_spec(dp, dt, fwd, ws, varlen))
-                    for granularity in ("fine", "paper"):
+                    for granularity in ("fine",) if cap else ("fine", "paper"):
                         for det in (False, True):
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
                             specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])

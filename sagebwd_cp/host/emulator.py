@@ -25,6 +25,9 @@ from ..numerics import (
     forward_p_codes,
     qk_prescale,
     quantize_block,
+    soft_cap,
+    soft_cap_slope,
+    softcap_constants,
     quantize_tile,
     round_to_dtype,
     token_mean,
@@ -265,13 +268,14 @@ def _pv_coefficients(s_v_tile: np.ndarray, blocks_valid: np.ndarray):
 
 @_nonfinite_quiet
 def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                    quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None, window=(-1, -1)):
+                    quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None, window=(-1, -1), softcap=0.0):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
     ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
     key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64 or 128) is the kernel's
     keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale.  ``k_mean``: μ_K
     (B,Hkv,D) to smooth K with instead of K's token mean.  ``window``: FlashAttention's ``window_size``
-    (left, right), -1 unbounded (causal sets right to 0)."""
+    (left, right), -1 unbounded (causal sets right to 0).  ``softcap``: logit soft-capping's c (0: none;
+    numerics.soft_cap)."""
     band = _band(causal, window)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -311,6 +315,8 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
             bias = np.concatenate([_rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c:c + BLOCK_KV]), BLOCK_Q)
                                    for c in range(c0, c1, BLOCK_KV)], axis=-1)
         s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias)
+        if softcap:
+            s = soft_cap(s, *softcap_constants(softcap))
         mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, band)
         s = np.where(mask, s, _F32(-np.inf))
 
@@ -363,6 +369,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         "v": v32,
         "causal": bool(causal),
         "window": tuple(window),
+        "softcap": float(softcap),
         "softmax_scale": float(softmax_scale),
         "smooth_q": bool(smooth_q),
         "quantize": bool(quantize),
@@ -378,7 +385,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
 
 @_nonfinite_quiet
 def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                   quantize=True, dtype="float16", k_mean=None, window=(-1, -1)):
+                   quantize=True, dtype="float16", k_mean=None, window=(-1, -1), softcap=0.0):
     """The dict ``emulate_backward`` reads, rebuilt from the inputs, the stored output and the
     base-2 LSE (B, Hq, Lq) of a forward (and its μ_K, if given): the quantization is deterministic,
     so Q̂, K̂ and their scales come out exactly as the forward had them."""
@@ -395,6 +402,7 @@ def backward_state(q, k, v, o, lse2, *, causal=False, softmax_scale=None, smooth
     pad = qi["q_int8"].shape[2] - lq
     lse2 = np.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=np.inf).astype(np.float32)
     return {"inputs": qi, "lse2": lse2, "o": _as_f32(o), "v": v32, "causal": bool(causal), "window": tuple(window),
+            "softcap": float(softcap),
             "softmax_scale": float(softmax_scale), "smooth_q": bool(smooth_q), "quantize": bool(quantize),
             "dtype": dtype, "group": group, "lq": lq, "lk": lk}
 
@@ -408,6 +416,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     check_granularity(granularity)
     qi = saved["inputs"]
     band, group = _band(saved["causal"], saved.get("window", (-1, -1))), saved["group"]
+    cap = softcap_constants(saved["softcap"]) if saved.get("softcap") else None
     lq, lk = saved["lq"], saved["lk"]
     smooth_q = saved["smooth_q"]
     fine = granularity == "fine"
@@ -452,6 +461,8 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             bias = bias_j[:, :, i, None, :] if smooth_q else None
             s_q_i, s_k_j = s_q[:, :, r0:r1], s_k[:, :, c0:c1]
             s = _tile_logits(q_hat[:, :, r0:r1], s_q_i, k_j, s_k_j, bias)
+            if cap:
+                s = soft_cap(s, *cap)
             p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
 
             # #4: dV_j += P̂ᵀ dÔ_i
@@ -466,6 +477,8 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             # Masked entries have P = 0 and dS = 0·(dP - δ), not a select, as in the kernels: a NaN or
             # inf dP or δ (a non-finite dO, v or o) gives NaN there too.
             ds = (p * (dp - delta[:, :, r0:r1, None])).astype(np.float32)
+            if cap:  # times the cap's slope, recovered from P and the LSE as the kernels do
+                ds = (ds * soft_cap_slope(p, lse2[:, :, r0:r1, None], cap[1])).astype(np.float32)
 
             # #6 / #7: dQ_i += dŜ K̂_j, dK_j += dŜᵀ Q̂_i with K̂ and Q̂ coded per 64-token block
             # (numerics.py): the block's scale leaves the reduction, so dS is quantized as it is (ψ

@@ -28,7 +28,7 @@ def _back(x: np.ndarray) -> np.ndarray:
     return x[0].transpose(1, 0, 2)
 
 
-def emulate_forward(q, k, v, cu, *, causal, softmax_scale, smooth_k, dtype, window=(-1, -1)):
+def emulate_forward(q, k, v, cu, *, causal, softmax_scale, smooth_k, dtype, window=(-1, -1), softcap=0.0):
     """(out, lse, lse2, k_mean or None) float32, each sequence emulated alone; a sequence without keys
     gives output 0, LSE -inf (lse2 +inf), μ_K 0."""
     hq, d = q.shape[1], q.shape[2]
@@ -43,7 +43,7 @@ def emulate_forward(q, k, v, cu, *, causal, softmax_scale, smooth_k, dtype, wind
             continue
         o, l, state = emulator.emulate_forward(_one(q[q0:q1]), _one(k[k0:k1]), _one(v[k0:k1]), causal=causal,
                                                softmax_scale=softmax_scale, smooth_k=smooth_k, dtype=dtype,
-                                               window=window)
+                                               window=window, softcap=softcap)
         out[q0:q1] = _back(o)
         lse[:, q0:q1] = l[0]
         lse2[:, q0:q1] = state["lse2"][0, :, :q1 - q0]
@@ -53,7 +53,7 @@ def emulate_forward(q, k, v, cu, *, causal, softmax_scale, smooth_k, dtype, wind
 
 
 def emulate_backward(q, k, v, out, lse2, do, cu, *, causal, softmax_scale, smooth_k, dtype, granularity,
-                     k_mean=None, window=(-1, -1)):
+                     k_mean=None, window=(-1, -1), softcap=0.0):
     """(dq, dk, dv) float32, each sequence's backward emulated alone from its saved output and LSE."""
     dq, dk, dv = np.zeros(q.shape, np.float32), np.zeros(k.shape, np.float32), np.zeros(v.shape, np.float32)
     for b, (q0, q1, k0, k1) in enumerate(offsets(cu)):
@@ -61,7 +61,7 @@ def emulate_backward(q, k, v, out, lse2, do, cu, *, causal, softmax_scale, smoot
             continue
         state = emulator.backward_state(_one(q[q0:q1]), _one(k[k0:k1]), _one(v[k0:k1]), _one(out[q0:q1]),
                                         lse2[None, :, q0:q1], causal=causal, softmax_scale=softmax_scale,
-                                        smooth_k=smooth_k, dtype=dtype, window=window,
+                                        smooth_k=smooth_k, dtype=dtype, window=window, softcap=softcap,
                                         k_mean=None if k_mean is None else k_mean[b:b + 1])
         g = emulator.emulate_backward(state, _one(do[q0:q1]), granularity=granularity)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = (_back(x) for x in g)

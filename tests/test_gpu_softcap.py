@@ -1,0 +1,109 @@
+"""Logit soft-capping on the GPU, both kernel families, with poisoned workspaces: forward and backward
+against the emulator of the same algorithm (the kernels' tanh is the SFU's tanh.approx, within 2^-10.9
+of NumPy's, so the bounds are a little wider than the dense tests') and the exact FP64 reference, over
+ragged shapes, Lq != Lk, GQA, causal and windowed, fp16 and bf16; packed batches equal to their
+dense calls; and a Gemma 2 (soft-capped) through transformers against "eager"."""
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from sagebwd_cp.host import emulator, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
+CASES = [  # (B, Hq, Hkv, Lq, Lk, D), window, softcap
+    ((1, 4, 1, 1000, 1000, 64), (-1, -1), 5.0),
+    ((2, 2, 2, 17, 17, 128), (-1, -1), 30.0),
+    ((1, 4, 2, 300, 257, 128), (50, -1), 5.0),
+    ((1, 2, 2, 1000, 100, 64), (-1, -1), 2.0),
+    ((1, 2, 1, 4097, 4097, 80), (1000, -1), 50.0),
+]
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    from sagebwd_cp.gpu import plan
+
+    for name, value in request.param.items():
+        monkeypatch.setenv(name, value)
+    plan.clear_plans()
+    yield request.param
+    plan.clear_plans()
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("shape,window,cap", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_soft_capped_attention_matches_the_emulator(kernels, shape, window, cap, dtype):
+    import torch
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, sigma=2.0, seed=lq + lk)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(q.shape, generator=g, device="cuda").to(q.dtype)
+    kw = dict(causal=True, window_size=window, softcap=cap, smooth_k=False)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, return_lse=True, **kw)
+        grads = sagebwd_cp.attention_backward(saved, do)
+    torch.cuda.synchronize()
+    qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
+    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=True, window=window, softcap=cap, smooth_k=False,
+                                                  dtype=dtype, key_tile=forward_key_tile(d))
+    assert rel_l2(oh, o_emu) < (4e-3 if dtype == "float16" else 1e-2)
+    lse = lse.cpu().numpy()
+    fin = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], lse_emu[fin], rtol=1e-4, atol=1e-3)
+    state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=True, window=window,
+                                    softcap=cap, smooth_k=False, dtype=dtype)
+    exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=True, window=window, softcap=cap)
+    for name, gr, e, x in zip("qkv", grads, emulator.emulate_backward(state, doh), exact):
+        gh = to_hnd_numpy(gr, "HND")
+        assert np.isfinite(gh).all(), name
+        assert rel_l2(gh, e) < (8e-3 if dtype == "float16" else 1.5e-2), (name, rel_l2(gh, e))
+        assert rel_l2(gh, x) < 0.12, (name, rel_l2(gh, x))
+    o_ref, _ = reference.attention_reference(qh, kh, vh, causal=True, window=window, softcap=cap)
+    assert rel_l2(oh, o_ref) < 0.05
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+def test_each_packed_sequence_equals_its_dense_call(kernels):
+    import torch
+
+    lens = [1, 130, 300, 1000]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rand = lambda n, h: (2 * torch.randn((n, h, 128), generator=g, device="cuda")).to(torch.bfloat16)
+    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v, do = rand(sum(lens), 4), rand(sum(lens), 2), rand(sum(lens), 2), rand(sum(lens), 4)
+    kw = dict(causal=True, softcap=10.0, smooth_k=False)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cu, cu, max(lens), max(lens), return_lse=True, **kw)
+        _, dk, dv = sagebwd_cp.attention_backward(saved, do)
+    for b in range(len(lens)):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        with poisoned_workspaces():
+            o1, l1, s1 = sagebwd_cp.attention_forward(q[s][None], k[s][None], v[s][None], layout="NHD", return_lse=True,
+                                                      **kw)
+            g1 = sagebwd_cp.attention_backward(s1, do[s][None])
+        torch.cuda.synchronize()
+        assert torch.equal(out[s], o1[0]) and torch.equal(lse[:, s], l1[0]), b
+        assert torch.equal(dk[s], g1[1][0]) and torch.equal(dv[s], g1[2][0]), b
+
+
+def test_gemma2_on_the_gpu_matches_eager():
+    import torch
+
+    from test_transformers import _gemma2, _rel, _tokens
+
+    x = _tokens().cuda()
+    res = {}
+    for attn in ("eager", "sagebwd"):
+        model = _gemma2(attn).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x, use_cache=False).logits
+        logits.float().square().mean().backward()
+        res[attn] = logits.detach().float(), model.model.layers[0].self_attn.k_proj.weight.grad
+    for a, b in zip(res["sagebwd"], res["eager"]):
+        assert _rel(a, b) < 0.06

@@ -1,0 +1,96 @@
+"""Logit soft-capping on the host: the emulator unquantized is exact attention over c·tanh(s/c) (forward
+and backward, causal and windowed, Lq != Lk, GQA); quantized, through the neutral API and torch's
+autograd, within the algorithm's error of the FP64 reference; the combinations that have no kernels
+are refused by name; the kernel specs. The kernels' side is tests/test_gpu_softcap.py."""
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from sagebwd_cp.host.emulator import emulate_backward, emulate_forward
+from sagebwd_cp.host.reference import attention_reference, attention_reference_backward
+from sagebwd_cp.numerics import round_to_dtype, soft_cap, soft_cap_slope, softcap_constants
+from sagebwd_cp.options import AttentionOptions
+
+
+def _inputs(seed, lq, lk, sigma=3.0):
+    rng = np.random.default_rng(seed)
+    q, k = (round_to_dtype(sigma * rng.standard_normal(s), "float16") for s in ((1, 4, lq, 64), (1, 2, lk, 64)))
+    v, do = (round_to_dtype(rng.standard_normal(s), "float16") for s in ((1, 2, lk, 64), (1, 4, lq, 64)))
+    return q, k, v, do
+
+
+def _rel(x, ref):
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def test_the_cap_and_its_slope():
+    c, inv = softcap_constants(20.0)
+    x = np.linspace(-200, 200, 101, dtype=np.float32)
+    np.testing.assert_allclose(soft_cap(x, c, inv), 20 * np.log2(np.e) * np.tanh(x / (20 * np.log2(np.e))), rtol=1e-5)
+    lse2 = np.float32(3.0)
+    p = np.exp2(soft_cap(x, c, inv) - lse2)
+    np.testing.assert_allclose(soft_cap_slope(p, lse2, inv), 1 - np.tanh(x / c) ** 2, atol=1e-4)
+    assert soft_cap_slope(np.float32(0), np.float32(np.inf), inv) == 0  # a padded row: no NaN
+
+
+@pytest.mark.parametrize("cap", [2.0, 30.0])
+@pytest.mark.parametrize("lq,lk,window", [(100, 100, (-1, -1)), (130, 70, (-1, -1)), (90, 150, (20, 0)), (1, 1, (-1, -1))])
+def test_unquantized_soft_capped_emulator_is_exact(cap, lq, lk, window):
+    q, k, v, do = _inputs(lq + lk, lq, lk)
+    o, lse, saved = emulate_forward(q, k, v, causal=True, window=window, softcap=cap, smooth_k=False, quantize=False,
+                                    dtype="float32")
+    o_ref, lse_ref = attention_reference(q, k, v, causal=True, window=window, softcap=cap)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-5, atol=1e-5)
+    for g, ref in zip(emulate_backward(saved, do, quantize=False),
+                      attention_reference_backward(q, k, v, do, causal=True, window=window, softcap=cap)):
+        np.testing.assert_allclose(g, ref, atol=1e-4 * max(1.0, np.abs(ref).max()))
+
+
+def test_quantized_soft_capping_through_the_api_and_torch():
+    q, k, v, do = _inputs(5, 200, 200)
+    kw = dict(causal=True, softcap=5.0, smooth_k=False)
+    o = sagebwd_cp.attention(q, k, v, **kw)
+    o_ref, _ = attention_reference(q, k, v, causal=True, softcap=5.0)
+    assert _rel(o, o_ref) < 0.03
+    assert _rel(sagebwd_cp.attention(q, k, v, causal=True, smooth_k=False), o_ref) > 0.05  # the cap matters
+    _, saved = sagebwd_cp.attention_forward(q, k, v, **kw)
+    refs = attention_reference_backward(q, k, v, do, causal=True, softcap=5.0)
+    for g, ref in zip(sagebwd_cp.attention_backward(saved, do), refs):
+        assert _rel(g, ref) < 0.08
+    torch = pytest.importorskip("torch")
+    import sagebwd_cp.torch as st
+
+    qt, kt, vt = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+    out = st.flash_attn_func(qt, kt, vt, causal=True, softcap=5.0)  # smooth_k off by itself
+    out.backward(torch.from_numpy(do).transpose(1, 2))
+    assert _rel(out.detach().transpose(1, 2).numpy(), o_ref) < 0.03
+    for x, ref in zip((qt, kt, vt), refs):
+        assert _rel(x.grad.transpose(1, 2).numpy(), ref) < 0.08
+
+
+def test_what_has_no_soft_capped_kernels_is_refused():
+    q = np.zeros((1, 2, 8, 16), np.float32)
+    with pytest.raises(ValueError, match="softcap: soft-capping needs the unsmoothed scores; pass smooth_k=False"):
+        sagebwd_cp.attention(q, q, q, causal=True, softcap=10.0)
+    with pytest.raises(ValueError, match="softcap: soft-capped kernels are built for causal or sliding-window"):
+        sagebwd_cp.attention(q, q, q, smooth_k=False, softcap=10.0)
+    with pytest.raises(ValueError, match="granularity 'fine'"):
+        sagebwd_cp.attention_backward_arrays(q, q, q, q, q[..., 0], q, causal=True, smooth_k=False, softcap=10.0,
+                                             granularity="paper")
+    with pytest.raises(ValueError, match="softcap: expected a finite number >= 0"):
+        sagebwd_cp.attention(q, q, q, causal=True, smooth_k=False, softcap=float("inf"))
+
+
+def test_the_kernels_of_soft_capping():
+    from sagebwd_cp.gpu import specs
+
+    opts = AttentionOptions(causal=True, smooth_k=False, softcap=50.0)
+    fwd = specs.forward_spec(128, "bfloat16", opts, specs.ForwardTiles(4, 1, True, 128))
+    assert ".softcap" in fwd.key and dict(fwd.defines)["SB_SOFTCAP"] == 1
+    window = specs.backward_spec(64, "float16", opts._replace(window_left=9), specs.BackwardTiles(2))
+    assert ".causal.window.softcap.fine" in window.key
+    keys = {s.key for s in specs.all_specs("sm_90")}
+    assert "backward.hd128.bfloat16.causal.softcap.fine.s2.wgmma" in keys
+    assert not any(".softcap" in k and ".paper" in k for k in keys)
