@@ -1,11 +1,13 @@
-"""Sliding-window attention against its peers, side by side in one run (bf16, d = 128, GQA 4:1).
+"""Sliding-window and soft-capped attention against their peers, side by side in one run (bf16, d = 128,
+GQA 4:1).
 
 For each shape, forward and forward+backward in ms (CUDA events, median): this library with the
 window; FlexAttention (compiled) with a sliding-window block mask; this library and SDPA-cuDNN on full
 causal attention. "band" is the fraction of the causal mask's (query, key) pairs the window keeps; the
 target is windowed time <= 1.2 · band · full causal time (ours), the skipped key tiles costing nothing.
 ``--causal-only`` times this library's plain causal attention alone (to compare two versions of the
-library, each run with its own Python).
+library, each run with its own Python). ``--softcap C`` adds causal attention with logit soft-capping
+C (ours, K-smoothing off as soft-capping takes it, against FlexAttention with a tanh ``score_mod``).
 
     python benchmarks/bench_windows.py [--shapes 1x16x4x32768x4096 2x16x4x8192x1024] [--json PATH]
 """
@@ -38,10 +40,12 @@ def _inputs(b, hq, hk, n, d):
     return q, k, v, torch.randn_like(q)
 
 
-def _ours(q, k, v, do, window):
+def _ours(q, k, v, do, window, softcap=0.0):
     import sagebwd_cp
 
     kw = {"causal": True, "window_size": (window, 0)} if window else {"causal": True}
+    if softcap:
+        kw.update(softcap=softcap, smooth_k=False)
     fwd = lambda: sagebwd_cp.attention(q, k, v, **kw)
 
     def fwdbwd():
@@ -84,11 +88,24 @@ def _flex(q, k, v, do, window):
     return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
 
 
+def _flex_softcap(q, k, v, do, cap):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = q.shape[2]
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    score_mod = lambda score, b, h, i, j: cap * torch.tanh(score / cap)
+    return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True),
+                       q, k, v, do)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxWINDOW, d = 128")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -103,6 +120,9 @@ def main(argv=None) -> int:
             runs = {"ours window": _ours(q, k, v, do, window), **runs, "cudnn causal": _cudnn(q, k, v, do)}
             try:
                 runs["flex window"] = _flex(q, k, v, do, window)
+                if args.softcap:
+                    runs["ours softcap"] = _ours(q, k, v, do, None, args.softcap)
+                    runs["flex softcap"] = _flex_softcap(q, k, v, do, args.softcap)
             except Exception as exc:  # noqa: BLE001 - a torch without FlexAttention: the row is left out
                 print(f"  flex unavailable: {str(exc)[:100]}", file=sys.stderr)
         rec = {"shape": text, "band": band_fraction(n, window)}
@@ -119,6 +139,10 @@ def main(argv=None) -> int:
                 line += (f"  flex/ours fwd {rec['flex window']['fwd_ms'] / rec['ours window']['fwd_ms']:.2f} "
                          f"fwd+bwd {rec['flex window']['fwdbwd_ms'] / ours:.2f}")
             print(line)
+        if "flex softcap" in rec:
+            print(f"  softcap: flex/ours fwd {rec['flex softcap']['fwd_ms'] / rec['ours softcap']['fwd_ms']:.2f} "
+                  f"fwd+bwd {rec['flex softcap']['fwdbwd_ms'] / rec['ours softcap']['fwdbwd_ms']:.2f}; ours softcap/causal "
+                  f"fwd+bwd {rec['ours softcap']['fwdbwd_ms'] / rec['ours causal']['fwdbwd_ms']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
