@@ -339,11 +339,14 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    # Forward: 2 head dims x 2 dtypes x (causal x (dense, Q-smoothing, packed) + window x (dense, packed)) x 64- or
-    # 128-key tiles; backward: the same masks and batches x granularity x deterministic
-    assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2) * 2
-    # (less the deterministic d=128 window kernels, which are mma.sync ones: specs.backward_kernel)
-    assert len([s for s in wg if s.key.startswith("backward.")]) == 2 * 2 * (2 * 3 + 2) * 2 * 2 - 2 * 2 * 2
+    # Forward: 2 head dims x 2 dtypes x (full and causal x (dense, Q-smoothing, packed) + window, soft-capped causal
+    # and soft-capped window x (dense, packed)) x 64- or 128-key tiles. Backward: per head dim and dtype, full and
+    # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
+    # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
+    # (specs.backward_kernel).
+    assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
+    per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
+    assert len([s for s in wg if s.key.startswith("backward.")]) == 2 * sum(per_dtype.values())
     assert all(".causal.window." in s.key for s in wg if dict(s.defines).get("SB_WINDOW"))
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
