@@ -208,6 +208,17 @@ def test_gemma2_soft_capping_matches_eager():
 
 
 def test_what_is_not_supported_names_itself():
+    from types import SimpleNamespace
+
+    from sagebwd_cp.torch.transformers import attention_forward
+
+    layer = SimpleNamespace(is_causal=True)
+    q, v = torch.randn(1, 2, 16, 192), torch.randn(1, 2, 16, 128)
+    with pytest.raises(ValueError, match=r"a value head dim \(128\) other than the query/key head dim \(192\)"):
+        attention_forward(layer, q, q, v, None)
+    q = torch.randn(1, 2, 16, 256)
+    with pytest.raises(ValueError, match=r"head dim 256 \(the kernels take up to 128\)"):
+        attention_forward(layer, q, q, q, None)
     mask = torch.ones(2, 96, dtype=torch.long)
     mask[0, :5] = 0
     with pytest.raises(ValueError, match=r"attention sinks \(s_aux\) in a padded batch"):
