@@ -22,8 +22,6 @@ from sagebwd_cp.numerics import LN2
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
 from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
-_NO_WINDOW = {}  # the default window_size and softcap: AttentionOptions' own defaults
-
 from . import _ops
 from ._checks import check_tensors
 
@@ -179,10 +177,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``torch.compile``.
     """
     check_tensors("q, k, v", q, k, v)
+    # (The default window and cap leave AttentionOptions' fast path: no window_options call per step.)
+    masking = {} if window_size == (-1, -1) else window_options(window_size)
+    if softcap:
+        masking["softcap"] = softcap
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, granularity=granularity, deterministic=deterministic,
-                               **(_NO_WINDOW if window_size == (-1, -1) else window_options(window_size)),
-                               **(_NO_WINDOW if not softcap else {"softcap": softcap}))
+                               layout=layout, granularity=granularity, deterministic=deterministic, **masking)
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a
