@@ -10,6 +10,7 @@ library, each run with its own Python). ``--softcap C`` adds causal attention wi
 C (ours, K-smoothing off as soft-capping takes it, against FlexAttention with a tanh ``score_mod``).
 
     python benchmarks/bench_windows.py [--shapes 1x16x4x32768x4096 2x16x4x8192x1024] [--json PATH]
+    python benchmarks/bench_windows.py --render PATH.json      # its Markdown table, PATH.md beside it
 """
 from __future__ import annotations
 
@@ -100,6 +101,28 @@ def _flex_softcap(q, k, v, do, cap):
                        q, k, v, do)
 
 
+COLUMNS = ("ours window", "flex window", "ours causal", "cudnn causal", "ours softcap", "flex softcap")
+
+
+def markdown(data: dict) -> str:
+    """The records of one run as a Markdown table: ms forward / forward+backward per implementation, and
+    the ratios the targets read (ours against band · our causal; FlexAttention's time over ours)."""
+    recs = data["records"]
+    cols = [c for c in COLUMNS if any(c in r for r in recs)]
+    head = ["B×Hq×Hkv×N×window", "band"] + cols + ["ours ÷ (band·causal)", "flex ÷ ours, window", "flex ÷ ours, softcap"]
+    lines = [f"{data['device']}, torch {data['torch']}: bf16, head dim 128, causal; ms forward / forward+backward, "
+             "one run.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratio = lambda r, a, b: (f"{r[a]['fwdbwd_ms'] / r[b]['fwdbwd_ms']:.2f}" if a in r and b in r else "")
+    for r in recs:
+        cells = [r["shape"], f"{r['band']:.3f}"]
+        cells += [f"{r[c]['fwd_ms']:.3f} / {r[c]['fwdbwd_ms']:.3f}" if c in r else "" for c in cols]
+        target = (f"{r['ours window']['fwdbwd_ms'] / (r['band'] * r['ours causal']['fwdbwd_ms']):.2f}"
+                  if "ours window" in r and "ours causal" in r else "")
+        cells += [target, ratio(r, "flex window", "ours window"), ratio(r, "flex softcap", "ours softcap")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxWINDOW, d = 128")
@@ -107,7 +130,15 @@ def main(argv=None) -> int:
     ap.add_argument("--causal-only", action="store_true")
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None, help="write the Markdown table of a results JSON beside it, and stop")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            table = markdown(json.load(f))
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(table)
+        print(table)
+        return 0
     import torch
 
     records = []
@@ -144,9 +175,11 @@ def main(argv=None) -> int:
                   f"fwd+bwd {rec['flex softcap']['fwdbwd_ms'] / rec['ours softcap']['fwdbwd_ms']:.2f}; ours softcap/causal "
                   f"fwd+bwd {rec['ours softcap']['fwdbwd_ms'] / rec['ours causal']['fwdbwd_ms']:.2f}")
     if args.json:
+        data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
-                      indent=1)
+            json.dump(data, f, indent=1)
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+            f.write(markdown(data))
     return 0
 
 
