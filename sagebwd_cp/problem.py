@@ -12,8 +12,7 @@ import numbers
 import numpy as np
 
 from .arrays import ArrayDesc, describe, host_numpy
-from .numerics import PADDED_HEAD_DIMS, padded_head_dim
-from .numerics import softcap_constants
+from .numerics import PADDED_HEAD_DIMS, padded_head_dim, softcap_constants
 from .options import AttentionOptions
 
 KERNEL_DTYPES = ("float16", "bfloat16")
