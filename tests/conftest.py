@@ -1,5 +1,6 @@
-"""Skips for the ``gpu`` and ``torch`` markers, a per-session kernel cache, and skipped tests counted
-by reason at the end of a run (``pytest -rs`` lists each one)."""
+"""Skips for the ``gpu`` and ``torch`` markers, a per-session kernel cache, the ``kernels`` fixture (a kernel
+family's switches, with plans cleared around the test), and skipped tests counted by reason at the end of a
+run (``pytest -rs`` lists each one)."""
 import collections
 
 import pytest
@@ -40,6 +41,19 @@ def cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAGEBWD_CP_CACHE_DIR", str(path))
         yield path
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """Parametrized indirectly with gpu_helpers.KERNELS: the environment switches of one kernel family (the
+    default, or mma.sync on sm_90 too), set for the test, with the cached plans cleared before and after."""
+    from sagebwd_cp.gpu import plan
+
+    for name, value in request.param.items():
+        monkeypatch.setenv(name, value)
+    plan.clear_plans()
+    yield request.param
+    plan.clear_plans()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

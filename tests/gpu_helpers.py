@@ -20,6 +20,10 @@ SHAPES = [
     (1, 2, 1, 300, 257, 80),
 ]
 
+# Both kernel families, for the ``kernels`` fixture (conftest.py): the default (wgmma on sm_90) and mma.sync.
+KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
+KERNEL_IDS = ["default", "mma.sync"]
+
 POISON = {"int8": 0x55, "float32": float("nan"), "float16": float("nan"), "bfloat16": float("nan")}
 
 

@@ -11,23 +11,9 @@ The emulator's side of the same is tests/test_causality.py.
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces
+from gpu_helpers import KERNELS, KERNEL_IDS, forward_key_tile, make_qkv, poisoned_workspaces
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
-
-KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
-KERNEL_IDS = ["default", "mma.sync"]
-
-
-@pytest.fixture
-def kernels(request, monkeypatch):
-    from sagebwd_cp.gpu import plan
-
-    for name, value in request.param.items():
-        monkeypatch.setenv(name, value)
-    plan.clear_plans()
-    yield request.param
-    plan.clear_plans()
 
 
 def _randn_like(x, seed):

@@ -2,17 +2,16 @@
 against the emulator of the same algorithm (the kernels' tanh is the SFU's tanh.approx, within 2^-10.9
 of NumPy's, so the bounds are a little wider than the dense tests') and the exact FP64 reference, over
 ragged shapes, Lq != Lk, GQA, causal and windowed, fp16 and bf16; packed batches equal to their
-dense calls; and a Gemma 2 (soft-capped) through transformers against "eager"."""
+dense calls. (A Gemma 2 through transformers on the GPU: tests/test_transformers.py.)"""
 import numpy as np
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from gpu_helpers import KERNELS, KERNEL_IDS, forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
 from sagebwd_cp.host import emulator, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
-KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
 CASES = [  # (B, Hq, Hkv, Lq, Lk, D), window, softcap
     ((1, 4, 1, 1000, 1000, 64), (-1, -1), 5.0),
     ((2, 2, 2, 17, 17, 128), (-1, -1), 30.0),
@@ -22,18 +21,7 @@ CASES = [  # (B, Hq, Hkv, Lq, Lk, D), window, softcap
 ]
 
 
-@pytest.fixture
-def kernels(request, monkeypatch):
-    from sagebwd_cp.gpu import plan
-
-    for name, value in request.param.items():
-        monkeypatch.setenv(name, value)
-    plan.clear_plans()
-    yield request.param
-    plan.clear_plans()
-
-
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("shape,window,cap", CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_soft_capped_attention_matches_the_emulator(kernels, shape, window, cap, dtype):
@@ -68,7 +56,7 @@ def test_soft_capped_attention_matches_the_emulator(kernels, shape, window, cap,
     assert rel_l2(oh, o_ref) < 0.05
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 def test_each_packed_sequence_equals_its_dense_call(kernels):
     import torch
 
@@ -90,20 +78,3 @@ def test_each_packed_sequence_equals_its_dense_call(kernels):
         torch.cuda.synchronize()
         assert torch.equal(out[s], o1[0]) and torch.equal(lse[:, s], l1[0]), b
         assert torch.equal(dk[s], g1[1][0]) and torch.equal(dv[s], g1[2][0]), b
-
-
-def test_gemma2_on_the_gpu_matches_eager():
-    import torch
-
-    from test_transformers import _gemma2, _rel, _tokens
-
-    x = _tokens().cuda()
-    res = {}
-    for attn in ("eager", "sagebwd"):
-        model = _gemma2(attn).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=x, use_cache=False).logits
-        logits.float().square().mean().backward()
-        res[attn] = logits.detach().float(), model.model.layers[0].self_attn.k_proj.weight.grad
-    for a, b in zip(res["sagebwd"], res["eager"]):
-        assert _rel(a, b) < 0.06

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from gpu_helpers import KERNELS, KERNEL_IDS, forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
 from sagebwd_cp.host import emulator, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
-KERNELS = [{}, {"SAGEBWD_WGMMA": "0"}]
 EMU_TOL = {"float16": (2e-3, 4e-3), "bfloat16": (8e-3, 1e-2)}  # (forward, backward), as the dense tests'
 
 # (B, Hq, Hkv, Lq, Lk, D), causal, window_size
@@ -30,17 +29,6 @@ CASES = [
 IDS = [f"{'x'.join(map(str, s))}-{'causal' if c else 'full'}-{w[0]}.{w[1]}" for s, c, w in CASES]
 
 
-@pytest.fixture
-def kernels(request, monkeypatch):
-    from sagebwd_cp.gpu import plan
-
-    for name, value in request.param.items():
-        monkeypatch.setenv(name, value)
-    plan.clear_plans()
-    yield request.param
-    plan.clear_plans()
-
-
 def _grad_output(q, seed):
     import torch
 
@@ -55,7 +43,7 @@ def _run(q, k, v, do, causal, window, deterministic=False):
     return out, lse, saved, grads
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("shape,causal,window", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window, dtype):
@@ -92,7 +80,7 @@ def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window,
     assert rel_l2(oh, o_ref) < 0.05
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16")])
 def test_a_window_wider_than_the_sequence_is_causal_attention_bit_for_bit(kernels, d, dtype):
     """O, the LSE, dK and dV bit for bit (dQ's atomic adds come in any order: close)."""
@@ -111,7 +99,7 @@ def test_a_window_wider_than_the_sequence_is_causal_attention_bit_for_bit(kernel
     assert not torch.equal(causal[0], narrow)
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("causal,window", [(True, (70, -1)), (False, (33, 5))])
 def test_each_packed_sequence_equals_its_dense_call(kernels, causal, window):
     import torch
@@ -139,7 +127,7 @@ def test_each_packed_sequence_equals_its_dense_call(kernels, causal, window):
         assert torch.equal(dq[sq], g1[0][0]) and torch.equal(dk[sk], g1[1][0]) and torch.equal(dv[sk], g1[2][0]), b
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 def test_windowed_deterministic_gradients_repeat_bit_for_bit(kernels):
     import torch
 
@@ -175,7 +163,7 @@ def test_flash_attn_func_window_size_is_sdpa_with_the_window_mask():
         assert rel_l2(x.grad.float().transpose(1, 2).cpu().numpy(), r.grad.cpu().numpy()) < 0.06
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("layout,window", [("HND", (-1, -1)), ("NHD", (200, -1))])
 def test_sinks_against_the_exact_reference(kernels, layout, window):
     """Attention sinks around the kernels (sagebwd_cp/sinks.py): output, dQ, dK, dV and dσ through torch's

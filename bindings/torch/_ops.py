@@ -86,13 +86,15 @@ def _no_k_mean(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, return_lse: bool = False) -> tuple:
     """(out, lse2, k_mean): the output, and what the backward needs besides the inputs: the base-2
-    LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing)."""
+    LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing); with ``return_lse``
+    also the natural-log LSE (B, Hq, Lq) float32, fourth."""
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
-    out, _, (lse2, k_mean) = run_forward(*args, options, training=True)
-    return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
-            _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
+    out, lse, (lse2, k_mean) = run_forward(*args, options, training=True, return_lse=return_lse)
+    result = (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
+              _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
+    return result + (_as_tensor(lse),) if return_lse else result
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,

@@ -10,15 +10,12 @@ path runs: no LSE is computed and nothing is saved.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sagebwd_cp import guard
-from sagebwd_cp.chunked import key_shift
-from sagebwd_cp.numerics import LN2
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
 from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
@@ -103,12 +100,7 @@ class _EagerAttention(torch.autograd.Function):
 def _sink_forward(q, k, v, sinks, options: AttentionOptions) -> tuple:
     """The sink attention's output and what its backward needs (sagebwd_cp/sinks.py): (out, lse2, k_mean,
     lse), lse2 the base-2 LSE the kernels' backward reads and lse the natural-log one, both with the sinks."""
-    out, lse2, k_mean = _ops.forward_impl(q, k, v, options)
-    scale = options.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
-    lse = lse2 * LN2  # the natural-log LSE: +inf (a row without keys) becomes -inf below
-    if k_mean.numel():
-        lse = lse + scale * key_shift(q.detach(), k_mean, options.layout, torch)
-    lse = torch.where(lse2 == math.inf, -math.inf, lse)
+    out, lse2, k_mean, lse = _ops.forward_impl(q, k, v, options, return_lse=True)
     out, lse, lse2 = join_sinks(out, lse, lse2, sinks.detach(), options.layout)
     return out, lse2.contiguous(), k_mean, lse
 
