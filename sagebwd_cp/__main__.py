@@ -253,6 +253,8 @@ def cmd_compile(args) -> int:
         listed = kernel_specs.all_specs_many(archs, jobs=jobs)
         pairs = [(spec, arch) for arch in archs for spec in listed[arch]
                  if not args.only or any(fnmatch.fnmatchcase(spec.key, p) for p in args.only)]
+        if args.once:  # a key's first pair: the first named arch that launches it
+            pairs = list({spec.key: (spec, arch) for spec, arch in reversed(pairs)}.values())[::-1]
         if not pairs:
             print(f"no specialization matches --only {' '.join(args.only)} (keys look like "
                   f"{representative_spec(archs[0]).key})", file=sys.stderr)
@@ -312,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile in N processes (default 0: one per core)")
     comp.add_argument("--only", action="append", metavar="PATTERN",
                       help="only the specializations whose key matches this glob, e.g. 'forward.hd128.*'; repeatable")
+    comp.add_argument("--once", action="store_true",
+                      help="each specialization once, for the first named arch that launches it (CI: --arch sm_86 "
+                           "--arch sm_80 --arch sm_90 --once)")
     comp.add_argument("--no-cache", action="store_true", help="recompile even if the disk cache has the cubin")
     comp.set_defaults(func=cmd_compile)
     return parser
