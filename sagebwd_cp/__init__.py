@@ -9,7 +9,7 @@ from .api import (AttentionSaved, attention, attention_backward, attention_backw
                   attention_varlen, attention_varlen_backward_arrays, attention_varlen_forward, k_mean_shape,
                   lse2_shape)
 from .arrays import ArrayDesc, describe, set_allocator
-from .chunked import (attention_backward_lse, causal_pieces, key_mean, lse_to_lse2, merge_attention,
+from .chunked import (attention_backward_lse, band_piece, causal_pieces, key_mean, lse_to_lse2, merge_attention,
                       prefix_key_mean)
 from .guard import AccuracyWarning, score_step, set_accuracy_guard
 from .gpu.kernel_cache import KernelCacheWarning
@@ -20,6 +20,6 @@ __version__ = "0.1.0"
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_backward_arrays", "attention_varlen",
            "attention_varlen_forward", "attention_varlen_backward_arrays", "lse2_shape",
            "k_mean_shape", "attention_backward_lse", "merge_attention", "key_mean", "prefix_key_mean", "lse_to_lse2",
-           "causal_pieces", "AttentionOptions", "AttentionSaved", "ArrayDesc", "describe",
+           "causal_pieces", "band_piece", "AttentionOptions", "AttentionSaved", "ArrayDesc", "describe",
            "set_allocator", "score_step", "set_accuracy_guard", "AccuracyWarning", "__version__"]
 __all__ += ["KernelCacheWarning", "KernelLaunchError"]

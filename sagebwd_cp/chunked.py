@@ -17,7 +17,7 @@ import numpy as np
 from .api import attention_backward_arrays
 from .arrays import array_list, array_namespace, as_dtype as _cast, check_arrays, check_rank, layout_dims
 from .numerics import BLOCK_KV, LOG2E, default_softmax_scale
-from .options import AttentionOptions, check_layout
+from .options import UNBOUNDED, AttentionOptions, check_layout, window_options
 
 _INF = float("inf")
 
@@ -184,8 +184,36 @@ def causal_pieces(len_q: int, len_k: int, start: int, stop: int, causal: bool) -
     return pieces + ([(full, len_q, False)] if len_q > full else [])
 
 
+def band_piece(q_start: int, q_stop: int, k_start: int, k_stop: int, offset: int, left: int, right: int):
+    """The one call that attends queries q_start..q_stop-1 to keys k_start..k_stop-1 (positions in the
+    whole sequence) under the band query i sees key j iff -left <= j - i - offset <= right (``offset``:
+    the whole call's Lk - Lq; ``left``, ``right`` as ``AttentionOptions.band`` gives them, UNBOUNDED for
+    an open side): None when no query sees a key, else ``(row0, row1, key0, key1, window)``, the rows
+    and keys counted from q_start and k_start, and the call's own bottom-right ``window_size`` (-1:
+    unbounded).  Exact: the keys no row of the range sees are cut, and so are the rows that see no key;
+    the band's width is kept and its offset is re-expressed in the call's frame, where the last row
+    sees the last key, so both sides are >= 0."""
+    for name, value in (("q_start", q_start), ("q_stop", q_stop), ("k_start", k_start), ("k_stop", k_stop)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    open_left, open_right = left >= UNBOUNDED, right >= UNBOUNDED
+    k0 = k_start if open_left else max(k_start, q_start + offset - left)
+    k1 = k_stop if open_right else min(k_stop, q_stop + offset + right)
+    if k0 >= k1 or q_start >= q_stop:
+        return None
+    r0 = q_start if open_right else max(q_start, k0 - offset - right)
+    r1 = q_stop if open_left else min(q_stop, k1 - offset + left)
+    if r0 >= r1:
+        return None
+    new_left, new_right = left - offset - r1 + k1, right + offset + r1 - k1
+    assert (open_left or new_left >= 0) and (open_right or new_right >= 0), (new_left, new_right)
+    return (r0 - q_start, r1 - q_start, k0 - k_start, k1 - k_start,
+            (-1 if open_left else new_left, -1 if open_right else new_right))
+
+
 def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False,
-                           layout="HND", granularity="fine", deterministic=False, k_mean=None):
+                           layout="HND", granularity="fine", deterministic=False, k_mean=None, window_size=(-1, -1),
+                           softcap=0.0):
     """dQ, dK, dV of one chunk of the keys against an external output and natural-log LSE (the
     merged ones of attention over all chunks): the chunk's share of the full attention's gradients
     (dQ summed over the chunks, dK and dV the chunk's own).  ``out``: the full attention's output
@@ -195,7 +223,8 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     ``attention_backward_arrays``.  NumPy, torch and CuPy arrays."""
     check_arrays("q, k, v, out, lse, do, k_mean", q, k, v, out, lse, do, k_mean, optional=("k_mean",))
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic,
+                               **window_options(window_size), softcap=softcap)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("do", do)):
         check_rank(x, name, layout_dims(options.layout))
     xp = array_namespace(lse, "lse")
@@ -207,8 +236,9 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
         lse2 = lse2.contiguous()
     # Through the public function, which also takes JAX arrays; the options as checked here.
     keywords = {name: value for name, value in options._asdict().items() if not name.startswith("window_")}
-    return attention_backward_arrays(q, k, v, out, lse2, do, **keywords, k_mean=mean)
+    return attention_backward_arrays(q, k, v, out, lse2, do, **keywords, k_mean=mean,
+                                     window_size=(options.window_left, options.window_right))
 
 
 __all__ = ["array_namespace", "key_sum", "key_mean", "prefix_key_mean", "key_shift", "lse_to_lse2", "merge_attention",
-           "causal_pieces", "attention_backward_lse"]
+           "causal_pieces", "band_piece", "attention_backward_lse"]

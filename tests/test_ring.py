@@ -1,6 +1,7 @@
 """Ring attention on torch.distributed with gloo on the CPU (the emulator): 2 and 4 spawned
 processes, output and gradients of every rank's shard against one-process attention over the
-whole sequence, causal (zig-zag shards) and not, GQA, both layouts."""
+whole sequence, causal (zig-zag shards) and not, sliding windows and soft-capping (zig-zag shards),
+GQA, both layouts."""
 import os
 import sys
 
@@ -12,15 +13,19 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import sagebwd_cp.torch as st  # noqa: E402
+from sagebwd_cp.host import reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo unavailable")
 
-# (causal, layout, dtype, Hq, Hkv): every rank holds 2 chunks of 64 tokens, so the one call and the
-# ring's calls quantize V in the same 64-token blocks and differ by merging and 16-bit rounding only.
+# (causal, layout, dtype, Hq, Hkv, window, softcap): every rank holds 2 chunks of 64 tokens, so without
+# a window the one call and the ring's calls quantize V in the same 64-token blocks and differ by merging
+# and 16-bit rounding only; a window's calls start where the band does (checked against exact attention).
 CONFIGS = {
-    2: [(True, "HND", "float16", 2, 1), (False, "NHD", "bfloat16", 2, 2)],
-    4: [(True, "NHD", "float16", 2, 1), (False, "HND", "float16", 2, 1)],
+    2: [(True, "HND", "float16", 2, 1, (-1, -1), 0.0), (False, "NHD", "bfloat16", 2, 2, (-1, -1), 0.0),
+        (True, "HND", "float16", 2, 1, (70, -1), 0.0), (False, "NHD", "float16", 2, 1, (40, 90), 0.0)],
+    4: [(True, "NHD", "float16", 2, 1, (-1, -1), 0.0), (False, "HND", "float16", 2, 1, (-1, -1), 0.0),
+        (True, "HND", "float16", 2, 1, (100, -1), 3.0)],
 }
 CHUNK = 64
 D = 16
@@ -37,19 +42,24 @@ def _inputs(world, causal, layout, dtype, hq, hk, seed):
     return rand(hq), rand(hk, 1.0), rand(hk), rand(hq)
 
 
-def _shard(x, rank, world, causal, seq):
-    return st.zigzag_shard(x, rank, world, seq) if causal else x.chunk(world, seq)[rank].contiguous()
+def _shard(x, rank, world, zigzag, seq):
+    return st.zigzag_shard(x, rank, world, seq) if zigzag else x.chunk(world, seq)[rank].contiguous()
+
+
+def _options(causal, layout, window, softcap):
+    return dict(causal=causal, layout=layout, window_size=window, softcap=softcap, smooth_k=not softcap)
 
 
 def _worker(rank, world, store, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        for i, (causal, layout, dtype, hq, hk) in enumerate(CONFIGS[world]):
+        for i, (causal, layout, dtype, hq, hk, window, softcap) in enumerate(CONFIGS[world]):
             seq = 2 if layout == "HND" else 1
-            q, k, v, do = (_shard(x, rank, world, causal, seq) for x in _inputs(world, causal, layout, dtype, hq, hk, i))
+            zigzag = causal or window != (-1, -1)
+            q, k, v, do = (_shard(x, rank, world, zigzag, seq) for x in _inputs(world, causal, layout, dtype, hq, hk, i))
             q, k, v = (x.requires_grad_() for x in (q, k, v))
-            out, lse = st.ring_attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+            out, lse = st.ring_attention(q, k, v, **_options(causal, layout, window, softcap), return_lse=True)
             grads = torch.autograd.grad(out, (q, k, v), do)
             torch.save({"out": out.detach(), "lse": lse, "grads": [g.detach() for g in grads]},
                        os.path.join(results, f"{i}_{rank}.pt"))
@@ -58,8 +68,20 @@ def _worker(rank, world, store, results):
 
 
 def rel_l2(x, ref):
-    x, ref = x.double(), ref.double()
+    x, ref = x.detach().double(), ref.detach().double()
     return float((x - ref).norm() / ref.norm())
+
+
+def _check_against_exact(q, k, v, do, layout, out, grads, o1, g1, **mask):
+    """The ring's windowed output and gradients within what one quantized call errs against exact
+    attention (its calls cut V's quantization blocks where the band starts)."""
+    to = lambda x: (x if layout == "HND" else x.transpose(1, 2)).detach().double().numpy()  # noqa: E731
+    back = lambda a: torch.from_numpy(a if layout == "HND" else np.swapaxes(a, 1, 2))  # noqa: E731
+    ro, _ = reference.attention_reference(to(q), to(k), to(v), **mask)
+    rgrads = reference.attention_reference_backward(to(q), to(k), to(v), to(do), **mask)
+    assert rel_l2(out, back(ro)) < 1.5 * rel_l2(o1, back(ro)) + 2e-3
+    for got, ref, r in zip(grads, g1, rgrads):
+        assert got.dtype == ref.dtype and rel_l2(got, back(r)) < 1.5 * rel_l2(ref, back(r)) + 2e-3
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -70,19 +92,26 @@ def test_ring_attention_matches_one_process_attention(world, tmp_path):
     # process); not once JAX, whose threads do not survive a fork, is loaded.
     mp.start_processes(_worker, args=(world, str(tmp_path / "store"), str(results)), nprocs=world, join=True,
                        start_method="spawn" if "jax" in sys.modules else "fork")
-    for i, (causal, layout, dtype, hq, hk) in enumerate(CONFIGS[world]):
+    for i, (causal, layout, dtype, hq, hk, window, softcap) in enumerate(CONFIGS[world]):
         seq = 2 if layout == "HND" else 1
+        zigzag, windowed = causal or window != (-1, -1), window != (-1, -1)
         q, k, v, do = _inputs(world, causal, layout, dtype, hq, hk, i)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        out1, lse1 = st.attention_lse(q, k, v, causal=causal, layout=layout)
-        o1 = st.attention(q, k, v, causal=causal, layout=layout)
+        opts = _options(causal, layout, window, softcap)
+        out1, lse1 = st.attention_lse(q, k, v, **opts)
+        o1 = st.attention(q, k, v, **opts)
         g1 = torch.autograd.grad(o1, (q, k, v), do)
         parts = [torch.load(results / f"{i}_{r}.pt") for r in range(world)]
 
         def whole(pick, dim=seq):
             xs = [pick(p) for p in parts]
-            return st.zigzag_unshard(xs, dim) if causal else torch.cat(xs, dim)
+            return st.zigzag_unshard(xs, dim) if zigzag else torch.cat(xs, dim)
 
+        if windowed:
+            _check_against_exact(q, k, v, do, layout, whole(lambda p: p["out"]), [whole(lambda p, j=j: p["grads"][j])
+                                 for j in range(3)], o1, g1, causal=causal, window=window, softcap=softcap)
+            torch.testing.assert_close(whole(lambda p: p["lse"], 2), lse1, rtol=0, atol=2e-2)
+            continue
         tol = 5e-3 if dtype == "float16" else 1e-2
         assert rel_l2(whole(lambda p: p["out"]), out1) < tol, (world, i)
         torch.testing.assert_close(whole(lambda p: p["lse"], 2), lse1, rtol=0, atol=1e-4)

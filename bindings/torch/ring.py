@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sagebwd_cp import chunked as _neutral
-from sagebwd_cp.options import AttentionOptions, check_flag, check_layout
+from sagebwd_cp.options import AttentionOptions, check_flag, check_layout, window_options
 
 from . import _ops
 from ._checks import check_tensors, tensor_list
-from .chunked import backward_chunks, forward_chunks
+from .chunked import backward_chunks, band_pieces, forward_chunks
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -78,21 +78,31 @@ def _wait(requests) -> None:
         r.wait()
 
 
-def _step(ring: _Ring, step: int, causal: bool, len_q: int, len_k: int):
-    """The calls of one ring step against the shard of rank (rank − step): (its token ranges used,
-    pieces) with pieces (chunk, q row0, q row1, causal) as ``forward_chunks`` takes them."""
+def _step(ring: _Ring, step: int, options: AttentionOptions, len_q: int, len_k: int) -> list:
+    """The calls of one ring step against the shard of rank (rank − step), as ``forward_chunks`` takes
+    them: (0, q row0, q row1, key0, key1, options) against the shard held."""
     src = (ring.rank - step) % ring.size
-    if not causal:
-        return [(0, len_k)], [(0, 0, len_q, False)]
-    if src == ring.rank:
-        return [(0, len_k)], [(0, 0, len_q, True)]
+    if options.windowed or options.softcap:
+        return _band_step(ring.rank, src, ring.size, len_q, options)
+    if not options.causal or src == ring.rank:
+        return [(0, 0, len_q, 0, len_k, options)]
+    plain = options._replace(causal=False)
     if src < ring.rank:  # the shard's first chunk (src) precedes both of ours; its second (2W-1-src) follows both
-        return [(0, len_k // 2)], [(0, 0, len_q, False)]
-    return [(0, len_k)], [(0, len_q // 2, len_q, False)]  # only our second chunk sees any of it, all of it
+        return [(0, 0, len_q, 0, len_k // 2, plain)]
+    return [(0, len_q // 2, len_q, 0, len_k, plain)]  # only our second chunk sees any of it, all of it
 
 
-def _narrow(pairs, spans, seq):
-    return [tuple(x.narrow(seq, a, b - a) for x in pair) for pair, (a, b) in zip(pairs, spans)]
+def _band_step(rank: int, src: int, size: int, length: int, options: AttentionOptions) -> list:
+    """A window's calls (or a soft cap's, whose kernels take a band) against the shard of rank ``src``:
+    each of our two zig-zag chunks against each of its two, ``band_pieces``' call where a row sees a key."""
+    chunk = length // 2
+    halves = lambda r: ((r * chunk, 0), ((2 * size - 1 - r) * chunk, chunk))  # noqa: E731 (position, local row)
+    pieces = []
+    for q_pos, q_row in halves(rank):
+        for k_pos, k_row in halves(src):
+            for _, r0, r1, k0, k1, call in band_pieces(0, q_pos, q_pos + chunk, k_pos, k_pos + chunk, 0, options):
+                pieces.append((0, q_row + r0, q_row + r1, k_row + k0, k_row + k1, call))
+    return pieces
 
 
 def _shared_key_mean(ring: _Ring, k: Tensor, layout: str) -> Tensor:
@@ -115,8 +125,8 @@ class _RingAttention(torch.autograd.Function):
         cur = (k, v)
         for step in range(ring.size):
             pending = ring.exchange(cur, 0) if step < ring.size - 1 else None
-            spans, pieces = _step(ring, step, options.causal, len_q, len_k)
-            out, lse = forward_chunks(q, _narrow([cur], spans, seq), pieces, k_mean, options, out, lse)
+            pieces = _step(ring, step, options, len_q, len_k)
+            out, lse = forward_chunks(q, [cur], pieces, k_mean, layout, out, lse)
             if pending:
                 _wait(pending[0])
                 cur = tuple(pending[1])
@@ -140,9 +150,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.exchange(cur, 0) if step < ring.size - 1 else None
             dkv = tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in cur)
-            spans, pieces = _step(ring, step, options.causal, len_q, len_k)
-            backward_chunks(q, _narrow([cur], spans, seq), pieces, out, lse2, dout, k_mean, options, dq,
-                            _narrow([dkv], spans, seq))
+            pieces = _step(ring, step, options, len_q, len_k)
+            backward_chunks(q, [cur], pieces, out, lse2, dout, k_mean, dq, [dkv])
             if arriving:
                 _wait(arriving[0])
                 dkv = tuple(a + b for a, b in zip(dkv, arriving[1]))
@@ -159,26 +168,30 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "HND", group=None, smooth_k: bool = True, smooth_q: bool = False,
-                   granularity: str = "fine", deterministic: bool = False, return_lse: bool = False):
+                   granularity: str = "fine", deterministic: bool = False, return_lse: bool = False,
+                   window_size=(-1, -1), softcap: float = 0.0):
     """Attention over a sequence sharded across the ranks of ``group`` (default: the world), with
     autograd.  Each rank passes its own shard: q, k, v with the local tokens, all ranks the same
     number (the ring receives into buffers of the local shape).  Not causal: any split of the
     sequence (shard r the r-th piece, or any order: the result per query does not depend on where
     the keys are).  Causal: the zig-zag layout (``zigzag_shard``), queries and keys alike, with an
-    even local length; masking is over the whole sequence.  Returns this rank's output rows (and,
+    even local length; masking is over the whole sequence.  A sliding window (``window_size``, over
+    the whole sequence) and soft-capping take the zig-zag layout too.  Returns this rank's output rows (and,
     with ``return_lse``, their natural-log LSE, float32, not differentiable).  CUDA tensors need the
     NCCL backend, CPU tensors gloo.  Options as in ``attention``."""
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic)
+                               layout=check_layout(layout), granularity=granularity, deterministic=deterministic,
+                               **window_options(window_size), softcap=softcap)
     return_lse = check_flag(return_lse, "return_lse")
     _ops.check_ranks(options.layout, q=q, k=k, v=v)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group first (torchrun sets up the environment)")
     seq = _seq_dim(options.layout)
-    if options.causal and (q.shape[seq] != k.shape[seq] or q.shape[seq] % 2):
-        raise ValueError(f"q, k: causal ring attention takes zig-zag shards (zigzag_shard) of equal, even length; got "
+    if options.banded and (q.shape[seq] != k.shape[seq] or q.shape[seq] % 2):
+        kind = "causal" if options.causal else "windowed"
+        raise ValueError(f"q, k: {kind} ring attention takes zig-zag shards (zigzag_shard) of equal, even length; got "
                          f"{q.shape[seq]} query and {k.shape[seq]} key tokens")
     out, lse = _RingAttention.apply(q, k, v, group, options)
     return (out, lse) if return_lse else out
