@@ -175,9 +175,13 @@ _split_names: dict = {}  # "q, k, v" -> ("q", "k", "v")
 
 
 def array_namespace(x, name: str = "array"):
-    """The module whose functions compute on ``x``: numpy, torch or cupy (the elementwise helpers around
-    the kernels, chunked.py and sinks.py, are written once for the three)."""
+    """The module whose functions compute on ``x``: numpy, torch, cupy or jax.numpy (the elementwise helpers
+    around the kernels, chunked.py and sinks.py, are written once for them; JAX's traced arrays too)."""
     mod = type(x).__module__.split(".")[0]
+    if mod in ("jax", "jaxlib"):
+        import jax.numpy
+
+        return jax.numpy
     if mod == "numpy":
         return np
     if mod == "torch":
@@ -188,7 +192,7 @@ def array_namespace(x, name: str = "array"):
         import cupy
 
         return cupy
-    raise TypeError(f"{name}: expected a NumPy array, a torch tensor or a CuPy array, got {type(x).__name__}")
+    raise TypeError(f"{name}: expected a NumPy array, a torch tensor, a CuPy or a JAX array, got {type(x).__name__}")
 
 
 def as_dtype(xp, x, dtype):

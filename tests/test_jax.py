@@ -361,3 +361,38 @@ def test_jitted_training_step_matches_dot_product_attention(jax_gpu):
         loss, _, params = step(params, tokens)
         losses.append(float(loss))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_adapter_takes_attention_sinks(platform, request):
+    """``sinks`` under jax.jit and jax.grad: output and gradients (the sinks' included) within the
+    algorithm's error of the FP64 reference with sinks, and not what the call without them gives."""
+    jax = request.getfixturevalue(f"jax_{platform}")
+    jnp = jax.numpy
+    import sagebwd_cp.jax as sj
+
+    device = jax.devices(platform)[0]
+    q, k, v = _qkv(jax, (1, 200, 4, 64), (1, 200, 2, 64), jnp.bfloat16 if platform == "gpu" else jnp.float16, 9,
+                   device)
+    do = _qkv(jax, (1, 200, 4, 64), (1, 1, 1, 64), q.dtype, 10, device)[0]
+    sinks = jax.device_put(2 * jax.random.normal(jax.random.key(11), (4,), jnp.float32), device)
+    opts = dict(causal=True, layout="NHD", window_size=(60, 0))
+
+    @jax.jit
+    def forward_backward(q, k, v, sinks):
+        out, vjp = jax.vjp(lambda q, k, v, s: sj.attention(q, k, v, sinks=s, **opts), q, k, v, sinks)
+        return (out,) + vjp(do)
+
+    result = forward_backward(q, k, v, sinks)
+    assert result[4].dtype == jnp.float32 and result[4].shape == (4,)
+    to = lambda x: np.swapaxes(np.asarray(x, np.float64), 1, 2)  # noqa: E731 (NHD to HND)
+    host = [to(x) for x in (q, k, v, do)]
+    s64 = np.asarray(sinks, np.float64)
+    o_ref, _ = reference.attention_reference(*host[:3], causal=True, window=(60, 0), sinks=s64)
+    refs = reference.attention_reference_backward(*host, causal=True, window=(60, 0), sinks=s64)
+    for x, r in zip(result[:4], (o_ref,) + tuple(refs[:3])):
+        assert rel_l2(to(x), r) < 0.06
+    assert rel_l2(np.asarray(result[4], np.float64), refs[3]) < 0.06
+    assert rel_l2(to(sj.attention(q, k, v, **opts)), o_ref) > 0.05
+    with pytest.raises(ValueError, match=r"sinks: expected one floating logit per query head, shape \(4,\)"):
+        sj.attention(q, k, v, sinks=sinks[:2], **opts)

@@ -88,3 +88,45 @@ def test_sink_arguments_are_checked():
         sagebwd_cp.attention(q, k, v, sinks=np.arange(4))
     with pytest.raises(TypeError, match="sinks"):
         sagebwd_cp.attention(q, k, v, sinks=[0.0] * 4)
+
+
+def _packed_against_dense(device):
+    """flash_attn_varlen_func with sinks against one dense call per sequence: outputs, input gradients
+    and the sinks' gradient summed over the sequences (a window too, and Lq != Lk)."""
+    torch = pytest.importorskip("torch")
+    import sagebwd_cp.torch as st
+
+    g = torch.Generator().manual_seed(5)
+    lens_q, lens_k, hq, hk, d = [1, 70, 33], [9, 70, 100], 4, 2, 64
+    dtype = torch.float16 if device == "cuda" else torch.float64
+    make = lambda n, h: torch.randn((n, h, d), generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v, do = make(sum(lens_q), hq), make(sum(lens_k), hk), make(sum(lens_k), hk), make(sum(lens_q), hq)
+    sinks = (2 * torch.randn(hq, generator=g)).to(device).requires_grad_()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    cu = lambda lens: torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=device)  # noqa: E731
+    opts = dict(causal=True, window_size=(30, 0))
+    out = st.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), sinks=sinks, **opts)
+    packed = torch.autograd.grad(out, (q, k, v, sinks), do)
+    outs, grads = [], [torch.zeros_like(x) for x in (q, k, v, sinks)]
+    for i in range(3):
+        rq, rk = slice(sum(lens_q[:i]), sum(lens_q[:i + 1])), slice(sum(lens_k[:i]), sum(lens_k[:i + 1]))
+        o = st.flash_attn_func(q[None, rq], k[None, rk], v[None, rk], sinks=sinks, **opts)
+        gi = torch.autograd.grad(o, (q, k, v, sinks), do[None, rq])
+        outs.append(o[0])
+        for acc, x in zip(grads, gi):
+            acc += x
+    # each sequence is quantized alone in both: the same arithmetic up to float32 summation order
+    torch.testing.assert_close(out, torch.cat(outs), rtol=0, atol=2e-3 if device == "cuda" else 1e-6)
+    for a, b in zip(packed, grads):
+        assert _rel(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < (1e-2 if device == "cuda" else 1e-6)
+    assert _rel(st.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), **opts)
+                .detach().float().cpu().numpy(), out.detach().float().cpu().numpy()) > 0.05  # the sinks matter
+
+
+def test_packed_batches_with_sinks_are_their_dense_calls():
+    _packed_against_dense("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_packed_batches_with_sinks_are_their_dense_calls():
+    _packed_against_dense("cuda")

@@ -1,8 +1,8 @@
 """sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral, Qwen2 and
 Gemma 3 with sliding windows, and a GPT-OSS with sliding windows and attention sinks) with
 attn_implementation="sagebwd" against "sdpa" or "eager" (logits and gradients) on plain, padded and
-packed batches; a Gemma 2 with logit soft-capping; and every batch it cannot express (custom masks,
-sinks beside padding) refused with a clear error."""
+packed batches, sinks beside padding and packing included; a Gemma 2 with logit soft-capping; and every
+batch it cannot express (custom masks) refused with a clear error."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -177,6 +177,37 @@ def test_gpt_oss_and_gemma3_match_the_reference(family, reference):
         assert _rel(a, b) < 0.06
 
 
+@pytest.mark.parametrize("batch", ["padded", "packed"])
+def test_gpt_oss_sinks_in_padded_and_packed_batches_match_eager(batch):
+    """Sinks beside padding (left) or packing (restarting position_ids): the variable-length path with
+    sinks, logits and gradients (the sinks' included) as eager's on every valid position; eager's
+    packed reference is each sequence run alone."""
+    def run(model, x, **kwargs):
+        keep = kwargs["attention_mask"][..., None] if "attention_mask" in kwargs else 1
+        logits = model(input_ids=x, use_cache=False, **kwargs).logits * keep
+        logits.float().square().sum().backward()
+        return logits.detach()
+
+    def grads(model):
+        layer = model.model.layers[0].self_attn
+        return layer.k_proj.weight.grad, layer.sinks.grad
+
+    if batch == "padded":
+        x = _tokens()
+        mask = torch.ones_like(x)
+        mask[0, :10] = 0
+        ref_model, model = _gpt_oss("eager"), _gpt_oss("sagebwd")
+        ref, out = run(ref_model, x, attention_mask=mask), run(model, x, attention_mask=mask)
+    else:
+        x = _tokens(batch=1)
+        ref_model, model = _gpt_oss("eager"), _gpt_oss("sagebwd")
+        ref = torch.cat([run(ref_model, x[:, :40]), run(ref_model, x[:, 40:])], 1)  # grads add up over both
+        out = run(model, x, position_ids=torch.cat([torch.arange(40), torch.arange(56)]).unsqueeze(0))
+    assert _rel(out, ref) < 0.03
+    for a, b in zip(grads(model), grads(ref_model)):
+        assert _rel(a, b) < 0.06
+
+
 def _gemma2(attn):
     import transformers
 
@@ -219,10 +250,6 @@ def test_what_is_not_supported_names_itself():
     q = torch.randn(1, 2, 16, 256)
     with pytest.raises(ValueError, match=r"head dim 256 \(the kernels take up to 128\)"):
         attention_forward(layer, q, q, q, None)
-    mask = torch.ones(2, 96, dtype=torch.long)
-    mask[0, :5] = 0
-    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\) in a padded batch"):
-        _gpt_oss("sagebwd")(input_ids=_tokens(), attention_mask=mask, use_cache=False)
 
 
 def test_the_name_must_be_a_string():

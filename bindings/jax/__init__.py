@@ -32,13 +32,14 @@ from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe,
 from sagebwd_cp.numerics import k_mean_shape
 from sagebwd_cp.options import AttentionOptions, window_options
 from sagebwd_cp.problem import make_problem
+from sagebwd_cp.sinks import join_sinks, sinks_grad
 
 __all__ = ["attention"]
 
 
 def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_scale: float | None = None,
               smooth_k: bool = True, smooth_q: bool = False, granularity: str = "fine", deterministic: bool = False,
-              window_size=(-1, -1), softcap: float = 0.0):
+              window_size=(-1, -1), softcap: float = 0.0, sinks=None):
     """SageBwd attention, differentiable with ``jax.grad`` and traceable by ``jax.jit``.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
@@ -46,17 +47,25 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
     ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); ``softcap`` > 0
-    logit soft-capping (causal or windowed, smooth_k=False); rows that see no key give 0.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
+    logit soft-capping (causal or windowed, smooth_k=False); rows that see no key give 0.  ``sinks`` (Hq,):
+    attention sinks, a logit per query head that joins each row's softmax normalizer (GPT-OSS), with
+    their gradient.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
     ``sagebwd_cp.attention_backward``.  q, k and v are JAX arrays (others, NumPy included, are refused
     with a TypeError: convert them with ``jnp.asarray``); shapes, dtypes and options are checked when
     traced.
     """
-    _check_arrays(q=q, k=k, v=v)
+    _check_arrays(q=q, k=k, v=v, **({} if sinks is None else {"sinks": sinks}))
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
                             **window_options(window_size), softcap=softcap)
     _check(q, k, v, opts)
-    return _attention(q, k, v, opts)
+    if sinks is None:
+        return _attention(q, k, v, opts)
+    heads = _bhnd(q.shape, opts.layout)[1]
+    if tuple(sinks.shape) != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks: expected one floating logit per query head, shape ({heads},), got shape "
+                         f"{tuple(sinks.shape)} of {sinks.dtype}")
+    return _sink_attention(q, k, v, sinks, opts)
 
 
 def _check_arrays(**arrays) -> None:
@@ -103,6 +112,33 @@ def _attention_bwd(opts, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# Attention sinks around the kernels (sagebwd_cp/sinks.py, its arithmetic in jax.numpy): the forward's
+# output and LSEs joined with the sinks, the kernels' backward run with them, and the sinks' gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sink_attention(q, k, v, sinks, opts):
+    return _sink_forward(q, k, v, sinks, opts)[0]
+
+
+def _sink_forward(q, k, v, sinks, opts):
+    out, lse2, *rest = _forward(q, k, v, opts, True, return_lse=True)  # rest: (μ_K,) and the natural LSE
+    *mean, lse = rest
+    out, lse, lse2 = join_sinks(out, lse, lse2, sinks, opts.layout)
+    return out, lse, lse2, mean
+
+
+def _sink_attention_fwd(q, k, v, sinks, opts):
+    out, lse, lse2, mean = _sink_forward(q, k, v, sinks, opts)
+    return out, (q, k, v, sinks, out, lse, lse2, *mean)
+
+
+def _sink_attention_bwd(opts, residuals, dout):
+    q, k, v, sinks, out, lse, lse2, *mean = residuals
+    return tuple(_backward(opts, q, k, v, out, lse2, *mean, dout)) + (sinks_grad(out, lse, dout, sinks, opts.layout),)
+
+
+_sink_attention.defvjp(_sink_attention_fwd, _sink_attention_bwd)
+
+
 # ------------------------------------------------------------------------------ the callbacks
 
 def _bhnd(shape, layout: str) -> tuple:
@@ -110,7 +146,9 @@ def _bhnd(shape, layout: str) -> tuple:
     return (b, x, y, d) if layout == "HND" else (b, y, x, d)
 
 
-def _forward(q, k, v, opts: AttentionOptions, training: bool):
+def _forward(q, k, v, opts: AttentionOptions, training: bool, return_lse: bool = False):
+    """(out,), with ``training`` also the base-2 LSE and μ_K (with K-smoothing), with ``return_lse`` last
+    the natural-log LSE (B, Hq, Lq)."""
     b, hq, lq, d = _bhnd(q.shape, opts.layout)
     hkv = _bhnd(k.shape, opts.layout)[1]
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -118,7 +156,9 @@ def _forward(q, k, v, opts: AttentionOptions, training: bool):
         results.append(jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))  # base-2 LSE
         if opts.smooth_k:
             results.append(jax.ShapeDtypeStruct(k_mean_shape(b, hkv, d), jnp.float32))
-    return buffer_callback(_bound(_forward_callback, opts, training), tuple(results))(q, k, v)
+    if return_lse:
+        results.append(jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))
+    return buffer_callback(_bound(_forward_callback, opts, (training, return_lse)), tuple(results))(q, k, v)
 
 
 def _backward(opts: AttentionOptions, q, k, v, out, lse2, *rest):
@@ -175,17 +215,23 @@ def _describe(buffers, names):
     return [describe(x, n) if x is not None else None for x, n in zip(buffers, names)]
 
 
-def _forward_callback(ctx, results, q, k, v, *, opts: AttentionOptions, training: bool):
+def _forward_callback(ctx, results, q, k, v, *, opts: AttentionOptions, training: tuple):
+    training, return_lse = training
+
+    def extras(lse, state):  # what results[1:] hold: the saved state (None: no μ_K), then the LSE
+        return [a for a in (tuple(state) if training else ()) if a is not None] + ([lse] if return_lse else [])
+
     dev_type, dev = q.__dlpack_device__()
     if dev_type != KDL_CUDA:  # the emulator, on host buffers
-        o, _, state = run_forward(*_describe((q, k, v), "qkv"), opts, training=training)
-        for buffer, array in zip(results, (o,) + (tuple(state) if training else ())):
+        o, lse, state = run_forward(*_describe((q, k, v), "qkv"), opts, training=training, return_lse=return_lse)
+        for buffer, array in zip(results, [o] + extras(lse, state)):
             np.asarray(buffer)[...] = array
         return
     with _OnStream(ctx, dev) as stream:  # described inside: the DLPack handshake reads the stream
         out = describe(results[0], "out")  # the kernels write O in place
-        _, _, state = run_forward(*_describe((q, k, v), "qkv"), opts, out=out, training=training)
-        for buffer, array in zip(results[1:], state if training else ()):
+        _, lse, state = run_forward(*_describe((q, k, v), "qkv"), opts, out=out, training=training,
+                                    return_lse=return_lse)
+        for buffer, array in zip(results[1:], extras(lse, state)):
             _copy_into(buffer, array, stream)
 
 

@@ -280,7 +280,7 @@ def check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs) -> None:
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool | None = None,
-                    smooth_q: bool = False, granularity: str = "fine") -> Tensor:
+                    smooth_q: bool = False, granularity: str = "fine", sinks: Tensor | None = None) -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_func``: q (B, Lq, Hq, D), k and v (B, Lk, Hkv, D),
     Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
 
@@ -288,11 +288,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).  ``dropout_p``,
     ``alibi_slopes`` and ``return_attn_probs`` must keep their defaults (ValueError otherwise).
     ``deterministic`` orders the dQ accumulation; ``smooth_k`` (default: on, off with ``softcap``),
-    ``smooth_q`` and ``granularity`` are this library's options (see ``attention``).
+    ``smooth_q``, ``granularity`` and ``sinks`` are this library's options (see ``attention``).
     """
     check_tensors("q, k, v", q, k, v)
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD",
                      smooth_k=default_smooth_k(smooth_k, softcap), smooth_q=smooth_q, granularity=granularity,
-                     deterministic=deterministic, window_size=window_size, softcap=softcap)
+                     deterministic=deterministic, window_size=window_size, softcap=softcap, sinks=sinks)
 

@@ -13,10 +13,10 @@ Mistral-style models, sliding-window layers included, as FlashAttention's integr
 - packed sequences in one row (``position_ids`` restarting, or the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
   directly;
-- GPT-OSS's attention sinks (``s_aux``) on batches without padding or packing;
+- GPT-OSS's attention sinks (``s_aux``), in all three kinds of batch;
 - Gemma 2's logit soft-capping (``softcap``), on the unsmoothed scores (K-smoothing off for those layers);
-- anything else (sinks beside padding or packing, a cache with an offset, padding beside a cache, any
-  custom mask): a ``ValueError`` that says so, never a silent wrong answer.
+- anything else (a cache with an offset, padding beside a cache, any custom mask): a ``ValueError``
+  that says so, never a silent wrong answer.
 
 The mask function returns None for plain causal or packed-by-position batches, the 2-D padding mask
 for a padded one, and otherwise the mask transformers' SDPA integration would build, which the
@@ -58,7 +58,7 @@ def _packed_offsets(kwargs: dict, position_ids, batch: int):
     return cu_q, cu_k, int(max_q), int(max_k)
 
 
-def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1), cap=None):
+def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1), cap=None, sinks=None):
     """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
     valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
     b, n = mask.shape
@@ -68,7 +68,7 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -
     take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
     # n bounds every sequence's length (max_seqlen need not be exact): no second read of the lengths.
     out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling,
-                                 window_size=window_size, **(cap or {}))
+                                 window_size=window_size, sinks=sinks, **(cap or {}))
     full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
     return full.reshape(b, n, *out.shape[1:])
 
@@ -97,17 +97,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
             raise _refuse(f"attention_mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
-        if sinks is not None:
-            raise _refuse("attention sinks (s_aux) in a padded batch")
-        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window, cap), None
+        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window, cap, sinks), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
     if packed is not None:
         if q.shape[0] != 1:
             raise _refuse(f"packed sequences in a batch of {q.shape[0]} rows (one row expected)")
-        if sinks is not None:
-            raise _refuse("attention sinks (s_aux) with packed sequences")
         out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling,
-                                     window_size=window, **cap)
+                                     window_size=window, sinks=sinks, **cap)
         return out[None], None
     out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window, sinks=sinks,
                     **cap)

@@ -19,10 +19,11 @@ from torch import Tensor
 
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
+from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
 from ._checks import check_tensors
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
-from .functional import _autocast, check_flash_defaults, default_smooth_k
+from .functional import _autocast, _once_differentiable, check_flash_defaults, default_smooth_k
 
 __all__ = ["flash_attn_varlen_func"]
 
@@ -32,12 +33,14 @@ def _offsets(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, on_gpu: bool) -
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                 options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
+                 options: AttentionOptions, return_lse: bool = False) -> tuple:
+    """(out, lse2, k_mean), with ``return_lse`` also the natural-log LSE (Hq, total_q), fourth."""
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
-    out, _, (lse2, k_mean) = run_forward(*args, options, training=True,
-                                         varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
-    return (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
-            _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
+    out, lse, (lse2, k_mean) = run_forward(*args, options, training=True, return_lse=return_lse,
+                                           varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
+    result = (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
+              _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
+    return result + (_as_tensor(lse),) if return_lse else result
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
@@ -125,12 +128,48 @@ def _backward(ctx, dout, _dlse2, _dk_mean):
 varlen_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _sink_forward(q, k, v, sinks, offsets, options: AttentionOptions) -> tuple:
+    """The sink attention of a packed batch (sagebwd_cp/sinks.py, its rows one batch of total_q): (out, lse2,
+    k_mean, lse), both LSEs (Hq, total_q) with the sinks."""
+    out, lse2, k_mean, lse = forward_impl(q, k, v, *offsets, options, return_lse=True)
+    out, lse, lse2 = join_sinks(out[None], lse[None], lse2[None], sinks.detach(), "NHD")
+    return out[0], lse2[0].contiguous(), k_mean, lse[0]
+
+
+class _VarlenSinkAttention(torch.autograd.Function):
+    """A packed batch's attention with sinks around the kernels (functional._SinkAttention's, per packed row)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, options):
+        out, lse2, k_mean, lse = _sink_forward(q, k, v, sinks, (cu_q, cu_k, max_q, max_k), options)
+        ctx.save_for_backward(q, k, v, out, lse2, k_mean, lse, sinks, cu_q, cu_k)
+        ctx.lengths, ctx.options = (max_q, max_k), options
+        return out
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse2, k_mean, lse, sinks, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = backward_impl(q, k, v, out, lse2, k_mean, dout, cu_q, cu_k, *ctx.lengths, ctx.options)
+        need = ctx.needs_input_grad
+        dsinks = sinks_grad(out[None], lse[None], dout[None], sinks, "NHD") if need[3] else None
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dsinks) + (None,) * 5
+
+
+@torch.compiler.disable  # (as functional's sinks: a graph break)
+def _varlen_attention_with_sinks(q, k, v, sinks, cu_q, cu_k, max_q, max_k, options: AttentionOptions) -> Tensor:
+    check_sinks(sinks, q.shape[1], q)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, sinks)):
+        return _VarlenSinkAttention.apply(q, k, v, sinks, cu_q, cu_k, max_q, max_k, options)
+    return _sink_forward(q, k, v, sinks, (cu_q, cu_k, max_q, max_k), options)[0]
+
+
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table=None, *, smooth_k: bool | None = None,
-                           granularity: str = "fine") -> Tensor:
+                           granularity: str = "fine", sinks: Optional[Tensor] = None) -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_varlen_func``: q (total_q, Hq, D), k and v (total_k,
     Hkv, D), Hq a multiple of Hkv; sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
     cu_seqlens_k[b].. of k and v (int32, batch + 1 entries, on q's device); ``max_seqlen_*`` (ints) at
@@ -140,9 +179,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     ``softcap`` > 0: logit soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).
     ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
-    (ValueError otherwise); ``smooth_k`` (default: on, off with ``softcap``) and ``granularity`` are this
-    library's options (``sagebwd_cp.torch.attention``)."""
-    check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
+    (ValueError otherwise); ``smooth_k`` (default: on, off with ``softcap``), ``granularity`` and ``sinks``
+    (Hq,), attention sinks with their gradient (a graph break under torch.compile), are this library's
+    options (``sagebwd_cp.torch.attention``)."""
+    check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k, sinks", q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
+                  optional=("sinks",))
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
                                layout="THD", granularity=granularity, deterministic=deterministic,
@@ -151,5 +192,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
+    if sinks is not None:
+        return _varlen_attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            options)
     out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
     return out
