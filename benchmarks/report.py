@@ -1,10 +1,11 @@
-"""The benchmark and accuracy report: speed, accuracy and memory in one call (what the measuring
-scripts share is in report_common.py).
+"""The benchmark and accuracy report: speed, accuracy, memory, and sliding windows and soft-capping, in
+one call (what the measuring scripts share is in report_common.py).
 
     python benchmarks/report.py --all [--install] [--results-dir DIR] [--quick]
 
-``--all`` runs report_speed.py, report_accuracy.py and report_memory.py (each writes one JSON file
-into DIR/<device>/, DIR defaulting to benchmarks/results), then renders the Markdown tables and
+``--all`` runs report_speed.py, report_accuracy.py, report_memory.py and bench_windows.py (each writes
+one JSON file into DIR/<device>/, DIR defaulting to benchmarks/results; the windows' with its Markdown
+table beside it, windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN), then renders the Markdown tables and
 charts next to them (README.md is left alone here: run render_report.py for that).  ``--install``
 first installs the checkout (editable, no dependencies) and any wheel in benchmarks/wheels/.
 """
@@ -44,14 +45,15 @@ def main(argv=None) -> int:
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--windows", action="store_true", help="sliding windows and soft-capping (bench_windows.py)")
     ap.add_argument("--install", action="store_true", help="pip install -e . and benchmarks/wheels/*.whl first")
     ap.add_argument("--results-dir", default=DEFAULT_RESULTS, help="parent of the <device>/ folder")
     ap.add_argument("--quick", action="store_true", help="a short smoke run of each")
     ap.add_argument("--no-render", action="store_true", help="write the JSON files only")
     args = ap.parse_args(argv)
-    parts = [p for p in ("speed", "accuracy", "memory") if args.all or getattr(args, p)]
+    parts = [p for p in ("speed", "accuracy", "memory", "windows") if args.all or getattr(args, p)]
     if not parts:
-        ap.error("name what to measure: --all, or any of --speed --accuracy --memory")
+        ap.error("name what to measure: --all, or any of --speed --accuracy --memory --windows")
 
     if args.install and _install():
         log("install failed")
@@ -64,12 +66,16 @@ def main(argv=None) -> int:
         # sticky CUDA error) in one measurement cannot take the others down.
         start = time.time()
         cmd = [sys.executable, os.path.join(HERE, f"report_{part}.py"), *common]
+        if part == "windows":
+            quick = ["--shapes", "1x16x4x4096x1024", "--reps", "3"] if args.quick else []
+            cmd = [sys.executable, os.path.join(HERE, "bench_windows.py"), "--softcap", "30", *quick,
+                   "--json", os.path.join(target, "windows.json")]
         log("$ " + " ".join(cmd))
         rc = subprocess.call(cmd, cwd=ROOT)
         times[part] = time.time() - start
         if rc:
             failed.append(part)
-    if not args.no_render:
+    if not args.no_render and set(parts) & {"speed", "accuracy", "memory"}:  # (bench_windows renders its own)
         try:
             render_report.render(target, readme=None)
             loaded = [render_report.load(os.path.join(target, f"{n}.json")) for n in ("speed", "accuracy", "memory")]
