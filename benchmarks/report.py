@@ -59,6 +59,7 @@ def main(argv=None) -> int:
         log("install failed")
         return 1
     target = device_dir(args.results_dir, cuda_device_name())  # exits here without a GPU
+    os.makedirs(target, exist_ok=True)
     common = ["--results-dir", args.results_dir] + (["--quick"] if args.quick else [])
     failed, times = [], {}
     for part in parts:
