@@ -302,6 +302,8 @@ def _time_context_parallel(d: Dist, q, k, v, do, causal: bool, iters: int):
     import torch
     import torch.nn.functional as F
 
+    if not d.cuda:  # torch registers no sharding strategy for SDPA's CPU kernels: it fails after seconds of tracing
+        return None, "context_parallel over SDPA runs on CUDA tensors only; not timed on the CPU"
     found, why = _context_parallel_available()
     if found is None:
         return None, why

@@ -7,7 +7,8 @@
 // it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
 // for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
-// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO); from specs.py
+// Compile-time: SB_DP (the padded head dim, D_pad), SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of
+// V and dO); from specs.py
 // SB_QUANT_THREADS (quantize_tensors' largest CTA: D_pad threads), SB_QUANT_CHUNKS (tokens a thread owns),
 // SB_SUM_THREADS (token_sum's CTA) and SB_TOKEN_PAD.
 #include "common.cuh"
@@ -23,6 +24,8 @@
 #define QUANT_MEAN_GIVEN 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
+constexpr int D_PAD = SB_DP;                     // the module's head dim, padded
+static_assert(D_PAD == 64 || D_PAD == 128, "the head dim padded to 64 or 128");
 constexpr int QTHREADS_MAX = SB_QUANT_THREADS;  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
 constexpr int SUM_THREADS = SB_SUM_THREADS;     // token_sum
 static_assert(QTHREADS_MAX == 128, "D_pad threads, the head dim padded to 64 or 128");
@@ -308,17 +311,15 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
-    // One instantiation per head dim and per step the job needs (uniform across the CTA).
+    // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).
     if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
-        p.D_pad == 64 ? quantize_blocks<64, false, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true, true>(SB_JOB_ARGS);
-    } else if (p.D_pad == 64) {
-        if (shift) prescale ? quantize_blocks<64, true, true>(SB_JOB_ARGS) : quantize_blocks<64, false, true>(SB_JOB_ARGS);
-        else prescale ? quantize_blocks<64, true, false>(SB_JOB_ARGS) : quantize_blocks<64, false, false>(SB_JOB_ARGS);
+        quantize_blocks<D_PAD, false, true, true>(SB_JOB_ARGS);
+    } else if (shift) {
+        prescale ? quantize_blocks<D_PAD, true, true>(SB_JOB_ARGS) : quantize_blocks<D_PAD, false, true>(SB_JOB_ARGS);
     } else {
-        if (shift) prescale ? quantize_blocks<128, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true>(SB_JOB_ARGS);
-        else prescale ? quantize_blocks<128, true, false>(SB_JOB_ARGS) : quantize_blocks<128, false, false>(SB_JOB_ARGS);
+        prescale ? quantize_blocks<D_PAD, true, false>(SB_JOB_ARGS) : quantize_blocks<D_PAD, false, false>(SB_JOB_ARGS);
     }
 #undef SB_JOB_ARGS
 #undef SB_JOB

@@ -171,3 +171,54 @@ def test_gpu_chunked_attention_with_a_window_or_a_soft_cap(kernels, dtype, d, ca
     assert rel_l2(o, ro) < 1.5 * rel_l2(o1, ro) + 2e-3
     for a, b, r in zip(grads, g1, rgrads):
         assert a.dtype == q.dtype and rel_l2(a, r) < 1.5 * rel_l2(b, r) + 2e-3
+
+
+def _two_gpu_worker(rank, store, results):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        for i, opts in enumerate(TWO_GPU_CASES):
+            q, k, v, do = _two_gpu_inputs(i, f"cuda:{rank}")
+            q, k, v = (st.zigzag_shard(x, rank, 2, 1).detach().requires_grad_() for x in (q, k, v))
+            out = st.ring_attention(q, k, v, layout="NHD", **opts)
+            grads = torch.autograd.grad(out, (q, k, v), st.zigzag_shard(do, rank, 2, 1))
+            torch.save({"out": out.detach().cpu(), "grads": [g.cpu() for g in grads]}, f"{results}/{i}_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+TWO_GPU_CASES = [dict(causal=True, window_size=(1000, -1)), dict(causal=True, softcap=20.0, smooth_k=False),
+                 dict(causal=False, window_size=(700, 300))]
+
+
+def _two_gpu_inputs(i, device):
+    g = torch.Generator().manual_seed(20 + i)
+    make = lambda h: torch.randn((1, 4096, h, 128), generator=g).to(device=device, dtype=torch.bfloat16)  # noqa: E731
+    return make(8), make(2), make(2), make(8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_ring_attention_with_windows_and_a_soft_cap_on_two_gpus(tmp_path):
+    """NCCL, two ranks with zig-zag shards of 4096 tokens: each rank's rows (output and gradients) within
+    what one call errs against exact attention, for a causal window, a soft cap and a two-sided window."""
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.start_processes(_two_gpu_worker, args=(str(tmp_path / "store"), str(results)), nprocs=2, join=True,
+                       start_method="spawn")
+    for i, opts in enumerate(TWO_GPU_CASES):
+        q, k, v, do = _two_gpu_inputs(i, "cuda:0")
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        o1 = st.attention(q, k, v, layout="NHD", **opts)
+        g1 = torch.autograd.grad(o1, (q, k, v), do)
+        parts = [torch.load(results / f"{i}_{r}.pt") for r in range(2)]
+        whole = lambda pick: st.zigzag_unshard([pick(p) for p in parts], 1)  # noqa: E731
+        mask = dict(causal=opts["causal"], window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0))
+        ro, rgrads = _exact(q.cpu(), k.cpu(), v.cpu(), do.cpu(), "NHD", **mask)
+        assert rel_l2(whole(lambda p: p["out"]), ro) < 1.5 * rel_l2(o1, ro) + 2e-3, i
+        for j, (b, r) in enumerate(zip(g1, rgrads)):
+            assert rel_l2(whole(lambda p: p["grads"][j]), r) < 1.5 * rel_l2(b, r) + 2e-3, (i, j)
