@@ -43,11 +43,13 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 
 constexpr int GROUP = SB_QUANT_CHUNKS;  // tokens a thread owns (one group of the fragment token order)
 static_assert(GROUP == 16, "a thread's tokens are one group of the fragment token order");
+// Sized for the module's head dim (its CTAs have D_PAD threads): at d=64 a quarter of d=128's, so that
+// shared memory admits more CTAs an SM.
 struct QuantizeShared {
-    float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
+    float red[D_PAD / 32];                     // warp maxima (per-block scales at DPAD = 128)
     union {
-        double colsum[QTHREADS_MAX / 32][128];  // a warp's column sums (Q-smoothing at DPAD = 128)
-        float mean[QTHREADS_MAX];               // μ per column (K-smoothing from token_sum's parts)
+        double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing at DPAD = 128)
+        float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
 };
 
