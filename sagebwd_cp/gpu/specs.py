@@ -80,9 +80,8 @@ def _token_pad() -> dict:
     return {"SB_TOKEN_PAD": TOKEN_PAD}
 
 
-def quantize_spec(dp: int, dtype: str, varlen: bool = False) -> KernelSpec:
-    """The pre-pass of one padded head dim (a module holds one head dim's instantiations: half the compile)."""
-    return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], {"SB_DP": dp, **_dtype(dtype, varlen)},
+def quantize_spec(dtype: str, varlen: bool = False) -> KernelSpec:
+    return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], _dtype(dtype, varlen),
                  {**_token_pad(), "SB_QUANT_THREADS": QUANT_THREADS, "SB_QUANT_CHUNKS": QUANT_CHUNKS,
                   "SB_SUM_THREADS": SUM_THREADS})
 
@@ -437,8 +436,8 @@ def all_specs(arch: str | None = None) -> list:
     The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
     limit = arch_shared_limit(arch)
-    specs = [s(dt, varlen) for s in (lse_spec, backward_rows_spec) for dt in DTYPES for varlen in (False, True)]
-    specs += [quantize_spec(dp, dt, varlen) for dp in PADDED_HEAD_DIMS for dt in DTYPES for varlen in (False, True)]
+    specs = [s(dt, varlen) for s in (quantize_spec, lse_spec, backward_rows_spec) for dt in DTYPES
+             for varlen in (False, True)]
     specs += [bias_spec(dt) for dt in DTYPES]
     specs += [ceiling_spec()] + ([ceiling_spec(wgmma=True)] if arch in WGMMA_ARCHS else [])
     # Packed batches (varlen) have no Q-smoothing variants.
