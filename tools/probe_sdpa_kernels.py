@@ -9,6 +9,32 @@ import argparse
 import collections
 
 
+def kernel_times(step, reps: int) -> dict:
+    """{kernel name: GPU µs a call} of ``step`` (three warm-up calls, then ``reps`` under torch's profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] += e.device_time_total / reps
+    return dict(per)
+
+
+def print_kernel_times(title: str, per: dict, width: int = 110) -> None:
+    total = sum(per.values())
+    print(f"{title}: kernels {total:.1f} us a step")
+    for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:width]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=(2048, 8192))
@@ -22,8 +48,6 @@ def main():
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
-
     dtype = getattr(torch, args.dtype)
     print(torch.cuda.get_device_name(0), args.dtype, "causal" if args.causal else "non-causal")
     for d in args.head_dims:
@@ -37,21 +61,7 @@ def main():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=args.gqa > 1)
                 torch.autograd.grad(out, (q, k, v), do)
 
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.reps):
-                    step()
-                torch.cuda.synchronize()
-            per = collections.defaultdict(float)
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    per[e.name] += e.device_time_total / args.reps
-            total = sum(per.values())
-            print(f"d={d} N={n} B={b} H={h}/{h // args.gqa}: kernels {total:.1f} us a step")
-            for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
-                print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:110]}")
+            print_kernel_times(f"d={d} N={n} B={b} H={h}/{h // args.gqa}", kernel_times(step, args.reps))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ backward's row statistics and dQ conversion).
 from __future__ import annotations
 
 import argparse
-import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_sdpa_kernels import kernel_times, print_kernel_times  # noqa: E402
 
 
 def main():
@@ -20,7 +24,6 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import sagebwd_cp
 
@@ -36,21 +39,7 @@ def main():
             _, saved = sagebwd_cp.attention_forward(q, k, v, **kw)
             sagebwd_cp.attention_backward(saved, do)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.reps):
-                step()
-            torch.cuda.synchronize()
-        per = collections.defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name] += e.device_time_total / args.reps
-        total = sum(per.values())
-        print(f"{'causal' if window is None else f'window {window}'}: kernels {total:.1f} us a step")
-        for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
-            print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:90]}")
+        print_kernel_times("causal" if window is None else f"window {window}", kernel_times(step, args.reps), 90)
 
 
 if __name__ == "__main__":
