@@ -15,7 +15,7 @@
 // dK leaves with the factor ln 2 (Q̂ carries c·log2 e); dQ's factor c is applied by dq_convert.
 //
 // Compile-time parameters:
-//   SB_DP      padded head dim (64 or 128)       SB_BF16           16-bit dtype bf16 (else fp16)
+//   SB_DP      padded head dim (64, 128 or 256)  SB_BF16           16-bit dtype bf16 (else fp16)
 //   SB_CAUSAL  bottom-right aligned causal mask   SB_BIAS           Q-smoothing (bias in S, exact dK term)
 //   SB_FINE    granularity (1 fine, 0 paper)      SB_DETERMINISTIC  dQ added in key-block order
 //   SB_STAGES  query-side buffers in flight (1 or 2)
@@ -45,6 +45,12 @@ static_assert(DQ_PITCH >= DP && DQ_PITCH % 2 == 0, "dq_acc rows hold the head di
 constexpr int QW = BQ / 2;       // queries per warp
 constexpr int NT_Q = QW / 8;     // n-tiles of a warp's Sᵀ
 constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
+// Head dims above 128: two passes over the query blocks, each accumulating dK, dV and dQ for a half of the head
+// dim (Sᵀ, dPᵀ and the quantized dS recomputed, the same values both times): a warp then holds dK and dV for
+// DP/4 columns, the registers of d=128. Not with the deterministic dQ order (one turn sequence a query block).
+constexpr int D_PASSES = DP > 128 ? 2 : 1;
+constexpr int NT_H = NT_D / (2 * D_PASSES);  // n-tiles a warp accumulates: its query half's share of a pass
+static_assert(D_PASSES == 1 || !SB_DETERMINISTIC, "deterministic dQ takes head dims up to 128");
 constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
 // dŜ rows (queries), padded: conflict-free byte stores and ldmatrix.
@@ -159,15 +165,15 @@ SB_DEVICE void both_halves(u32 (&af)[2][4], const u32 (&own)[4], uint4 other, in
 }
 
 template <bool UNSIGNED_A>
-SB_DEVICE void mma_rows_into(float (&acc)[NT_D / 2][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl, int dh,
+SB_DEVICE void mma_rows_into(float (&acc)[NT_H][4], const u32 (&a)[2][4], u32 tile, const Lanes<BQ>& bl, int dh,
                               const float (&factor)[2]) {
 #pragma unroll
-    for (int n = 0; n < NT_D / 2; n += 2) {
+    for (int n = 0; n < NT_H; n += 2) {
         int p[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             u32 bf[4];
-            ldmatrix_x4(bf, bl.at(tile, kk, (dh * NT_D / 2 + n) / 2));
+            ldmatrix_x4(bf, bl.at(tile, kk, (dh * NT_H + n) / 2));
             const u32 b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
             if (UNSIGNED_A) {
                 mma_u8s8_16832(p[0], a[kk], b0);
@@ -257,6 +263,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     int h = h_first, i = i_start, nh = h_first, ni = i_start;
     auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
 
+    for (int pass = 0; pass < D_PASSES; ++pass) {
+    const int dh = pass * 2 + qh;  // this warp's NT_H n-tiles of dK, dV and dQ start at n-tile dh·NT_H
+    if (pass > 0) {
+        __syncthreads();  // every warp is done with the stages of the last pass
+        h = nh = h_first;
+        i = ni = i_start;
+    }
     if (n_it > 0) {
         load_stage(nh, ni, 0);
         advance(nh, ni);
@@ -272,9 +285,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const Lanes<BQ> b_t = b_lanes<BQ>(lane);  // Q̂ᵀ, dÔᵀ, K̂ᵀ: [DP][64] tiles
     // dQ: warp w computes query rows 16·(w%4).. of the tile over head-dim half w/4.
     const u32 ds_lane = smem_u32(ds_tile) + (kw * 16 + ((lane >> 3 & 1) << 3) + (lane & 7)) * DS_PITCH + (lane >> 4) * 16;
-    float dk[NT_D / 2][4], dv[NT_D / 2][4];  // keys krow, krow+8 x head-dim half qh
+    float dk[NT_H][4], dv[NT_H][4];  // keys krow, krow+8 x the warp's columns
 #pragma unroll
-    for (int n = 0; n < NT_D / 2; ++n)
+    for (int n = 0; n < NT_H; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
 
@@ -452,7 +465,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         {
             u32 af[2][4];
             both_halves(af, pf, frags[(warp ^ KEY_GROUPS) * 32 + lane], qh);
-            mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, qh, fac_v);
+            mma_rows_into<SB_FINE>(dv, af, st + SDOT, b_t, dh, fac_v);
         }
 
         // Ŷ for dQ, stored [query][key]; per query (fine) or the tile's scale (paper). Fine: the
@@ -512,15 +525,15 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         {
             u32 af[2][4];
             both_halves(af, dsf, frags[(WARPS + (warp ^ KEY_GROUPS)) * 32 + lane], qh);
-            mma_rows_into<false>(dk, af, st + SQT, b_t, qh, fac_k);
+            mma_rows_into<false>(dk, af, st + SQT, b_t, dh, fac_k);
         }
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q, colsum over both query halves.
             const float r0 = red[RED_RS + krow] + red[RED_RS + BKV + krow];
             const float r1 = red[RED_RS + krow + 8] + red[RED_RS + BKV + krow + 8];
-            const float* mu = a.q_mean + (seq.q_block0(h) + i) * DP + qh * (DP / 2);
+            const float* mu = a.q_mean + (seq.q_block0(h) + i) * DP + dh * NT_H * 8;
 #pragma unroll
-            for (int n = 0; n < NT_D / 2; ++n) {
+            for (int n = 0; n < NT_H; ++n) {
                 const float m0 = mu[n * 8 + 2 * t], m1 = mu[n * 8 + 2 * t + 1];
                 dk[n][0] = fmaf(r0, m0, dk[n][0]);
                 dk[n][1] = fmaf(r0, m1, dk[n][1]);
@@ -546,8 +559,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
             // dq_acc spans Nq_pad x DQ_PITCH: padded rows and columns take (zero) updates, so no bounds checks.
             float* dq_lo = a.dq_acc + ((SB_VARLEN ? seq.q_row0(h) : bhq * seq.nq_pad()) + q0 + r_lo) * DQ_PITCH + 2 * t;
 #pragma unroll
-            for (int ndh = 0; ndh < NT_D / 2; ndh += 2) {
-                const int nd = qh * (NT_D / 2) + ndh;
+            for (int ndh = 0; ndh < NT_H; ndh += 2) {
+                const int nd = dh * NT_H + ndh;
                 int pq[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk) {
@@ -578,7 +591,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         cp_async_commit();
     }
 
-    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this warp's head-dim half, in the input dtype.
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this warp's columns, in the input dtype.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = key_lo + 8 * half;
@@ -586,12 +599,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         u16* kr = a.dk + seq.key_token(a.kb, a.kh, a.kn, hk, key);
         u16* vr = a.dv + seq.key_token(a.wb, a.wh, a.wn, hk, key);
 #pragma unroll
-        for (int n = 0; n < NT_D / 2; ++n) {
-            const int col = (qh * (NT_D / 2) + n) * 8 + 2 * t;
+        for (int n = 0; n < NT_H; ++n) {
+            const int col = (dh * NT_H + n) * 8 + 2 * t;
             if (col >= a.D) continue;
             *reinterpret_cast<u32*>(kr + col) =
                 pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f, dk[n][2 * half + 1] * 0.6931471805599453f);
             *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
         }
     }
+    }  // pass
 }

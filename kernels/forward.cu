@@ -3,7 +3,7 @@
 // accumulation, output in the input dtype, base-2 LSE saved ([B][Hq][Lq]). Numerics: sagebwd_cp/numerics.py.
 //
 // Compile-time parameters:
-//   SB_DP       padded head dim (64 or 128)           SB_BF16    output dtype bf16 (else fp16)
+//   SB_DP       padded head dim (64, 128 or 256)      SB_BF16    output dtype bf16 (else fp16)
 //   SB_CAUSAL   bottom-right aligned causal mask       SB_BIAS    Q-smoothing bias add-back
 //   SB_WARPS    warps per CTA                          SB_MT      16-row m-tiles per warp
 //   SB_WGMMA    sm_90a: S and P̂V̂ as warpgroup products (wgmma) on shared tiles in wgmma layouts,
@@ -43,14 +43,19 @@ static_assert(SB_GRID_ORDER == BLOCKS_FIRST || HEADS_BATCH_GRID, "(blocks, heads
 constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
-constexpr int NT_D = DP / 8;                  // n-tiles of O over the head dim
+// Head dims above 128: O in two passes over the key tiles, a half of the head dim each (S and P̂ recomputed,
+// the same values both times), so that a thread holds O for DP/2 columns (the registers of d=128).
+constexpr int O_PASSES = DP > 128 ? 2 : 1;
+constexpr int DO = DP / O_PASSES;             // O's columns a pass
+constexpr int NT_D = DO / 8;                  // n-tiles of O over a pass's columns
 constexpr bool WG = SB_WGMMA;
+static_assert(!WG || O_PASSES == 1, "the wgmma forward takes head dims up to 128");
 // Shared memory: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's per-token K scales (f32).
 // wgmma tiles start on their swizzle atom (1024 bytes covers both), so a stage's scales take 1024
 // bytes (their padding) and the dynamic base is aligned inside 1024 bytes of slack.
 struct ForwardStage {
     i8 k[TILE * DP];
-    i8 vt[DP * TILE];
+    i8 vt[DO * TILE];           // the pass's rows of V̂ᵀ
     float k_scale[WG ? 1024 / 4 : TILE];
 };
 struct ForwardShared {
@@ -122,14 +127,17 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const u32 sQ = WG ? (smem_u32(smem) + 1023u) & ~1023u : smem_u32(smem);
     const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
-    const u32 q_desc = WG ? wgmma_desc_lo<DP>(sQ) : 0;  // Q̂ tile's descriptor (low word)
+    u32 q_desc = 0;  // Q̂ tile's descriptor (low word)
+    if constexpr (WG) q_desc = wgmma_desc_lo<DP>(sQ);
     const i8* kg = p.k8 + seq.k_row0(hk) * DP;
     const i8* vg = p.vt8 + seq.kt_base(hk, DP);
     const float* ksg = p.k_scale + seq.k_row0(hk);
-    // K̂, V̂ᵀ and the K scales of key tile jj into stage `at`.
+    int pass = 0;  // O_PASSES: the half of the head dim whose O this pass accumulates
+    // K̂, the pass's rows of V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
         load_tile<DP, TILE, THREADS, WG>(at, kg + static_cast<i64>(jj) * TILE * DP, DP);
-        load_tile<TILE, DP, THREADS, WG>(at + K_BYTES, vg + jj * TILE, seq.nk_pad());
+        load_tile<TILE, DO, THREADS, WG>(at + K_BYTES, vg + static_cast<i64>(pass) * DO * seq.nk_pad() + jj * TILE,
+                                         seq.nk_pad());
         if (threadIdx.x < KS_BYTES / 16) cp_async_16(at + K_BYTES + V_BYTES + 16 * threadIdx.x, ksg + jj * TILE + 4 * threadIdx.x);
     };
 
@@ -177,6 +185,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const LaneOffsets<DP, KSTEPS_D> k_lanes = b_pair_lanes<DP, KSTEPS_D>(lane);
     const LaneOffsets<TILE, KSTEPS_P> v_lanes = b_pair_lanes<TILE, KSTEPS_P>(lane);
 
+    for (; pass < O_PASSES; ++pass) {
+    if (pass > 0) {  // the first key tile again, now with the next half of V̂ᵀ (the last pass's reads are done)
+        if (n_tiles > j_first) load_stage(sKV + (j_first & 1) * STAGE_BYTES, j_first);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
     float o[SB_MT][NT_D][4];
     float m_ref[SB_MT][2], l_run[SB_MT][2];
 #pragma unroll
@@ -313,7 +328,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #if SB_WGMMA
         // 64 head-dim columns per product, one after the other: a 32-register accumulator.
 #pragma unroll
-        for (int dh = 0; dh < DP / 64; ++dh) {
+        for (int dh = 0; dh < DO / 64; ++dh) {
             int pv[8][4];
             wgmma_fence();
 #pragma unroll
@@ -374,10 +389,12 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
-            store_row<SB_BF16>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D, t,
-                               [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row); }, p.lse2, [&] {
+            store_row<SB_BF16>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D - pass * DO, t,
+                               [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row) + pass * DO; },
+                               pass == O_PASSES - 1 ? p.lse2 : nullptr, [&] {
                                    return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;
                                });
         }
     }
+    }  // pass
 }

@@ -7,7 +7,8 @@
 // it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
 // for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
-// Compile-time: SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of V and dO); from specs.py
+// Compile-time: SB_DP (the padded head dim, D_pad), SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of
+// V and dO); from specs.py
 // SB_QUANT_THREADS (quantize_tensors' largest CTA: D_pad threads), SB_QUANT_CHUNKS (tokens a thread owns),
 // SB_SUM_THREADS (token_sum's CTA) and SB_TOKEN_PAD.
 #include "common.cuh"
@@ -23,9 +24,12 @@
 #define QUANT_MEAN_GIVEN 4
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
-constexpr int QTHREADS_MAX = SB_QUANT_THREADS;  // quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens)
+constexpr int D_PAD = SB_DP;                     // the module's head dim, padded
+static_assert(D_PAD == 64 || D_PAD == 128 || D_PAD == 256, "the head dim padded to 64, 128 or 256");
+// quantize_tensors: D_pad threads a CTA (two blocks of 64 tokens); launch bounds of at least SB_QUANT_THREADS
+constexpr int QTHREADS_MAX = D_PAD > SB_QUANT_THREADS ? D_PAD : SB_QUANT_THREADS;
 constexpr int SUM_THREADS = SB_SUM_THREADS;     // token_sum
-static_assert(QTHREADS_MAX == 128, "D_pad threads, the head dim padded to 64 or 128");
+static_assert(QTHREADS_MAX >= D_PAD, "D_pad threads a CTA");
 static_assert(SB_TOKEN_PAD % (2 * QBLOCK) == 0, "a CTA's two blocks lie in one tensor's padded rows");
 
 // Byte transpose: words a, b, c, d hold bytes 0-3 of four tokens; out[n] holds byte n of each, in that order.
@@ -40,11 +44,13 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 
 constexpr int GROUP = SB_QUANT_CHUNKS;  // tokens a thread owns (one group of the fragment token order)
 static_assert(GROUP == 16, "a thread's tokens are one group of the fragment token order");
+// Sized for the module's head dim (its CTAs have D_PAD threads): at d=64 a quarter of d=128's, so that
+// shared memory admits more CTAs an SM.
 struct QuantizeShared {
-    float red[QTHREADS_MAX / 32];              // warp maxima (per-block scales at DPAD = 128)
+    float red[D_PAD / 32];                     // warp maxima (per-block scales at DPAD = 128)
     union {
-        double colsum[QTHREADS_MAX / 32][128];  // a warp's column sums (Q-smoothing at DPAD = 128)
-        float mean[QTHREADS_MAX];               // μ per column (K-smoothing from token_sum's parts)
+        double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing at DPAD = 128)
+        float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
 };
 
@@ -186,10 +192,11 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     // Row maxima of |value|, a row an iteration (rolled, as the codes' loop below), 0 past N. Without a shift, on
     // the raw 16-bit values: rounding is monotonic and prescale > 0, so max|RN(x·p)| = RN(max|x|·p), and rows past
-    // N are zero. Per token, the group's L lanes combine each row's max and lane j keeps rows j·OWN.. (one or two),
+    // N are zero. Per token, the group's L lanes combine each row's max and lane j keeps rows j·OWN.. (one or two;
+    // at D_pad = 256 a group's 32 lanes outnumber its 16 rows, and lanes 16-31 keep none),
     // whose scales it forms; every thread keeps the max over its rows for the block's scale.
     const bool per_token = flags & QUANT_PER_TOKEN;
-    constexpr int OWN = GROUP / L;
+    constexpr int OWN = GROUP / L > 0 ? GROUP / L : 1, OWNERS = GROUP / OWN;  // OWNERS: the lanes that keep rows
     static_assert(OWN == 1 || OWN == 2, "a lane owns the scales of one or two rows");
     float own_max[OWN], thread_max = 0.f;
 #pragma unroll
@@ -237,7 +244,8 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     if (per_token) {
         if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + row0 / QBLOCK + blk : nullptr);
 #pragma unroll
-        for (int x = 0; x < OWN; ++x) own_inv[x] = psi_inverse(own_max[x], scale_out + row0 + tok0 + (lane % L) * OWN + x);
+        for (int x = 0; x < OWN; ++x)
+            own_inv[x] = psi_inverse(own_max[x], lane % L < OWNERS ? scale_out + row0 + tok0 + (lane % L) * OWN + x : nullptr);
     } else {
         block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + row0 / QBLOCK + blk : nullptr);
     }
@@ -308,17 +316,15 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
-    // One instantiation per head dim and per step the job needs (uniform across the CTA).
+    // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).
     if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
-        p.D_pad == 64 ? quantize_blocks<64, false, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true, true>(SB_JOB_ARGS);
-    } else if (p.D_pad == 64) {
-        if (shift) prescale ? quantize_blocks<64, true, true>(SB_JOB_ARGS) : quantize_blocks<64, false, true>(SB_JOB_ARGS);
-        else prescale ? quantize_blocks<64, true, false>(SB_JOB_ARGS) : quantize_blocks<64, false, false>(SB_JOB_ARGS);
+        quantize_blocks<D_PAD, false, true, true>(SB_JOB_ARGS);
+    } else if (shift) {
+        prescale ? quantize_blocks<D_PAD, true, true>(SB_JOB_ARGS) : quantize_blocks<D_PAD, false, true>(SB_JOB_ARGS);
     } else {
-        if (shift) prescale ? quantize_blocks<128, true, true>(SB_JOB_ARGS) : quantize_blocks<128, false, true>(SB_JOB_ARGS);
-        else prescale ? quantize_blocks<128, true, false>(SB_JOB_ARGS) : quantize_blocks<128, false, false>(SB_JOB_ARGS);
+        prescale ? quantize_blocks<D_PAD, true, false>(SB_JOB_ARGS) : quantize_blocks<D_PAD, false, false>(SB_JOB_ARGS);
     }
 #undef SB_JOB_ARGS
 #undef SB_JOB

@@ -63,7 +63,7 @@ import math
 
 import numpy as np
 
-PADDED_HEAD_DIMS = (64, 128)  # the kernels' head dims; a head dim runs padded to the next of them
+PADDED_HEAD_DIMS = (64, 128, 256)  # the kernels' head dims; a head dim runs padded to the next of them
 
 
 def padded_head_dim(head_dim: int) -> int:

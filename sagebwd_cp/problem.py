@@ -18,6 +18,7 @@ from .options import AttentionOptions
 KERNEL_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
 MAX_HEAD_DIM = PADDED_HEAD_DIMS[-1]
+WIDE_HEAD_DIM = 128  # above it: the two-pass kernels, with fewer options (check_wide_options)
 
 
 @dataclasses.dataclass
@@ -156,6 +157,8 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
         raise ValueError(f"q, k: expected the same head_dim, got {dq} and {dk}")
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:
         raise ValueError(f"head_dim: expected a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dq}")
+    if dq > WIDE_HEAD_DIM:
+        check_wide_options(dq, options)
     if hk < 1 or hq % hk:
         raise ValueError(f"heads: expected the query heads ({hq}) to be a multiple of the key/value heads ({hk})")
     if bq < 1 or lq < 1 or lk < 1 or hq < 1:
@@ -167,6 +170,16 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dq)
     return AttentionProblem(qd, kd, vd, options, bq, hq, hk, lq, lk, dq, qd.dtype, softmax_scale, on_gpu)
+
+
+def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
+    """Head dims above WIDE_HEAD_DIM run kernels (two passes over the head dim) built without Q-smoothing,
+    the deterministic dQ order and the paper granularity."""
+    for refused, what in ((options.smooth_q, "smooth_q=True"), (options.deterministic, "deterministic=True"),
+                          (options.granularity != "fine", f"granularity={options.granularity!r}")):
+        if refused:
+            raise ValueError(f"head_dim: head dims above {WIDE_HEAD_DIM} (got {head_dim}) take no {what}: its kernels "
+                             f"are built up to head dim {WIDE_HEAD_DIM}")
 
 
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:

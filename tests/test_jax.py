@@ -147,7 +147,7 @@ def test_errors_name_the_argument(jax_cpu):
         jax.jit(lambda x: sagebwd_cp.attention(x, x, x))(q)
     with pytest.raises(ValueError, match=r"out: JAX arrays are immutable"):
         sagebwd_cp.attention(q, q, q, out=q)
-    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8 between 8 and 128, got 60"):
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8 between 8 and 256, got 60"):
         jax.jit(lambda x: sj.attention(x, x, x))(q[..., :60])
     with pytest.raises(ValueError, match=r"heads: expected the query heads \(2\) to be a multiple"):
         sj.attention(q, q[:, :1].repeat(3, axis=1), q[:, :1].repeat(3, axis=1))

@@ -84,8 +84,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if value.shape[-1] != query.shape[-1]:  # MLA (DeepSeek-V3): 192 for Q·K, 128 for V
         raise _refuse(f"a value head dim ({value.shape[-1]}) other than the query/key head dim ({query.shape[-1]}), "
                       "as multi-head latent attention has")
-    if query.shape[-1] > 128:
-        raise _refuse(f"head dim {query.shape[-1]} (the kernels take up to 128)")
+    if query.shape[-1] > 256:
+        raise _refuse(f"head dim {query.shape[-1]} (the kernels take up to 256)")
     # Gemma 2's logit soft-capping: on the unsmoothed scores (no K-smoothing), as the kernels define it.
     cap = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per query head

@@ -92,9 +92,9 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
-    assert dp <= specs.QUANT_THREADS, dp
+    assert dp in specs.PADDED_HEAD_DIMS, dp
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
-    plan.launch(specs.quantize_spec(prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
+    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
                                sum_parts=sum_parts),
                 shared=dp * specs.QUANT_CHUNKS * 16)
@@ -116,7 +116,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     dp = prob.padded_head_dim
     nq, nk = padded_rows(prob, "q", specs.TOKEN_PAD), padded_rows(prob, "k", key_pad)
     S = 1 if prob.varlen else B  # [S][H][N_pad] INT8 buffers: a packed batch's sequences share a head's rows
-    spec = specs.quantize_spec(prob.dtype, prob.varlen)
+    spec = specs.quantize_spec(dp, prob.dtype, prob.varlen)
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given

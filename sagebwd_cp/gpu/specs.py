@@ -80,8 +80,9 @@ def _token_pad() -> dict:
     return {"SB_TOKEN_PAD": TOKEN_PAD}
 
 
-def quantize_spec(dtype: str, varlen: bool = False) -> KernelSpec:
-    return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], _dtype(dtype, varlen),
+def quantize_spec(dp: int, dtype: str, varlen: bool = False) -> KernelSpec:
+    """The pre-pass of one padded head dim (a module holds one head dim's instantiations: half the compile)."""
+    return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], {"SB_DP": dp, **_dtype(dtype, varlen)},
                  {**_token_pad(), "SB_QUANT_THREADS": QUANT_THREADS, "SB_QUANT_CHUNKS": QUANT_CHUNKS,
                   "SB_SUM_THREADS": SUM_THREADS})
 
@@ -127,7 +128,11 @@ class ForwardTiles:
 
 
 # Best measured on an H200 that spills on no arch (docs/history/PERFORMANCE_LOG.md, forward v1).
-FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1)}
+FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1),
+                 256: ForwardTiles(warps=4, m_tiles=1)}
+# Head dims above this run the mma.sync kernels on every arch, in two passes over the head dim (forward.cu's O,
+# backward.cu's dK, dV and dQ), without Q-smoothing or the deterministic dQ order (AttentionOptions checks).
+WGMMA_MAX_HEAD_DIM = 128
 
 
 WGMMA_ARCHS = ("sm_90",)  # compiled as sm_90a
@@ -194,7 +199,7 @@ def forward_key_tile() -> int:
 
 def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     """Tiles for the forward (the plan checks that the kernel's shared layout fits the device)."""
-    if use_wgmma(arch):
+    if use_wgmma(arch) and dp <= WGMMA_MAX_HEAD_DIM:
         return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
     return FORWARD_TILES[dp]
 
@@ -273,7 +278,7 @@ def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | 
     (1-3), SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
     override its shape; the default shape per head dim is the fastest measured: three consumers, one
     product at a time, at head dim 64; one consumer, two CTAs an SM, at 128."""
-    if not use_wgmma(arch) or bias or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
+    if not use_wgmma(arch) or bias or dp > WGMMA_MAX_HEAD_DIM or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
         return None
     tiles = WsForwardTiles(consumers=3, pingpong=False) if dp == 64 else WsForwardTiles(consumers=1, pingpong=False)
     overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
@@ -379,7 +384,7 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
     one where two do not fit the device's shared memory)."""
-    wg = use_wgmma(arch)
+    wg = use_wgmma(arch) and dp <= WGMMA_MAX_HEAD_DIM
     return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
@@ -398,6 +403,11 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
             tiles = dataclasses.replace(tiles, stages=1)
+            needed = compiler.dynamic_shared_bytes(backward_spec(dp, "float16", AttentionOptions(), tiles), arch)
+            if needed > shared_limit:
+                raise ValueError(f"head_dim: the backward at head dim {dp} needs {needed} bytes of shared memory a "
+                                 f"block, and {arch} allows {shared_limit}; head dims above 128 train on sm_80, sm_90 "
+                                 f"and sm_100 (the forward alone runs everywhere)")
     return tiles, backward_spec(dp, dtype, options, tiles, varlen)
 
 
@@ -436,23 +446,32 @@ def all_specs(arch: str | None = None) -> list:
     The mma.sync backward's stage count is read from its compiled layout, so this compiles those."""
     arch = arch or "sm_90"
     limit = arch_shared_limit(arch)
-    specs = [s(dt, varlen) for s in (quantize_spec, lse_spec, backward_rows_spec) for dt in DTYPES
-             for varlen in (False, True)]
+    specs = [s(dt, varlen) for s in (lse_spec, backward_rows_spec) for dt in DTYPES for varlen in (False, True)]
+    specs += [quantize_spec(dp, dt, varlen) for dp in PADDED_HEAD_DIMS for dt in DTYPES for varlen in (False, True)]
     specs += [bias_spec(dt) for dt in DTYPES]
     specs += [ceiling_spec()] + ([ceiling_spec(wgmma=True)] if arch in WGMMA_ARCHS else [])
     # Packed batches (varlen) have no Q-smoothing variants.
     for dp in PADDED_HEAD_DIMS:
+        wide = dp > WGMMA_MAX_HEAD_DIM
+        try:
+            wide_backward = wide and bool(backward_kernel(dp, "float16", AttentionOptions(), BackwardTiles(2), arch, limit))
+        except ValueError:  # its shared memory exceeds the arch's
+            wide_backward = False
         for dt in DTYPES:
             # Masks: none, causal, a sliding window (without Q-smoothing); soft-capped causal and windowed
             # attention (unsmoothed scores, granularity "fine": AttentionOptions).
             for causal, window, cap in ((False, -1, 0.0), (True, -1, 0.0), (True, 1, 0.0), (True, -1, 1.0),
                                         (True, 1, 1.0)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    if bias and (window >= 0 or cap):
+                    if bias and (window >= 0 or cap or wide):
                         continue
                     fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
                                            smooth_k=not cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
+                    if wide:  # the mma.sync kernels alone, fine and not deterministic; the backward where it fits
+                        if wide_backward:
+                            specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
+                        continue
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))

@@ -1,0 +1,118 @@
+"""Head dims above 128 (to 256) on the GPU: the two-pass mma.sync kernels (forward.cu's O, backward.cu's dK, dV
+and dQ a half of the head dim a pass) against the emulator (same algorithm: tight) and exact FP64 attention,
+over ragged shapes, Lq != Lk, GQA, both dtypes and layouts, causal and not, windows and soft caps, packed
+batches; the options these kernels do not take are refused by name."""
+import numpy as np
+import pytest
+
+import sagebwd_cp
+from gpu_helpers import make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from sagebwd_cp.host import emulator, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+FWD_TOL = {"float16": 2e-3, "bfloat16": 8e-3}
+BWD_TOL = {"float16": 4e-3, "bfloat16": 1e-2}
+SHAPES = [(1, 2, 2, 1, 1, 256), (2, 4, 2, 300, 257, 256), (1, 2, 1, 100, 700, 192), (1, 4, 2, 700, 130, 200),
+          (1, 2, 2, 1100, 1100, 256)]
+
+
+def _grad_output(q, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
+
+
+@pytest.mark.parametrize("kernels", [{}, {"SAGEBWD_WGMMA": "0"}], ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,layout", [("float16", "HND"), ("bfloat16", "NHD")])
+def test_forward_and_backward_match_the_emulator(kernels, shape, causal, dtype, layout):
+    import torch
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout, seed=lq * 7 + lk + d)
+    do = _grad_output(q, seed=lq + 3 * lk)
+    with poisoned_workspaces():
+        out, lse = sagebwd_cp.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+        out2, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, layout=layout)
+        grads = sagebwd_cp.attention_backward(saved, do)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    host = [to_hnd_numpy(x, layout) for x in (q, k, v)]
+    o_emu, lse_emu, _ = emulator.emulate_forward(*host, causal=causal, dtype=dtype, key_tile=64)
+    o = to_hnd_numpy(out, layout)
+    assert np.isfinite(o).all() and rel_l2(o, o_emu) < FWD_TOL[dtype]
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+    state = emulator.backward_state(*host, to_hnd_numpy(out2, layout), saved.lse2.obj.cpu().numpy(), causal=causal,
+                                    dtype=dtype)
+    expected = emulator.emulate_backward(state, to_hnd_numpy(do, layout))
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert tuple(g.shape) == tuple(x.shape) and g.dtype == x.dtype
+        gh = to_hnd_numpy(g, layout)
+        assert np.isfinite(gh).all(), name
+        if not np.any(e):
+            assert not np.any(gh), name
+            continue
+        assert rel_l2(gh, e) < BWD_TOL[dtype], f"{name} vs emulator Rel-L2 {rel_l2(gh, e):.2e}"
+    if lq > 1:  # and the algorithm's accuracy against exact attention
+        ref = [x.astype(np.float64) for x in host]
+        o_ref, _ = reference.attention_reference(*ref, causal=causal)
+        g_ref = reference.attention_reference_backward(*ref, to_hnd_numpy(do, layout).astype(np.float64), causal=causal)
+        assert rel_l2(o, o_ref) < 0.03
+        for g, r in zip(grads, g_ref):
+            assert rel_l2(to_hnd_numpy(g, layout), r) < 0.06
+
+
+@pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0)])
+def test_windows_soft_caps_and_packed_batches(window, softcap):
+    """A window or a soft cap at head dim 256 against the emulator; a packed batch of three sequences equals
+    its dense calls (each sequence quantized alone in both)."""
+    import torch
+
+    causal = window[1] == 0 or softcap > 0
+    opts = dict(causal=causal, window_size=window, softcap=softcap, smooth_k=not softcap)
+    q, k, v = make_qkv(1, 4, 2, 333, 400, 256, "bfloat16", "NHD", seed=11)
+    do = _grad_output(q, seed=12)
+    with poisoned_workspaces():
+        out, saved = sagebwd_cp.attention_forward(q, k, v, layout="NHD", **opts)
+        grads = sagebwd_cp.attention_backward(saved, do)
+    torch.cuda.synchronize()
+    host = [to_hnd_numpy(x, "NHD") for x in (q, k, v)]
+    o_emu, _, _ = emulator.emulate_forward(*host, causal=causal, dtype="bfloat16", key_tile=64, window=window,
+                                           softcap=softcap, smooth_k=not softcap)
+    assert rel_l2(to_hnd_numpy(out, "NHD"), o_emu) < FWD_TOL["bfloat16"]
+    state = emulator.backward_state(*host, to_hnd_numpy(out, "NHD"), saved.lse2.obj.cpu().numpy(), causal=causal,
+                                    dtype="bfloat16", window=window, softcap=softcap, smooth_k=not softcap)
+    for g, e in zip(grads, emulator.emulate_backward(state, to_hnd_numpy(do, "NHD"))):
+        assert rel_l2(to_hnd_numpy(g, "NHD"), e) < BWD_TOL["bfloat16"]
+
+    lens_q, lens_k = [1, 200, 132], [50, 200, 150]
+    cu = lambda lens: torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device="cuda")  # noqa: E731
+    qp, kp, vp = (x[0, :n] for x, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))))
+    qp, kp, vp = (x.detach().clone().requires_grad_() for x in (qp, kp, vp))
+    import sagebwd_cp.torch as st
+
+    packed = st.flash_attn_varlen_func(qp, kp, vp, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=causal,
+                                       window_size=window, softcap=softcap)
+    dense = []
+    for i in range(3):
+        rq = slice(sum(lens_q[:i]), sum(lens_q[:i + 1]))
+        rk = slice(sum(lens_k[:i]), sum(lens_k[:i + 1]))
+        dense.append(st.flash_attn_func(qp[None, rq], kp[None, rk], vp[None, rk], causal=causal, window_size=window,
+                                        softcap=softcap)[0])
+    torch.testing.assert_close(packed, torch.cat(dense), rtol=0, atol=0)
+
+
+def test_the_options_these_kernels_do_not_take_are_refused_by_name():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 256, "float16")
+    with pytest.raises(ValueError, match=r"head dims above 128 \(got 256\) take no smooth_q=True"):
+        sagebwd_cp.attention_forward(q, k, v, smooth_q=True)
+    _, saved = sagebwd_cp.attention_forward(q, k, v)
+    for kw, what in ((dict(deterministic=True), "deterministic=True"), (dict(granularity="paper"), "granularity='paper'")):
+        with pytest.raises(ValueError, match=f"head dims above 128 \\(got 256\\) take no {what}"):
+            sagebwd_cp.attention_backward(saved, q, **kw)
