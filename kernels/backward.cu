@@ -51,6 +51,9 @@ constexpr int NT_D = DP / 8;     // n-tiles of dK, dV, dQ over the head dim
 constexpr int D_PASSES = DP > 128 ? 2 : 1;
 constexpr int NT_H = NT_D / (2 * D_PASSES);  // n-tiles a warp accumulates: its query half's share of a pass
 static_assert(D_PASSES == 1 || !SB_DETERMINISTIC, "deterministic dQ takes head dims up to 128");
+// Sᵀ's and dPᵀ's k-steps over the head dim, unrolled whole up to d=128; above, in groups (the same products in
+// the same order: fully unrolled, ptxas ran the wide kernels' loads ahead and spilled at 255 registers).
+#define K_UNROLL (SB_DP > 128 ? 4 : 16)
 constexpr int KS8 = DP / 32;     // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;    // 16-bit k-steps over the head dim
 // dŜ rows (queries), padded: conflict-free byte stores and ldmatrix.
@@ -317,7 +320,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
             int s[NT_Q][4];
 #pragma unroll
             for (int n = 0; n < NT_Q; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0;
-#pragma unroll
+#pragma unroll K_UNROLL
             for (int ks = 0; ks < KS8; ++ks) {
                 u32 ka[4];
                 ldmatrix_x4(ka, a_k.at(sK, ks));
@@ -401,7 +404,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         float ds[NT_Q][4];
 #pragma unroll
         for (int n = 0; n < NT_Q; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
-#pragma unroll
+#pragma unroll K_UNROLL
         for (int ks = 0; ks < KS16; ++ks) {
             u32 va[4];
             ldmatrix_x4(va, a_v.at(sV, ks));

@@ -1,0 +1,94 @@
+"""Head dims above 128 against their peers, side by side in one run (bf16, causal, GQA 4:1): this library's
+two-pass kernels; SDPA with cuDNN and with FlashAttention-2 (each where it takes the head dim; the reason
+where not); FlexAttention (compiled) with a causal block mask. Forward and forward+backward in ms (CUDA
+events, median).
+
+    python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 1x16x4x8192x192] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import timed  # noqa: E402
+from bench_windows import _torch_pair  # noqa: E402
+
+DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192")
+
+
+def _ours(q, k, v, do):
+    import sagebwd_cp
+
+    def fwdbwd():
+        _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
+        sagebwd_cp.attention_backward(saved, do)
+
+    return (lambda: sagebwd_cp.attention(q, k, v, causal=True)), fwdbwd
+
+
+def _sdpa(backend_name):
+    def make(q, k, v, do):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+
+        def attend(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        return _torch_pair(attend, q, k, v, do)
+    return make
+
+
+def _flex(q, k, v, do):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = q.shape[2]
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
+
+
+PEERS = {"ours": _ours, "cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_ATTENTION"), "flex": _flex}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  (bf16, causal; ms fwd / fwd+bwd)")
+    records = []
+    for text in args.shapes:
+        b, hq, hk, n, d = map(int, text.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn((b, h, n, d), generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+        do = torch.randn_like(q)
+        rec = {"shape": text}
+        for name, make in PEERS.items():
+            try:
+                fwd, fwdbwd = make(q, k, v, do)
+                rec[name] = {"fwd_ms": timed(fwd, args.reps), "fwdbwd_ms": timed(fwdbwd, args.reps)}
+            except Exception as exc:  # noqa: BLE001 - a peer that does not take the head dim: its reason
+                rec[name] = {"error": str(exc).splitlines()[0][:160]}
+        records.append(rec)
+        cells = [f"{k} {r['fwd_ms']:.3f}/{r['fwdbwd_ms']:.3f}" if "fwd_ms" in r else f"{k} n/a ({r['error'][:60]})"
+                 for k, r in rec.items() if isinstance(r, dict)]
+        print(f"{text}: " + "  ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
