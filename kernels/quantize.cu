@@ -301,7 +301,15 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA; sum_parts: the
 // parts of the job with mean_sum (token_sum's grid.x). Several CTAs
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
-extern "C" __global__ void __launch_bounds__(QTHREADS_MAX)
+// d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
+// kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Other head
+// dims choose their own (d=128: 64).
+#if SB_DP == 64
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
+#else
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
+#endif
+extern "C" __global__ void SB_QUANT_BOUNDS
 quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
     SB_REQUIRE_SM80();
