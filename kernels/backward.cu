@@ -135,8 +135,17 @@ struct Lanes {
 #pragma unroll
         for (int h = 0; h < LINES; ++h) off[h] = swizzled_offset<ROW_BYTES>(row, 8 * h + chunk);
     }
+    // off[ks >> 2] by selects: above d=128 the k-loops are unrolled in groups (K_UNROLL), ks >> 2 is
+    // not known at compile time there, and an indexed off[] would live in local memory.
+    SB_DEVICE u32 line(int h) const {
+        u32 o = off[0];
+#pragma unroll
+        for (int x = 1; x < LINES; ++x)
+            if (h == x) o = off[x];
+        return o;
+    }
     SB_DEVICE u32 at(u32 tile, int ks, int row_block = 0) const {
-        return ((tile + off[ks >> 2]) ^ ((ks & 3) << 5)) + row_block * 16 * ROW_BYTES;
+        return ((tile + line(ks >> 2)) ^ ((ks & 3) << 5)) + row_block * 16 * ROW_BYTES;
     }
 };
 

@@ -303,8 +303,9 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
 // d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
 // kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Blackwell
-// (sm_100, 13.5) spills the packed kernels at five too: four there (128). Other head dims choose their own (d=128: 64).
-#if SB_DP == 64 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+// spills the packed kernels at five too (sm_100, 13.5), and at d=128 without a floor (72 registers, 13.0): four there
+// (128 registers) at both. d=128 elsewhere (64) and d=256 choose their own.
+#if SB_DP <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 4)
 #elif SB_DP == 64
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
