@@ -3,7 +3,9 @@ two-pass kernels; SDPA with cuDNN and with FlashAttention-2 (each where it takes
 where not); FlexAttention (compiled) with a causal block mask. Forward and forward+backward in ms (CUDA
 events, median).
 
-    python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 1x16x4x8192x192] [--json PATH]
+    python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--json PATH]
+
+A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import timed  # noqa: E402
 from bench_windows import _torch_pair  # noqa: E402
 
-DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192")
+DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192", "2x16x4x4096x192x128")
 
 
 def _ours(q, k, v, do):
@@ -59,7 +61,7 @@ PEERS = {"ours": _ours, "cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_A
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD")
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD[xDv]")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -68,10 +70,12 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  (bf16, causal; ms fwd / fwd+bwd)")
     records = []
     for text in args.shapes:
-        b, hq, hk, n, d = map(int, text.split("x"))
+        b, hq, hk, n, d, *dv = map(int, text.split("x"))
+        dv = dv[0] if dv else d
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn((b, h, n, d), generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
-        do = torch.randn_like(q)
+        q, k, v = (torch.randn((b, h, n, e), generator=g, device="cuda", dtype=torch.bfloat16)
+                   for h, e in ((hq, d), (hk, d), (hk, dv)))
+        do = torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
         rec = {"shape": text}
         for name, make in PEERS.items():
             try:

@@ -217,8 +217,14 @@ SB_DEVICE void red_add2(float* p, float x, float y) {
 // products. The other variants need more registers than two CTAs leave.
 // Packed batches' d=64 kernels hold the sequence's bounds too and spilled 4-12 bytes at two CTAs' 128
 // registers (sm_86/89 with NVRTC 13.5, sm_90 with 13.0): they take one CTA an SM, as do the soft-capped
-// ones (12 bytes on sm_86/89 with NVRTC 13.0: the cap's tanh and slope).
-constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !SB_VARLEN && !SB_SOFTCAP ? 2 : 1;
+// ones (12 bytes on sm_86/89 with NVRTC 13.0: the cap's tanh and slope), and on sm_120 the deterministic windowed
+// ones (8 bytes with NVRTC 13.0, at -O1 as well).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr bool TWO_CTAS_SPILL = SB_WINDOW && SB_DETERMINISTIC;
+#else
+constexpr bool TWO_CTAS_SPILL = false;
+#endif
+constexpr int MIN_BLOCKS = DP <= 64 && SB_FINE && !SB_BIAS && !SB_VARLEN && !SB_SOFTCAP && !TWO_CTAS_SPILL ? 2 : 1;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from . import guard
+from . import guard, value_head_dim
 from .arrays import (ArrayDesc, check_arrays, contiguous_strides, copy_into, describe, host_numpy, host_result,
                      jax_boundary, signature)
 from .numerics import k_mean_shape
@@ -39,6 +39,7 @@ class AttentionSaved:
     k_mean: ArrayDesc | None = None
     sinks: object = None  # attention sinks (sinks.py): the logits, and the natural-log LSE they joined
     sink_lse: object = None
+    head_dims: tuple | None = None  # (Q·K's, V's) where they differ: the arrays above are widened (value_head_dim.py)
 
 
 def _host_array(desc: ArrayDesc, layout: str, name: str) -> np.ndarray:
@@ -91,6 +92,8 @@ def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
+    if v.shape[-1] != q.shape[-1]:
+        return _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen)
     given = k_mean is not None
     key_options = ("forward", options, training, return_lse, given, None if varlen is None else tuple(varlen[2:]))
     arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ())
@@ -122,6 +125,38 @@ def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool 
         remember_plan(key, plan)
     return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
                         mean_desc.obj if given else None, varlen)
+
+
+def _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen):
+    """run_forward where V's head dim differs from Q·K's: at the wider one, the output sliced back."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
+    if k_mean is not None:
+        k_mean = value_head_dim.pad_head_dim(k_mean, q.shape[-1])
+    o, lse, saved = run_forward(q, k, v, options._replace(softmax_scale=scale), training=training,
+                                return_lse=return_lse, want_saved=want_saved, k_mean=k_mean, varlen=varlen)
+    sliced = o[..., :dv]
+    if out is not None:
+        out[...] = sliced
+        sliced = out
+    if isinstance(saved, AttentionSaved):
+        saved = dataclasses.replace(saved, head_dims=(dqk, dv))
+    return sliced, lse, saved
+
+
+def _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen, head_dims=None):
+    """run_backward where V's head dim differs from Q·K's (``head_dims``: a saved forward's, whose q, k and v
+    are already widened): at the wider one, the gradients sliced back."""
+    dqk, dv = head_dims or (q.shape[-1], v.shape[-1])
+    if head_dims is None:
+        q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
+        options = options._replace(softmax_scale=scale)
+    d = max(dqk, dv)
+    out, do = (value_head_dim.pad_head_dim(x, d) for x in (out, do))
+    if k_mean is not None:
+        k_mean = value_head_dim.pad_head_dim(k_mean, d)
+    dq, dk, dvv = run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean, varlen=varlen)
+    return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
 
 
 def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, given_mean=None, varlen=None):
@@ -289,8 +324,12 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
     check_arrays("the forward's q, do", p.q, do)
     options = p.options._replace(granularity=granularity, deterministic=deterministic)
     varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
-    grads = run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
-                         varlen=varlen)
+    if saved.head_dims is not None:  # V's head dim differs from Q·K's: the saved arrays are widened
+        grads = _backward_widened(p.q.obj, p.k.obj, p.v.obj, saved.out.obj, saved.lse2.obj, do, options,
+                                  None if saved.k_mean is None else saved.k_mean.obj, varlen, saved.head_dims)
+    else:
+        grads = run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
+                             varlen=varlen)
     if saved.sinks is None:
         return grads
     return tuple(grads) + (sinks_grad(saved.out.obj, saved.sink_lse, do, saved.sinks, p.layout),)
@@ -406,6 +445,8 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
     """(dq, dk, dv) of attention with ``options`` (an AttentionOptions, checked when made).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
+    if prob is None and v.shape[-1] != q.shape[-1]:
+        return _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen)
     given = k_mean is not None
     key_options = ("backward", options, given, None if varlen is None else tuple(varlen[2:]))
     sig = _signatures(_with_offsets((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do), varlen))

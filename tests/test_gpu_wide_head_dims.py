@@ -2,6 +2,8 @@
 and dQ a half of the head dim a pass) against the emulator (same algorithm: tight) and exact FP64 attention,
 over ragged shapes, Lq != Lk, GQA, both dtypes and layouts, causal and not, windows and soft caps, packed
 batches; the options these kernels do not take are refused by name."""
+import math
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,48 @@ def test_the_options_these_kernels_do_not_take_are_refused_by_name():
     for kw, what in ((dict(deterministic=True), "deterministic=True"), (dict(granularity="paper"), "granularity='paper'")):
         with pytest.raises(ValueError, match=f"head dims above 128 \\(got 256\\) take no {what}"):
             sagebwd_cp.attention_backward(saved, q, **kw)
+
+
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128), (136, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_value_head_dim_of_its_own(dqk, dv, causal):
+    """Multi-head latent attention's 192/128 (and V wider than Q·K): the torch adapter and the neutral API
+    against exact attention, and bit for bit the call with the narrower side zero-padded by hand."""
+    import torch
+
+    import sagebwd_cp.torch as sage
+
+    rng = np.random.default_rng(dqk + dv + causal)
+    shapes = ((2, 4, 300, dqk), (2, 2, 257, dqk), (2, 2, 257, dv), (2, 4, 300, dv))
+    q, k, v, do = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to("cuda", torch.bfloat16)
+                   for s in shapes)
+    host = [x.float().cpu().numpy() for x in (q, k, v, do)]
+    o_ref, _ = reference.attention_reference(*host[:3], causal=causal)
+    g_ref = reference.attention_reference_backward(*host, causal=causal)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = sage.attention(*leaves, causal=causal)
+    out.backward(do)
+    torch.cuda.synchronize()
+    assert out.shape == (2, 4, 300, dv) and rel_l2(out.detach().float().cpu().numpy(), o_ref) < 0.03
+    for x, r in zip(leaves, g_ref):
+        assert x.grad.shape == x.shape and rel_l2(x.grad.float().cpu().numpy(), r) < 0.06
+    d = max(dqk, dv)
+    pad = lambda x: torch.nn.functional.pad(x, (0, d - x.shape[-1]))  # noqa: E731
+    hand = [pad(x).requires_grad_() for x in (q, k, v)]
+    out_hand = sage.attention(*hand, causal=causal, softmax_scale=1.0 / math.sqrt(dqk))
+    out_hand.backward(pad(do))
+    # Bit for bit, but dQ: its default accumulation order varies from run to run (deterministic=False).
+    def same(a, b, name):
+        if name == "dq":
+            assert rel_l2(a.float().cpu().numpy(), b.float().cpu().numpy()) < 1e-3
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    same(out, out_hand[..., :dv], "out")
+    for x, h, name in zip(leaves, hand, ("dq", "dk", "dv")):
+        same(x.grad, h.grad[..., :x.shape[-1]], name)
+    o2, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal)
+    grads = sagebwd_cp.attention_backward(saved, do)
+    same(o2, out.detach(), "out")
+    for g, x, name in zip(grads, leaves, ("dq", "dk", "dv")):
+        same(g, x.grad, name)

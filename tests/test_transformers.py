@@ -1,7 +1,8 @@
 """sagebwd_cp.torch.register_transformers on the CPU emulator: a tiny Llama (and a Mistral, Qwen2 and
 Gemma 3 with sliding windows, and a GPT-OSS with sliding windows and attention sinks) with
 attn_implementation="sagebwd" against "sdpa" or "eager" (logits and gradients) on plain, padded and
-packed batches, sinks beside padding and packing included; a Gemma 2 with logit soft-capping; and every
+packed batches, sinks beside padding and packing included; a Gemma 2 with logit soft-capping; a DeepSeek-V3
+with multi-head latent attention (V's head dim other than Q·K's); and every
 batch it cannot express (custom masks) refused with a clear error."""
 import pytest
 
@@ -238,15 +239,48 @@ def test_gemma2_soft_capping_matches_eager():
     assert _rel(uncapped(input_ids=x, use_cache=False).logits.detach(), ref) > 0.01
 
 
+def _deepseek_v3(attn):
+    import transformers
+
+    # Multi-head latent attention: Q·K head dim 48 (32 without rotary + 16 rotary), V head dim 32; dense MLPs.
+    sage.register_transformers()
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, moe_intermediate_size=64, first_k_dense_replace=2,
+        n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16,
+        attn_implementation=attn)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def test_a_deepseek_v3_model_with_latent_attention_matches_sdpa():
+    """DeepSeek-V3's multi-head latent attention: a V head dim (32) other than the Q·K one (48), on plain and
+    padded batches; logits and gradients as SDPA's."""
+    x = _tokens()
+    mask = torch.ones_like(x)
+    mask[0, :10] = 0
+    for kwargs in ({}, {"attention_mask": mask}):
+        keep = kwargs["attention_mask"][..., None] if kwargs else 1
+        res = {}
+        for attn in ("sdpa", "sagebwd"):
+            model = _deepseek_v3(attn)
+            logits = model(input_ids=x, use_cache=False, **kwargs).logits * keep
+            logits.float().square().mean().backward()
+            attn_layer = model.model.layers[0].self_attn
+            res[attn] = logits.detach(), attn_layer.kv_b_proj.weight.grad, attn_layer.q_b_proj.weight.grad
+        (ref, *g_ref), (out, *g) = res["sdpa"], res["sagebwd"]
+        assert _rel(out, ref) < 0.03
+        for a, b in zip(g, g_ref):
+            assert _rel(a, b) < 0.06
+
+
 def test_what_is_not_supported_names_itself():
     from types import SimpleNamespace
 
     from sagebwd_cp.torch.transformers import attention_forward
 
     layer = SimpleNamespace(is_causal=True)
-    q, v = torch.randn(1, 2, 16, 192), torch.randn(1, 2, 16, 128)
-    with pytest.raises(ValueError, match=r"a value head dim \(128\) other than the query/key head dim \(192\)"):
-        attention_forward(layer, q, q, v, None)
     q = torch.randn(1, 2, 16, 320)
     with pytest.raises(ValueError, match=r"head dim 320 \(the kernels take up to 256\)"):
         attention_forward(layer, q, q, q, None)

@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - older jax
 
 import numpy as np
 
+from sagebwd_cp import value_head_dim
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.arrays import KDL_CUDA, ArrayDesc, contiguous_strides, describe, framework_of, what_came
 from sagebwd_cp.numerics import k_mean_shape
@@ -44,7 +45,8 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
     ``jax.nn.dot_product_attention``); k, v: Hkv heads and Lk tokens, Hq a multiple of Hkv
-    (GQA/MQA).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
+    (GQA/MQA); v's head dim may differ from q's and k's (multi-head latent attention, zero-padded:
+    sagebwd_cp/value_head_dim.py).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
     ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); ``softcap`` > 0
     logit soft-capping (causal or windowed, smooth_k=False); rows that see no key give 0.  ``sinks`` (Hq,):
@@ -55,6 +57,12 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     traced.
     """
     _check_arrays(q=q, k=k, v=v, **({} if sinks is None else {"sinks": sinks}))
+    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
+        dv = v.shape[-1]
+        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+        return attention(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, smooth_k=smooth_k,
+                         smooth_q=smooth_q, granularity=granularity, deterministic=deterministic,
+                         window_size=window_size, softcap=softcap, sinks=sinks)[..., :dv]
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
                             **window_options(window_size), softcap=softcap)

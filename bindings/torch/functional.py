@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sagebwd_cp import guard
+from sagebwd_cp import guard, value_head_dim
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
 from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
@@ -153,7 +153,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     """SageBwd attention with autograd.
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
-    tokens, Hq a multiple of Hkv (GQA/MQA).  Causal masking is bottom-right aligned (query i sees
+    tokens, Hq a multiple of Hkv (GQA/MQA); v's head dim may differ from D (multi-head latent attention,
+    192/128: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py), and sets the output's.  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
     ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (causal or windowed, smooth_k=False);
@@ -169,6 +170,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``torch.compile``.
     """
     check_tensors("q, k, v", q, k, v)
+    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
+        dv = v.shape[-1]
+        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, smooth_k=smooth_k,
+                         smooth_q=smooth_q, granularity=granularity, deterministic=deterministic,
+                         accuracy_guard=accuracy_guard, window_size=window_size, softcap=softcap, sinks=sinks)[..., :dv]
     # (The default window and cap leave AttentionOptions' fast path: no window_options call per step.)
     masking = {} if window_size == (-1, -1) else window_options(window_size)
     if softcap:
@@ -234,8 +241,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if query.shape[:-3] != key.shape[:-3] or query.shape[:-3] != value.shape[:-3]:
         raise ValueError(f"query, key, value: expected the same batch dimensions, got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    if value.shape[-1] != query.shape[-1]:
-        raise ValueError(f"value: expected the head_dim of query ({query.shape[-1]}), got {value.shape[-1]}")
     if query.dim() >= 3:
         hq, hk = query.shape[-3], key.shape[-3]
         if hq != hk and not enable_gqa:
@@ -258,7 +263,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         head = attention(q[:, :, :lk], k, v, causal=True, **opts)
         tail = attention(q[:, :, lk:], k, v, causal=False, **opts)
         out = torch.cat([head, tail], dim=2)
-    return out.reshape(query.shape)
+    return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
 def default_smooth_k(smooth_k, softcap) -> bool:

@@ -75,17 +75,15 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
-    """transformers' attention interface: query (B, Hq, N, D), key and value (B, Hkv, N, D) with Hq a
-    multiple of Hkv; returns ((B, N, Hq, D), None)."""
+    """transformers' attention interface: query and key (B, Hq or Hkv, N, D), value (B, Hkv, N, Dv) with Hq a
+    multiple of Hkv; returns ((B, N, Hq, Dv), None)."""
     check_tensors("query, key, value, attention_mask", query, key, value, attention_mask, optional=("attention_mask",))
     check_ranks("HND", query=query, key=key, value=value)
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
-    if value.shape[-1] != query.shape[-1]:  # MLA (DeepSeek-V3): 192 for Q·K, 128 for V
-        raise _refuse(f"a value head dim ({value.shape[-1]}) other than the query/key head dim ({query.shape[-1]}), "
-                      "as multi-head latent attention has")
-    if query.shape[-1] > 256:
-        raise _refuse(f"head dim {query.shape[-1]} (the kernels take up to 256)")
+    # MLA (DeepSeek-V3: 192 for Q·K, 128 for V) runs: the attention functions zero-pad the narrower side.
+    if max(query.shape[-1], value.shape[-1]) > 256:
+        raise _refuse(f"head dim {max(query.shape[-1], value.shape[-1])} (the kernels take up to 256)")
     # Gemma 2's logit soft-capping: on the unsmoothed scores (no K-smoothing), as the kernels define it.
     cap = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per query head

@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from sagebwd_cp import value_head_dim
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
 from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
@@ -175,7 +176,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     cu_seqlens_k[b].. of k and v (int32, batch + 1 entries, on q's device); ``max_seqlen_*`` (ints) at
     least the longest sequence's lengths (not checked on a GPU: the offsets are not read back).
     Causal masks and sliding windows (``window_size``, as FlashAttention's) are bottom-right aligned
-    within each sequence. Returns (total_q, Hq, D).
+    within each sequence. Returns (total_q, Hq, Dv): v's head dim Dv may differ from D (multi-head latent
+    attention: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py).
 
     ``softcap`` > 0: logit soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).
     ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
@@ -185,6 +187,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k, sinks", q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
                   optional=("sinks",))
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
+    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
+        dv = v.shape[-1]
+        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                      softcap=softcap, deterministic=deterministic, block_table=block_table,
+                                      smooth_k=smooth_k, granularity=granularity, sinks=sinks)[..., :dv]
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
                                layout="THD", granularity=granularity, deterministic=deterministic,
                                **window_options(window_size), softcap=softcap)

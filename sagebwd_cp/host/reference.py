@@ -37,7 +37,7 @@ def _check_shapes(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be 4-D arrays in (batch, heads, seqlen, head_dim) layout")
     b, hq, _, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:  # v's head dim is its own
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
