@@ -92,7 +92,7 @@ def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
-    if v.shape[-1] != q.shape[-1]:
+    if value_head_dim.differs(q, v):
         return _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen)
     given = k_mean is not None
     key_options = ("forward", options, training, return_lse, given, None if varlen is None else tuple(varlen[2:]))
@@ -445,7 +445,7 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
     """(dq, dk, dv) of attention with ``options`` (an AttentionOptions, checked when made).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
-    if prob is None and v.shape[-1] != q.shape[-1]:
+    if prob is None and value_head_dim.differs(q, v):
         return _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen)
     given = k_mean is not None
     key_options = ("backward", options, given, None if varlen is None else tuple(varlen[2:]))

@@ -152,7 +152,9 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if not (bq == bk == bv):
         raise ValueError(f"q, k, v: expected one batch size, got {bq}, {bk}, {bv}")
     if (hk, lk, dk) != (hv, lv, dv):
-        raise ValueError(f"k, v: expected the same (heads, seqlen, head_dim), got k {(hk, lk, dk)} and v {(hv, lv, dv)}")
+        raise ValueError(f"k, v: expected the same (heads, seqlen, head_dim), got k {(hk, lk, dk)} and v {(hv, lv, dv)}"
+                         + (" (a V head dim of its own takes NumPy, torch, CuPy or JAX arrays, which are padded)"
+                            if (hk, lk) == (hv, lv) else ""))
     if dq != dk:
         raise ValueError(f"q, k: expected the same head_dim, got {dq} and {dk}")
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:

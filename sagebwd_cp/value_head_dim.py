@@ -15,6 +15,13 @@ from .arrays import array_namespace
 from .problem import MAX_HEAD_DIM
 
 
+def differs(q, v) -> bool:
+    """Whether v's head dim differs from q's, for arrays with shapes (a plain DLPack producer has none and
+    goes on to the problem's checks, which want them equal)."""
+    qs, vs = getattr(q, "shape", None), getattr(v, "shape", None)
+    return bool(qs) and bool(vs) and qs[-1] != vs[-1]
+
+
 def check(dqk: int, dv: int) -> None:
     if not (1 <= dv <= MAX_HEAD_DIM) or dv % 8:
         raise ValueError(f"v: expected a head_dim that is a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dv} "
