@@ -1,11 +1,13 @@
-"""The benchmark and accuracy report: speed, accuracy, memory, and sliding windows and soft-capping, in
-one call (what the measuring scripts share is in report_common.py).
+"""The benchmark and accuracy report: speed, accuracy, memory, sliding windows and soft-capping, and head
+dims above 128, in one call (what the measuring scripts share is in report_common.py).
 
     python benchmarks/report.py --all [--install] [--results-dir DIR] [--quick]
 
-``--all`` runs report_speed.py, report_accuracy.py, report_memory.py and bench_windows.py (each writes
-one JSON file into DIR/<device>/, DIR defaulting to benchmarks/results; the windows' with its Markdown
-table beside it, windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN), then renders the Markdown tables and
+``--all`` runs report_speed.py, report_accuracy.py, report_memory.py, bench_windows.py and, for head dims
+above 128, bench_wide_head_dims.py and report_accuracy.py at d=192 and 256 (each writes one JSON file into
+DIR/<device>/, DIR defaulting to benchmarks/results; the windows' with its Markdown table beside it,
+windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN; wide_head_dims.json and
+accuracy_wide_head_dims.json), then renders the Markdown tables and
 charts next to them (README.md is left alone here: run render_report.py for that).  ``--install``
 first installs the checkout (editable, no dependencies) and any wheel in benchmarks/wheels/.
 """
@@ -41,19 +43,21 @@ def _install() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--all", action="store_true", help="speed, accuracy and memory")
+    ap.add_argument("--all", action="store_true", help="every part below")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--memory", action="store_true")
     ap.add_argument("--windows", action="store_true", help="sliding windows and soft-capping (bench_windows.py)")
+    ap.add_argument("--wide-head-dims", action="store_true",
+                    help="head dims 192 and 256, and 192/128 (bench_wide_head_dims.py, report_accuracy.py)")
     ap.add_argument("--install", action="store_true", help="pip install -e . and benchmarks/wheels/*.whl first")
     ap.add_argument("--results-dir", default=DEFAULT_RESULTS, help="parent of the <device>/ folder")
     ap.add_argument("--quick", action="store_true", help="a short smoke run of each")
     ap.add_argument("--no-render", action="store_true", help="write the JSON files only")
     args = ap.parse_args(argv)
-    parts = [p for p in ("speed", "accuracy", "memory", "windows") if args.all or getattr(args, p)]
+    parts = [p for p in ("speed", "accuracy", "memory", "windows", "wide_head_dims") if args.all or getattr(args, p)]
     if not parts:
-        ap.error("name what to measure: --all, or any of --speed --accuracy --memory --windows")
+        ap.error("name what to measure: --all, or any of --speed --accuracy --memory --windows --wide-head-dims")
 
     if args.install and _install():
         log("install failed")
@@ -71,8 +75,19 @@ def main(argv=None) -> int:
             quick = ["--shapes", "1x16x4x4096x1024", "--reps", "3"] if args.quick else []
             cmd = [sys.executable, os.path.join(HERE, "bench_windows.py"), "--softcap", "30", *quick,
                    "--json", os.path.join(target, "windows.json")]
-        log("$ " + " ".join(cmd))
-        rc = subprocess.call(cmd, cwd=ROOT)
+        cmds = [cmd]
+        if part == "wide_head_dims":
+            quick = ["--shapes", "1x16x4x2048x256", "2x16x4x2048x192x128", "--reps", "3"] if args.quick else []
+            cmds = [[sys.executable, os.path.join(HERE, "bench_wide_head_dims.py"), *quick,
+                     "--json", os.path.join(target, "wide_head_dims.json")],
+                    # granularity "fine" alone: the wide kernels take no "paper"
+                    [sys.executable, os.path.join(HERE, "report_accuracy.py"), "--configs", "192:1024", "256:1024",
+                     "--sigmas", *(["1", "5"] if args.quick else ["1", "3", "5"]), "--granularities", "fine",
+                     "--out", os.path.join(target, "accuracy_wide_head_dims.json")]]
+        rc = 0
+        for c in cmds:
+            log("$ " + " ".join(c))
+            rc = subprocess.call(c, cwd=ROOT) or rc
         times[part] = time.time() - start
         if rc:
             failed.append(part)
