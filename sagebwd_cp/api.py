@@ -22,8 +22,7 @@ from .gpu.plan import cached_plan, remember_plan
 from .host import emulator, packed
 from .options import AttentionOptions, check_flag, window_options
 from .sinks import check_sinks, join_sinks, sinks_grad
-from .problem import (WIDE_HEAD_DIM, AttentionProblem, check_output, check_wide_options, make_problem,
-                      make_varlen_problem)
+from .problem import AttentionProblem, check_output, check_wide_options, make_problem, make_varlen_problem
 
 
 @dataclasses.dataclass
@@ -460,8 +459,7 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
         prob = _problem(q, k, v, options, varlen)
         out, lse2 = check_output(out, prob), describe(lse2, "lse2")
         k_mean = describe(k_mean, "k_mean") if given else None
-    if prob.head_dim > WIDE_HEAD_DIM:  # a saved forward's problem, with the backward's own options
-        check_wide_options(prob.head_dim, options)
+    check_wide_options(prob.head_dim, options)  # a saved forward's problem, with the backward's own options
     dd = check_output(do, prob, "do")
     _check_lse2(lse2, prob)
     if given:

@@ -12,13 +12,12 @@ import numbers
 import numpy as np
 
 from .arrays import ArrayDesc, describe, host_numpy
-from .numerics import PADDED_HEAD_DIMS, padded_head_dim, softcap_constants
+from .numerics import PADDED_HEAD_DIMS, WIDE_HEAD_DIM, padded_head_dim, softcap_constants
 from .options import AttentionOptions
 
 KERNEL_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16 from torch, computed as float32
 MAX_HEAD_DIM = PADDED_HEAD_DIMS[-1]
-WIDE_HEAD_DIM = 128  # above it: the two-pass kernels, with fewer options (check_wide_options)
 
 
 @dataclasses.dataclass
@@ -159,8 +158,7 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
         raise ValueError(f"q, k: expected the same head_dim, got {dq} and {dk}")
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:
         raise ValueError(f"head_dim: expected a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dq}")
-    if dq > WIDE_HEAD_DIM:
-        check_wide_options(dq, options)
+    check_wide_options(dq, options)
     if hk < 1 or hq % hk:
         raise ValueError(f"heads: expected the query heads ({hq}) to be a multiple of the key/value heads ({hk})")
     if bq < 1 or lq < 1 or lk < 1 or hq < 1:
@@ -177,6 +175,8 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
 def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
     """Head dims above WIDE_HEAD_DIM run kernels (two passes over the head dim) built without Q-smoothing,
     the deterministic dQ order and the paper granularity."""
+    if head_dim <= WIDE_HEAD_DIM:
+        return
     for refused, what in ((options.smooth_q, "smooth_q=True"), (options.deterministic, "deterministic=True"),
                           (options.granularity != "fine", f"granularity={options.granularity!r}")):
         if refused:

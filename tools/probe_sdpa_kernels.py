@@ -9,12 +9,12 @@ import argparse
 import collections
 
 
-def kernel_times(step, reps: int) -> dict:
-    """{kernel name: GPU µs a call} of ``step`` (three warm-up calls, then ``reps`` under torch's profiler)."""
+def kernel_times(step, reps: int, warmup: int = 3) -> dict:
+    """{kernel name: GPU µs a call} of ``step`` (``warmup`` calls, then ``reps`` under torch's profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -81,7 +81,7 @@ def _token_pad() -> dict:
 
 
 def quantize_spec(dp: int, dtype: str, varlen: bool = False) -> KernelSpec:
-    """The pre-pass of one padded head dim (a module holds one head dim's instantiations: half the compile)."""
+    """The pre-pass of one padded head dim (a module holds that head dim's instantiations alone)."""
     return _spec("quantize", "quantize.cu", ["quantize_tensors", "token_sum"], {"SB_DP": dp, **_dtype(dtype, varlen)},
                  {**_token_pad(), "SB_QUANT_THREADS": QUANT_THREADS, "SB_QUANT_CHUNKS": QUANT_CHUNKS,
                   "SB_SUM_THREADS": SUM_THREADS})
@@ -130,9 +130,6 @@ class ForwardTiles:
 # Best measured on an H200 that spills on no arch (docs/history/PERFORMANCE_LOG.md, forward v1).
 FORWARD_TILES = {64: ForwardTiles(warps=4, m_tiles=1), 128: ForwardTiles(warps=4, m_tiles=1),
                  256: ForwardTiles(warps=4, m_tiles=1)}
-# Head dims above this run the mma.sync kernels on every arch, in two passes over the head dim (forward.cu's O,
-# backward.cu's dK, dV and dQ), without Q-smoothing or the deterministic dQ order (AttentionOptions checks).
-WGMMA_MAX_HEAD_DIM = 128
 
 
 WGMMA_ARCHS = ("sm_90",)  # compiled as sm_90a
@@ -199,7 +196,7 @@ def forward_key_tile() -> int:
 
 def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     """Tiles for the forward (the plan checks that the kernel's shared layout fits the device)."""
-    if use_wgmma(arch) and dp <= WGMMA_MAX_HEAD_DIM:
+    if use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM:
         return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
     return FORWARD_TILES[dp]
 
@@ -278,7 +275,7 @@ def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | 
     (1-3), SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
     override its shape; the default shape per head dim is the fastest measured: three consumers, one
     product at a time, at head dim 64; one consumer, two CTAs an SM, at 128."""
-    if not use_wgmma(arch) or bias or dp > WGMMA_MAX_HEAD_DIM or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
+    if not use_wgmma(arch) or bias or dp > numerics.WIDE_HEAD_DIM or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
         return None
     tiles = WsForwardTiles(consumers=3, pingpong=False) if dp == 64 else WsForwardTiles(consumers=1, pingpong=False)
     overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
@@ -384,7 +381,7 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
     one where two do not fit the device's shared memory)."""
-    wg = use_wgmma(arch) and dp <= WGMMA_MAX_HEAD_DIM
+    wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
     return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
 
 
@@ -452,7 +449,7 @@ def all_specs(arch: str | None = None) -> list:
     specs += [ceiling_spec()] + ([ceiling_spec(wgmma=True)] if arch in WGMMA_ARCHS else [])
     # Packed batches (varlen) have no Q-smoothing variants.
     for dp in PADDED_HEAD_DIMS:
-        wide = dp > WGMMA_MAX_HEAD_DIM
+        wide = dp > numerics.WIDE_HEAD_DIM
         try:
             wide_backward = wide and bool(backward_kernel(dp, "float16", AttentionOptions(), BackwardTiles(2), arch, limit))
         except ValueError:  # its shared memory exceeds the arch's

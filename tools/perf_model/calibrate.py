@@ -20,7 +20,6 @@ The CPU side reads it back: ``python -m tools.perf_model fit --calibration "$OUT
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -146,24 +145,6 @@ def inputs(d, n):
     return b, h, q, k, v, do
 
 
-def profiled_kernels(fn, reps=3) -> dict:
-    """{kernel name: mean GPU µs a call} over ``reps`` calls of ``fn`` (torch's profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] += e.device_time_total / reps
-    return dict(per)
-
-
 def plan_steps() -> list:
     """Every launch of the plans built so far: entry, spec key, grid, block, dynamic shared bytes
     (plan.Step.head is cuLaunchKernel's (function, grid, block, shared)); and each plan's zeroed bytes."""
@@ -186,6 +167,7 @@ def measure_config(d, causal, n, reps) -> dict:
 
     import sagebwd_cp
     from bench_attention import sdpa, timed
+    from probe_sdpa_kernels import kernel_times
     from probe_steps import step_times
     from sagebwd_cp.gpu import plan
 
@@ -207,8 +189,8 @@ def measure_config(d, causal, n, reps) -> dict:
         bwd = lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)  # noqa: E731
         rec["fa2_bwd"] = {"call_ms": timed(bwd, reps)}
         try:
-            rec["fa2_fwd"]["kernels_us"] = profiled_kernels(lambda: sdpa(q, k, v, causal))
-            rec["fa2_bwd"]["kernels_us"] = profiled_kernels(bwd)
+            rec["fa2_fwd"]["kernels_us"] = kernel_times(lambda: sdpa(q, k, v, causal), 3, warmup=1)
+            rec["fa2_bwd"]["kernels_us"] = kernel_times(bwd, 3, warmup=1)
         except Exception as exc:  # noqa: BLE001
             rec["fa2_profile_error"] = repr(exc)
     return rec
