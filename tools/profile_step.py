@@ -7,6 +7,7 @@ filters, e.g.
         python tools/profile_step.py --head-dim 128 --seqlen 4096 --pass bwd
 
 A GQA model's shapes: ``--hidden 1024 --gqa 4 --dtype bfloat16 --causal`` (bench_model.py's).
+``--impl cudnn`` runs SDPA on cuDNN's kernels instead, the peer's side of the same profile.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main(argv=None):
     p.add_argument("--granularity", choices=("fine", "paper"), default="fine")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--impl", choices=("ours", "cudnn"), default="ours")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=1)
     a = p.parse_args(argv)
@@ -38,12 +40,28 @@ def main(argv=None):
         p.error(f"--gqa: expected a divisor of the {h} query heads, got {a.gqa}")
     q, k, v, do = (torch.randn((b, heads, a.seqlen, a.head_dim), device="cuda", dtype=dtype)
                    for heads in (h, h // a.gqa, h // a.gqa, h))
+    if a.impl == "cudnn":
+        _sdpa_steps(a, q, k, v, do)
+        return
     for _ in range(a.warmup + a.steps):
         if a.which == "fwd":
             sagebwd_cp.attention(q, k, v, causal=a.causal)
         else:
             out, saved = sagebwd_cp.attention_forward(q, k, v, causal=a.causal)
             sagebwd_cp.attention_backward(saved, do, granularity=a.granularity, deterministic=a.deterministic)
+    torch.cuda.synchronize()
+
+
+def _sdpa_steps(a, q, k, v, do):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.requires_grad_(a.which == "bwd") for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for _ in range(a.warmup + a.steps):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, enable_gqa=a.gqa > 1)
+            if a.which == "bwd":
+                torch.autograd.grad(out, (q, k, v), do)
     torch.cuda.synchronize()
 
 
