@@ -15,7 +15,10 @@
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
-// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two);
+// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two); SB_WS (opt-in): a
+// producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
+// mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
+// the computing warpgroups take 240 registers (setmaxnreg) and never issue a load or wait for a reduction;
 // SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
 // registers: there dK's accumulators live in shared memory). From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
@@ -34,8 +37,18 @@ constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
 constexpr int GROUPS = SB_GROUPS;    // warpgroups
 constexpr int CTA_KEYS = SB_CTA_KEYS;
-constexpr int THREADS = SB_THREADS;
+constexpr int THREADS = SB_THREADS;  // the computing warpgroups' threads
 static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup per 64 keys");
+#ifndef SB_WS
+#define SB_WS 0
+#endif
+constexpr bool WS = SB_WS;
+constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
+static_assert(!WS || GROUPS == 2, "a producer beside two computing warpgroups (their 2 x 240 + 24 registers a lane)");
+constexpr int PRODUCER_REGS = 32, CONSUMER_REGS = 240;  // at 24 the producer's loops spilled (causal)
+// The computing warpgroups' barrier (bar.sync ids 1..GROUPS are each warpgroup's own); the whole CTA's without a
+// producer, which leaves the loop's barriers.
+constexpr int BAR_COMPUTE = 1 + GROUPS;
 // dK's FP32 accumulators in shared memory (a slot per thread): three warpgroups.
 constexpr bool DK_SMEM = GROUPS > 2;
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
@@ -90,7 +103,9 @@ struct BackwardStage {
     i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
     u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
-    unsigned long long bar[16];  // the stage's mbarrier (its TMA loads' bytes), in 128 bytes
+    unsigned long long bar[16];  // the stage's mbarriers, in 128 bytes: [0] full (its TMA loads' bytes); WS: [1]
+                                 // empty (every computing warp is done with it), and in stage 0 [2] and [3]
+                                 // dQ's tile full (written) and empty (read by its reduction)
     char pad[(STAGE_TILES + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN - STAGE_TILES - 128];  // to TILE_ALIGN
 };
 struct BackwardShared {
@@ -124,6 +139,14 @@ static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OF
               "wgmma tiles need aligned bases");
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
 static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
+
+constexpr int SBAR_EMPTY = SBAR + 8, DQ_FULL_BAR = STAGE0 + SBAR + 16, DQ_EMPTY_BAR = STAGE0 + SBAR + 24;
+
+// The computing warpgroups wait for one another (the whole CTA where there is no producer).
+SB_DEVICE void compute_sync() {
+    if constexpr (WS) named_barrier<THREADS>(BAR_COMPUTE);
+    else __syncthreads();
+}
 
 // Offset of 16-byte chunk c of row r in a [ROWS][DP] 16-bit tile stored as 128-byte column blocks.
 template <int ROWS>
@@ -171,7 +194,7 @@ SB_DEVICE void rows_finish(float (&acc)[NT_CH][4], int (&pr)[NT_CH][4], u32 (&a)
 }
 
 // The query-side tiles come by TMA (tm_*: params.cuh SB_BACKWARD_MAPS, encoded per call by sagebwd_cp/tensor_map.py).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(CTA_THREADS, 1)
 attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKWARD_MAPS)) {
     const BackwardParams a = SB_KERNEL_VIEW(BackwardParams, SB_BACKWARD_FIELDS);
     SB_REQUIRE_SM80();
@@ -199,6 +222,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     float* yscale_s = reinterpret_cast<float*>(smem + YSCALE_OFF);
 
     const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
+    if (tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
@@ -210,6 +234,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, seq.nk_pad());
     }
     load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
+    }
 
     // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
     auto load_stage = [&](int h, int i, int slot) {
@@ -236,15 +261,22 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     cp_async_commit();
     if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < SB_STAGES; ++s) mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR, 1);
+        for (int s = 0; s < SB_STAGES; ++s) {
+            mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR, 1);
+            if (WS) mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR_EMPTY, THREADS / 32);
+        }
+        if (WS) {
+            mbarrier_init(base + DQ_FULL_BAR, THREADS / 32);
+            mbarrier_init(base + DQ_EMPTY_BAR, 1);
+        }
         fence_mbarrier_init();
         prefetch_tensor_map(tm_q);
         prefetch_tensor_map(tm_qt);
         prefetch_tensor_map(tm_dot);
         prefetch_tensor_map(tm_do);
-        if (n_it > 0) load_stage(nh, ni, 0);
+        if (!WS && n_it > 0) load_stage(nh, ni, 0);
     }
-    if (n_it > 0) advance(nh, ni);
+    if (!WS && n_it > 0) advance(nh, ni);
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async wrote K̂, K̂ᵀ and V, which wgmma reads
     __syncthreads();      // and the mbarriers are initialized
@@ -300,6 +332,46 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
     };
 
+    // WS: the producer warpgroup. Its first warp's lane 0 loads the stages of every iteration once the computing
+    // warps have released the stage's previous use; its second warp's lane 0 adds each iteration's dQ partial into
+    // dq_acc once the computing warps have written the tile (deterministic: in its turn), and releases the tile once
+    // the reduction has read it. The other lanes and warps leave.
+    if (WS && tid >= THREADS) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        const int pwarp = (tid - THREADS) >> 5;
+        int ph = h_first, pi = i_start;
+        if ((tid & 31) == 0 && pwarp == 0) {  // (two loops, not one: the producer's 32 registers hold either)
+            for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
+                const int slot = it % SB_STAGES;
+                if (it >= SB_STAGES) mbarrier_wait(base + STAGE0 + slot * STAGE_BYTES + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
+                load_stage(ph, pi, slot);
+            }
+        } else if ((tid & 31) == 0 && pwarp == 1) {
+            for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
+                const i64 row = seq.q_row0(ph) + pi * BQ;
+                const int turn = SB_WINDOW ? dq_turn(j, pi * BQ, CTA_KEYS, seq) : j;
+                mbarrier_wait(base + DQ_FULL_BAR, it & 1);
+                if (SB_DETERMINISTIC) {
+                    wait_turn(a.dq_lock + row / BQ, turn);
+                    fence_proxy_async_global();
+                }
+                bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
+                bulk_commit();
+                if (SB_DETERMINISTIC) {
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    __threadfence();
+                    pass_turn(a.dq_lock + row / BQ, turn);
+                }
+                bulk_wait_read<0>();
+                mbarrier_arrive(base + DQ_EMPTY_BAR);
+            }
+            bulk_wait<0>();
+        }
+        return;
+    }
+    if (WS) setmaxnreg_inc<CONSUMER_REGS>();
+
     // Keys krow, krow+8 x head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1. dK: registers, or (DK_SMEM)
     // this thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
     // [ch][n][thread]: a warp's accesses are conflict-free).
@@ -331,9 +403,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     };
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
-        __syncthreads();  // every warp is done with the stage that is loaded next and with the dQ tile
-        if (tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
-        if (it + 1 < n_it) advance(nh, ni);
+        // Every warp is done with the last iteration's Ŷ, its scales and maxima (WS), or also with the stage
+        // that is loaded next and with the dQ tile.
+        compute_sync();
+        if (!WS && tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
+        if (!WS && it + 1 < n_it) advance(nh, ni);
 
         const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
         const u32 st = base + stage_off;
@@ -341,7 +415,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const float s_do = a.do_scale[seq.q_block0(h) + i];
         mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
-        if (SB_WINDOW && SB_DETERMINISTIC && tid == REDUCER) turn_s[it & 1] = dq_turn(j, q0, CTA_KEYS, seq);
+        if (!WS && SB_WINDOW && SB_DETERMINISTIC && tid == REDUCER) turn_s[it & 1] = dq_turn(j, q0, CTA_KEYS, seq);
         const int ftid = loop_tid();
         const int key0 = j * CTA_KEYS + loop_wg() * BKV;  // the warpgroup's first key
         const int fkey_lo = key0 + (ftid >> 5 & 3) * 16 + (ftid >> 2 & 7);
@@ -369,7 +443,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
                                       wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
             wgmma_commit();
-            if (tid == REDUCER && it > 0) reduce_dq(it - 1);  // the previous query block's partial is in its tile
+            if (!WS && tid == REDUCER && it > 0) reduce_dq(it - 1);  // the previous query block's partial is in its tile
             wgmma_wait<1>();
             wgmma_hold_all(s);
 
@@ -526,8 +600,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         dv_step(4);
         rows_issue<false>(pr, zf, sqt_lo, 0);  // dK, chunk 0
         fence_proxy_async();  // Ŷ's stores are read by wgmma
-        if (tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
-        __syncthreads();  // both warpgroups' Ŷ and scales are in shared memory
+        if (!WS && tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
+        if (WS && it > 0) mbarrier_wait(base + DQ_EMPTY_BAR, (it - 1) & 1);  // the last partial has been read
+        compute_sync();  // both warpgroups' Ŷ and scales are in shared memory
 
         // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), in column chunks of
         // DQ_CHUNK_COLS: each chunk's int32 products of every key block are in flight at once and fold in one
@@ -611,6 +686,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             fence_proxy_async();  // the bulk reduction reads what these stores wrote
             // dq_acc spans Nq_pad rows: padded rows and columns take (zero) updates.
             pending_row = seq.q_row0(h) + q0;
+            if (WS) {  // the partial is in its tile, and the stage has been read (the dK products are done)
+                __syncwarp();
+                if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
+                    mbarrier_arrive(base + DQ_FULL_BAR);
+                    mbarrier_arrive(base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SBAR_EMPTY);
+                }
+            }
         }
 
         if (SB_BIAS) {
@@ -640,7 +722,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
     }
 
-    if (pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
+    if (!WS && pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
         __syncthreads();       // the last query block's dQ partial is in shared memory
         if (tid == REDUCER) {
             reduce_dq(n_it - 1);

@@ -327,3 +327,57 @@ def test_cached_plans_follow_each_calls_arrays():
         torch.cuda.synchronize()
         assert torch.equal(out, out2) and torch.equal(saved.lse2.obj, saved2.lse2.obj)
         assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 64), (1, 8, 2, 1100, 1100, 128), (2, 4, 4, 129, 700, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
+                                     dict(causal=False, granularity="paper"), dict(causal=True, window_size=(200, 0)),
+                                     dict(causal=True, softcap=20.0, smooth_k=False)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_the_producer_warpgroup_backward_equals_the_default_kernel(monkeypatch, shape, options):
+    """SAGEBWD_BACKWARD_WS=1 (kernels/backward_wgmma.cu SB_WS: stage loads and dQ's reductions by a producer
+    warpgroup) computes what the default wgmma backward computes: dK and dV bit for bit, dQ bit for bit when
+    deterministic and otherwise within its accumulation order's rounding; packed batches too. Hopper only."""
+    import torch
+
+    import sagebwd_cp.torch as st
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the producer warpgroup's backward is an sm_90 kernel")
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, "bfloat16", "NHD", seed=lq + lk + d)
+    g = torch.Generator(device="cuda").manual_seed(lq)
+    do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
+
+    def grads(packed: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if packed:  # the batch's sequences as one packed batch
+            cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
+            cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
+            flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
+            out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
+        else:
+            out = st.flash_attn_func(*leaves, **options)
+        out.backward(do)
+        torch.cuda.synchronize()
+        return [x.grad for x in leaves]
+
+    for packed in (False, True):
+        if packed and options.get("granularity") == "paper":
+            continue
+        monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
+        plan.clear_plans()
+        ref = grads(packed)
+        monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
+        plan.clear_plans()
+        with poisoned_workspaces():
+            got = grads(packed)
+        for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+            if name == "dq" and not options.get("deterministic"):
+                assert rel_l2(a.float().cpu().numpy(), r.float().cpu().numpy()) < 1e-3, name
+            else:
+                assert torch.equal(a, r), (name, packed)
+    monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
+    plan.clear_plans()

@@ -50,6 +50,7 @@ KEY_TEXT = {
     "SB_MT": lambda v: f"m{v}",
     "SB_WGMMA": lambda v: ".wgmma" if v else "",
     "SB_GROUPS": lambda v: f".g{v}" if v != 2 else "",
+    "SB_WS": lambda v: ".ws" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
     "SB_CONSUMERS": lambda v: f".c{v}",
     "SB_KV_STAGES": lambda v: f"s{v}",
@@ -304,6 +305,7 @@ class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
+    ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; opt-in, SAGEBWD_BACKWARD_WS=1)
 
     @property
     def filename(self) -> str:
@@ -311,8 +313,9 @@ class BackwardTiles:
 
     @property
     def threads(self) -> int:
-        """mma.sync: 4 key groups x 2 query halves of a 64x64 tile; wgmma: 128 per warpgroup."""
-        return 128 * self.groups if self.wgmma else 256
+        """The launch's: mma.sync 4 key groups x 2 query halves of a 64x64 tile; wgmma 128 per warpgroup, and
+        the producer's 128 (ws)."""
+        return 128 * (self.groups + self.ws) if self.wgmma else 256
 
     @property
     def block_keys(self) -> int:
@@ -337,13 +340,15 @@ class BackwardTiles:
                 "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS)}
 
     def choices(self) -> dict:
-        return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma), **({"SB_GROUPS": self.groups} if self.wgmma else {})}
+        return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
+                **({"SB_GROUPS": self.groups, "SB_WS": int(self.ws)} if self.wgmma else {})}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
         pitch and the grid order (-1: the launch's); the wgmma kernel's TMA boxes."""
         order = backward_fixed_grid_order(self.wgmma, causal, deterministic)
-        out = {"SB_THREADS": self.threads, "SB_CTA_KEYS": self.block_keys, "SB_KEY_PAD": self.key_pad,
+        # SB_THREADS: the threads that compute (the wgmma kernel's producer warpgroup is not among them)
+        out = {"SB_THREADS": self.threads - 128 * self.ws, "SB_CTA_KEYS": self.block_keys, "SB_KEY_PAD": self.key_pad,
                "SB_DQ_PITCH": self.dq_row(dp), "SB_GRID_ORDER": -1 if order is None else order}
         if self.wgmma:
             maps = self.query_maps(dp)
@@ -380,9 +385,13 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
 
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory)."""
+    one where two do not fit the device's shared memory). SAGEBWD_BACKWARD_WS=1: the wgmma kernel with a
+    producer warpgroup (stage loads, dQ's reductions; kernels/backward_wgmma.cu SB_WS) where it has two
+    computing warpgroups."""
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
-    return BackwardTiles(stages=2, wgmma=wg, groups=wgmma_groups(dp, deterministic, varlen) if wg else 2)
+    groups = wgmma_groups(dp, deterministic, varlen) if wg else 2
+    ws = wg and groups == 2 and _env_choice("SAGEBWD_BACKWARD_WS", (0, 1)) == 1
+    return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws)
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
@@ -396,6 +405,9 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
         tiles = BackwardTiles(stages=2)
+    if tiles.ws and dp == 128 and not options.fine:
+        # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes at 240.
+        tiles = dataclasses.replace(tiles, ws=False)
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
@@ -484,6 +496,10 @@ def all_specs(arch: str | None = None) -> list:
                                 spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
                                 if spec not in specs:
                                     specs.append(spec)
+                                if granularity == "fine" and not det and not bias and window < 0 and not cap and not varlen:
+                                    # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
+                                    ws = dataclasses.replace(wg, ws=True)
+                                    specs.append(backward_kernel(dp, dt, bwd, ws, arch, limit, varlen)[1])
     return specs
 
 
