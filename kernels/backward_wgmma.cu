@@ -222,7 +222,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     float* yscale_s = reinterpret_cast<float*>(smem + YSCALE_OFF);
 
     const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
-    if (tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
+    if (!WS || tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
