@@ -312,25 +312,26 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     constexpr int REDUCER = (GROUPS - 1) * 128;
     const u32 dq_s = base + DQ_OFF;
     i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
-    auto lock_pending = [&] { return a.dq_lock + pending_row / BQ; };  // its turn counter
-    // The partial's turn: j, or under a window (dq_turn) the one the thread left in shared memory at the
-    // top of iteration `it` (slot it % 2; formed later, or held across the loop, it spilled).
-    int* turn_s = reinterpret_cast<int*>(smem + TURN_OFF);
-    auto reduce_dq = [&](int it) {
-        const int turn = SB_WINDOW ? turn_s[it & 1] : j;
+    // The partial in the tile added into dq_acc's rows from `row`; deterministic: in turn `turn` of the query
+    // block's counter.
+    auto reduce_rows = [&](i64 row, int turn) {
         if (SB_DETERMINISTIC) {
-            wait_turn(lock_pending(), turn);
+            wait_turn(a.dq_lock + row / BQ, turn);
             fence_proxy_async_global();
         }
-        bulk_reduce_add_f32(a.dq_acc + pending_row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
+        bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
         bulk_commit();
         if (SB_DETERMINISTIC) {
             bulk_wait<0>();
             fence_proxy_async_global();
             __threadfence();
-            pass_turn(lock_pending(), turn);
+            pass_turn(a.dq_lock + row / BQ, turn);
         }
     };
+    // The partial's turn: j, or under a window (dq_turn) the one the thread left in shared memory at the
+    // top of iteration `it` (slot it % 2; formed later, or held across the loop, it spilled).
+    int* turn_s = reinterpret_cast<int*>(smem + TURN_OFF);
+    auto reduce_dq = [&](int it) { reduce_rows(pending_row, SB_WINDOW ? turn_s[it & 1] : j); };
 
     // WS: the producer warpgroup. Its first warp's lane 0 loads the stages of every iteration once the computing
     // warps have released the stage's previous use; its second warp's lane 0 adds each iteration's dQ partial into
@@ -351,18 +352,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 const i64 row = seq.q_row0(ph) + pi * BQ;
                 const int turn = SB_WINDOW ? dq_turn(j, pi * BQ, CTA_KEYS, seq) : j;
                 mbarrier_wait(base + DQ_FULL_BAR, it & 1);
-                if (SB_DETERMINISTIC) {
-                    wait_turn(a.dq_lock + row / BQ, turn);
-                    fence_proxy_async_global();
-                }
-                bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
-                bulk_commit();
-                if (SB_DETERMINISTIC) {
-                    bulk_wait<0>();
-                    fence_proxy_async_global();
-                    __threadfence();
-                    pass_turn(a.dq_lock + row / BQ, turn);
-                }
+                reduce_rows(row, turn);
                 bulk_wait_read<0>();
                 mbarrier_arrive(base + DQ_EMPTY_BAR);
             }
