@@ -18,7 +18,7 @@
 // SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two); SB_WS (opt-in): a
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
-// the computing warpgroups take 240 registers (setmaxnreg) and never issue a load or wait for a reduction;
+// the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
 // SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
 // registers: there dK's accumulators live in shared memory). From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
@@ -44,8 +44,12 @@ static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup 
 #endif
 constexpr bool WS = SB_WS;
 constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
-static_assert(!WS || GROUPS == 2, "a producer beside two computing warpgroups (their 2 x 240 + 24 registers a lane)");
-constexpr int PRODUCER_REGS = 32, CONSUMER_REGS = 240;  // at 24 the producer's loops spilled (causal)
+static_assert(!WS || GROUPS == 2, "a producer beside two computing warpgroups (their 2 x 232 + 40 registers a lane)");
+// setmaxnreg moves registers inside the CTA's launch allocation (168 a thread at 384 threads), so the split must fit
+// it; at 24 the producer's loops spilled (causal).
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(!WS || 128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (65536 / CTA_THREADS) / 8 * 8 * CTA_THREADS,
+              "setmaxnreg.inc waits forever for registers the CTA was not given");
 // The computing warpgroups' barrier (bar.sync ids 1..GROUPS are each warpgroup's own); the whole CTA's without a
 // producer, which leaves the loop's barriers.
 constexpr int BAR_COMPUTE = 1 + GROUPS;

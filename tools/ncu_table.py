@@ -57,7 +57,7 @@ def profile(ncu, metrics, impl, env, which, d, n, args) -> dict:
     for row in csv.DictReader(io.StringIO("\n".join(rows))):
         name = row.get("Kernel Name", name)
         value = row["Metric Value"].replace(",", "")
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", ""))
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(row.get("Metric Unit", ""))
         values[row["Metric Name"]] = str(_num(value) * scale) if scale else value
     return {"kernel": name, **values}
 
