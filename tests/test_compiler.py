@@ -313,21 +313,32 @@ def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
         assert "insufficient" not in proc.stdout + proc.stderr
 
 
-def test_the_producer_warpgroup_backward_is_opt_in_where_it_fits(monkeypatch):
-    """SAGEBWD_BACKWARD_WS=1: the wgmma backward with a producer warpgroup (384 threads, key ".ws"), where it
-    has two computing warpgroups, and not at d=128 with the paper granularity (spills); off by default."""
-    monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
-    assert not specs.backward_tiles(128, "sm_90").ws
-    monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
+def test_the_producer_warpgroup_backward_is_the_deterministic_default_at_128(monkeypatch):
+    """The wgmma backward with a producer warpgroup (384 threads, key ".ws"): by default where it is deterministic
+    at d=128 (not with the paper granularity, which spills); SAGEBWD_BACKWARD_WS=1 wherever there are two
+    computing warpgroups, =0 nowhere."""
     limit = specs.arch_shared_limit("sm_90")
-    for dp, opts, ws in ((128, AttentionOptions(causal=True), True), (64, AttentionOptions(), True),
-                         (128, AttentionOptions(granularity="paper"), False),
-                         (64, AttentionOptions(deterministic=True), False)):  # three warpgroups at d=64
-        tiles, spec = specs.backward_kernel(dp, "float16", opts, specs.backward_tiles(dp, "sm_90", opts.deterministic),
-                                            "sm_90", limit)
-        assert tiles.ws == ws and spec.key.endswith(".ws") == ws, spec.key
-        assert tiles.threads == 128 * (tiles.groups + ws) and dict(spec.defines)["SB_THREADS"] == 128 * tiles.groups
-    assert not specs.backward_tiles(128, "sm_86").ws  # the mma.sync kernel
+
+    def ws(dp, opts, varlen=False):
+        tiles, spec = specs.backward_kernel(dp, "float16", opts, specs.backward_tiles(dp, "sm_90", opts.deterministic,
+                                                                                       varlen), "sm_90", limit, varlen)
+        assert ("ws" in spec.key.split(".")) == tiles.ws, spec.key
+        assert tiles.threads == 128 * (tiles.groups + tiles.ws) and dict(spec.defines)["SB_THREADS"] == 128 * tiles.groups
+        return tiles.ws
+
+    det = AttentionOptions(causal=True, deterministic=True)
+    monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
+    assert ws(128, det) and ws(128, det, varlen=True) and ws(128, AttentionOptions(deterministic=True, smooth_q=True))
+    assert not ws(128, AttentionOptions(causal=True)) and not ws(64, AttentionOptions(deterministic=True))
+    assert not ws(128, det._replace(granularity="paper"))
+    monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
+    for dp, opts, want in ((128, AttentionOptions(causal=True), True), (64, AttentionOptions(), True),
+                           (128, AttentionOptions(granularity="paper"), False),
+                           (64, AttentionOptions(deterministic=True), False)):  # three warpgroups at d=64
+        assert ws(dp, opts) == want, (dp, opts)
+    monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
+    assert not ws(128, det)
+    assert not specs.backward_tiles(128, "sm_86", True).ws  # the mma.sync kernel
 
 
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):

@@ -333,12 +333,14 @@ def test_cached_plans_follow_each_calls_arrays():
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
                                      dict(causal=False, granularity="paper"), dict(causal=True, window_size=(200, 0)),
-                                     dict(causal=True, softcap=20.0, smooth_k=False)],
+                                     dict(causal=True, softcap=20.0, smooth_k=False),
+                                     dict(causal=False, deterministic=True, smooth_q=True)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_the_producer_warpgroup_backward_equals_the_default_kernel(monkeypatch, shape, options):
+def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, shape, options):
     """SAGEBWD_BACKWARD_WS=1 (kernels/backward_wgmma.cu SB_WS: stage loads and dQ's reductions by a producer
-    warpgroup) computes what the default wgmma backward computes: dK and dV bit for bit, dQ bit for bit when
-    deterministic and otherwise within its accumulation order's rounding; packed batches too. Hopper only."""
+    warpgroup; the deterministic default at d=128) computes what the wgmma backward without it
+    (SAGEBWD_BACKWARD_WS=0) computes: dK and dV bit for bit, dQ bit for bit when deterministic and otherwise
+    within its accumulation order's rounding; packed batches too. Hopper only."""
     import torch
 
     import sagebwd_cp.torch as st
@@ -365,9 +367,9 @@ def test_the_producer_warpgroup_backward_equals_the_default_kernel(monkeypatch, 
         return [x.grad for x in leaves]
 
     for packed in (False, True):
-        if packed and options.get("granularity") == "paper":
+        if packed and (options.get("granularity") == "paper" or options.get("smooth_q")):
             continue
-        monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
+        monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
         plan.clear_plans()
         ref = grads(packed)
         monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")

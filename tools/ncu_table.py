@@ -48,7 +48,8 @@ def profile(ncu, metrics, impl, env, which, d, n, args) -> dict:
            "--launch-skip", "2", "--launch-count", "1",
            sys.executable, os.path.join(HERE, "profile_step.py"), "--impl", impl, "--pass", which,
            "--head-dim", str(d), "--seqlen", str(n), "--tokens", str(args.tokens), "--hidden", str(args.hidden),
-           "--gqa", str(args.gqa), "--dtype", args.dtype] + (["--causal"] if args.causal else [])
+           "--gqa", str(args.gqa), "--dtype", args.dtype] + (["--causal"] if args.causal else []) \
+        + (["--deterministic"] if args.deterministic and impl == "ours" else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     rows = [line for line in r.stdout.splitlines() if line.startswith('"')]
     if r.returncode or not rows:
@@ -81,13 +82,14 @@ def main():
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="our backward's deterministic dQ order")
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--json", help="also write the raw values here")
     args = ap.parse_args()
     tensor = tensor_pipe_metrics(args.ncu)
     metrics = list(BASE_METRICS.values()) + tensor
     results = []
-    print(f"{args.dtype}, {'causal' if args.causal else 'non-causal'}, {args.tokens} tokens, hidden {args.hidden}, "
+    print(f"{args.dtype}, {'causal' if args.causal else 'non-causal'}{', deterministic' if args.deterministic else ''}, {args.tokens} tokens, hidden {args.hidden}, "
           f"GQA {args.gqa}:1; tensor pipes: {', '.join(m.split('.')[0] for m in tensor) or 'none listed'}")
     print("| pass | d | N | variant | time µs | issue busy % | no eligible % | warps active / eligible "
           "| instructions (M) | registers | grid × block | tensor pipe % |")

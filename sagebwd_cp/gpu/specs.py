@@ -305,7 +305,7 @@ class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
-    ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; opt-in, SAGEBWD_BACKWARD_WS=1)
+    ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; backward_tiles says where)
 
     @property
     def filename(self) -> str:
@@ -385,12 +385,15 @@ def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> 
 
 def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory). SAGEBWD_BACKWARD_WS=1: the wgmma kernel with a
-    producer warpgroup (stage loads, dQ's reductions; kernels/backward_wgmma.cu SB_WS) where it has two
-    computing warpgroups."""
+    one where two do not fit the device's shared memory). The wgmma kernel has a producer warpgroup (stage
+    loads, dQ's reductions and their deterministic turns; kernels/backward_wgmma.cu SB_WS) where it is
+    deterministic at head dim 128: there the computing warps stop waiting for turns, measured 1.12-1.35x
+    (docs/PERFORMANCE.md); elsewhere it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on
+    (on: wherever there are two computing warpgroups)."""
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
     groups = wgmma_groups(dp, deterministic, varlen) if wg else 2
-    ws = wg and groups == 2 and _env_choice("SAGEBWD_BACKWARD_WS", (0, 1)) == 1
+    forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
+    ws = wg and groups == 2 and (forced == 1 if forced is not None else deterministic and dp == 128)
     return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws)
 
 
@@ -492,7 +495,7 @@ def all_specs(arch: str | None = None) -> list:
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
                             specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                wg = BackwardTiles(2, True, wgmma_groups(dp, det, varlen))
+                                wg = backward_tiles(dp, arch, det, varlen)
                                 spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
                                 if spec not in specs:
                                     specs.append(spec)
