@@ -315,7 +315,7 @@ def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
 
 def test_the_producer_warpgroup_backward_is_the_deterministic_default_at_128(monkeypatch):
     """The wgmma backward with a producer warpgroup (384 threads, key ".ws"): by default where it is deterministic
-    at d=128 (not with the paper granularity, which spills); SAGEBWD_BACKWARD_WS=1 wherever there are two
+    at d=128 (not with the paper granularity or Q-smoothing, which spill); SAGEBWD_BACKWARD_WS=1 wherever there are two
     computing warpgroups, =0 nowhere."""
     limit = specs.arch_shared_limit("sm_90")
 
@@ -328,9 +328,9 @@ def test_the_producer_warpgroup_backward_is_the_deterministic_default_at_128(mon
 
     det = AttentionOptions(causal=True, deterministic=True)
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
-    assert ws(128, det) and ws(128, det, varlen=True) and ws(128, AttentionOptions(deterministic=True, smooth_q=True))
+    assert ws(128, det) and ws(128, det, varlen=True) and ws(128, det._replace(softcap=5.0, smooth_k=False))
     assert not ws(128, AttentionOptions(causal=True)) and not ws(64, AttentionOptions(deterministic=True))
-    assert not ws(128, det._replace(granularity="paper"))
+    assert not ws(128, det._replace(granularity="paper")) and not ws(128, det._replace(smooth_q=True))
     monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
     for dp, opts, want in ((128, AttentionOptions(causal=True), True), (64, AttentionOptions(), True),
                            (128, AttentionOptions(granularity="paper"), False),

@@ -334,7 +334,7 @@ def test_cached_plans_follow_each_calls_arrays():
 @pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
                                      dict(causal=False, granularity="paper"), dict(causal=True, window_size=(200, 0)),
                                      dict(causal=True, softcap=20.0, smooth_k=False),
-                                     dict(causal=False, deterministic=True, smooth_q=True)],
+                                     dict(causal=True, softcap=20.0, smooth_k=False, deterministic=True)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, shape, options):
     """SAGEBWD_BACKWARD_WS=1 (kernels/backward_wgmma.cu SB_WS: stage loads and dQ's reductions by a producer
@@ -367,7 +367,7 @@ def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, sha
         return [x.grad for x in leaves]
 
     for packed in (False, True):
-        if packed and (options.get("granularity") == "paper" or options.get("smooth_q")):
+        if packed and options.get("granularity") == "paper":
             continue
         monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
         plan.clear_plans()

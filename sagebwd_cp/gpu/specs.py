@@ -408,8 +408,9 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
         tiles = BackwardTiles(stages=2)
-    if tiles.ws and dp == 128 and not options.fine:
-        # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes at 240.
+    if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
+        # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
+        # Q-smoothing 8 bytes (NVRTC 13.0).
         tiles = dataclasses.replace(tiles, ws=False)
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
