@@ -386,10 +386,13 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # and soft-capped window x (dense, packed)) x 64- or 128-key tiles. Backward: per head dim and dtype, full and
     # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
-    # (specs.backward_kernel).
+    # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
+    # full and causal, dense (the deterministic d=128 ones are the default kernels, counted above).
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
     per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
-    assert len([s for s in wg if s.key.startswith("backward.")]) == 2 * sum(per_dtype.values())
+    backward = [s for s in wg if s.key.startswith("backward.")]
+    assert len(backward) == 2 * sum(per_dtype.values()) + 2 * 2 * 2
+    assert len({s.key for s in backward}) == len(backward)
     assert all(".causal.window." in s.key for s in wg if dict(s.defines).get("SB_WINDOW"))
     assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
