@@ -313,15 +313,15 @@ def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
         assert "insufficient" not in proc.stdout + proc.stderr
 
 
-def test_the_producer_warpgroup_backward_is_the_deterministic_default_at_128(monkeypatch):
+def test_the_producer_warpgroup_backward_is_the_deterministic_default(monkeypatch):
     """The wgmma backward with a producer warpgroup (384 threads, key ".ws"): by default where it is deterministic
-    at d=128 (not with the paper granularity or Q-smoothing, which spill); SAGEBWD_BACKWARD_WS=1 wherever there are two
-    computing warpgroups, =0 nowhere."""
+    with two computing warpgroups (not at d=128 with the paper granularity or Q-smoothing, which spill; d=64 causal
+    MHA keeps three warpgroups); SAGEBWD_BACKWARD_WS=1 wherever there are two computing warpgroups, =0 nowhere."""
     limit = specs.arch_shared_limit("sm_90")
 
-    def ws(dp, opts, varlen=False):
-        tiles, spec = specs.backward_kernel(dp, "float16", opts, specs.backward_tiles(dp, "sm_90", opts.deterministic,
-                                                                                       varlen), "sm_90", limit, varlen)
+    def ws(dp, opts, varlen=False, mha=False):
+        wanted = specs.backward_tiles(dp, "sm_90", opts.deterministic, varlen, causal_mha=opts.causal and mha)
+        tiles, spec = specs.backward_kernel(dp, "float16", opts, wanted, "sm_90", limit, varlen)
         assert ("ws" in spec.key.split(".")) == tiles.ws, spec.key
         assert tiles.threads == 128 * (tiles.groups + tiles.ws) and dict(spec.defines)["SB_THREADS"] == 128 * tiles.groups
         return tiles.ws
@@ -329,13 +329,15 @@ def test_the_producer_warpgroup_backward_is_the_deterministic_default_at_128(mon
     det = AttentionOptions(causal=True, deterministic=True)
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
     assert ws(128, det) and ws(128, det, varlen=True) and ws(128, det._replace(softcap=5.0, smooth_k=False))
-    assert not ws(128, AttentionOptions(causal=True)) and not ws(64, AttentionOptions(deterministic=True))
+    assert ws(64, det) and ws(64, det._replace(granularity="paper", smooth_q=True)) and ws(64, det, varlen=True, mha=True)
+    assert not ws(128, AttentionOptions(causal=True)) and not ws(64, det, mha=True)  # three warpgroups
+    assert ws(128, det, mha=True) and ws(64, AttentionOptions(deterministic=True), mha=True)  # (not causal)
     assert not ws(128, det._replace(granularity="paper")) and not ws(128, det._replace(smooth_q=True))
     monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
     for dp, opts, want in ((128, AttentionOptions(causal=True), True), (64, AttentionOptions(), True),
                            (128, AttentionOptions(granularity="paper"), False),
-                           (64, AttentionOptions(deterministic=True), False)):  # three warpgroups at d=64
-        assert ws(dp, opts) == want, (dp, opts)
+                           (64, AttentionOptions(causal=True, deterministic=True), False)):  # three warpgroups
+        assert ws(dp, opts, mha=True) == want, (dp, opts)
     monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
     assert not ws(128, det)
     assert not specs.backward_tiles(128, "sm_86", True).ws  # the mma.sync kernel
@@ -346,10 +348,11 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     assert specs.forward_tiles(128, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
     assert specs.backward_tiles(128, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
     assert specs.backward_tiles(64, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
-    for det in (False, True):  # 3 warpgroups for the deterministic kernels
-        assert specs.backward_tiles(64, "sm_90", det).groups == (3 if det else 2)
-        assert specs.backward_tiles(128, "sm_90", det).groups == 2
-        assert specs.backward_tiles(64, "sm_90", det, varlen=True).groups == 2  # packed: 3 spilled
+    for det in (False, True):  # 3 warpgroups for the deterministic kernels of causal MHA at d=64
+        assert specs.backward_tiles(64, "sm_90", det, causal_mha=True).groups == (3 if det else 2)
+        assert specs.backward_tiles(64, "sm_90", det).groups == 2
+        assert specs.backward_tiles(128, "sm_90", det, causal_mha=True).groups == 2
+        assert specs.backward_tiles(64, "sm_90", det, varlen=True, causal_mha=True).groups == 2  # packed: 3 spilled
     # The overrides: a listed value is taken, another is refused by name.
     for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, "sm_90").key_tile),
                                 ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, "sm_90").groups)):
@@ -387,9 +390,11 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
-    # full and causal, dense (the deterministic d=128 ones are the default kernels, counted above).
+    # full and causal, dense (the deterministic ones are the default kernels, counted above); and at d=64 the
+    # deterministic kernels of causal MHA with three warpgroups (dense: causal x (plain, Q-smoothing) x granularity,
+    # window x granularity, soft-capped causal and window), beside the two-warpgroup ones.
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
-    per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
+    per_dtype = {64: 2 * 12 + 8 + 4 + 4 + (4 + 2 + 2), 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
     backward = [s for s in wg if s.key.startswith("backward.")]
     assert len(backward) == 2 * sum(per_dtype.values()) + 2 * 2 * 2
     assert len({s.key for s in backward}) == len(backward)

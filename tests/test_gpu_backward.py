@@ -172,8 +172,8 @@ def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype
 @pytest.mark.parametrize("granularity", ["fine", "paper"])
 def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
     """At head dim 64 Hopper runs 192-key CTAs of three warpgroups (dK accumulated in shared memory,
-    dQ's columns split 24/24/16) for the deterministic kernels and 128-key CTAs of two for the
-    others; SAGEBWD_BACKWARD_GROUPS forces either. Only FP32 sums of dQ over a CTA's key
+    dQ's columns split 24/24/16) for the deterministic kernels of causal MHA and 128-key CTAs of two
+    for the others; SAGEBWD_BACKWARD_GROUPS forces either. Only FP32 sums of dQ over a CTA's key
     blocks differ in order."""
     from sagebwd_cp.gpu import specs
     from sagebwd_cp.gpu.device import device_arch

@@ -443,16 +443,16 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
 
 def test_backward_pads_keys_to_whole_cta_tiles(gpu):
     """K̂ and K̂ᵀ are padded to the backward's key tile (192-key CTAs of three warpgroups for the
-    deterministic kernel at head dim 64 on sm_90, 128 keys for the default one); the forward to 128."""
-    q, k, v = qkv(lq=64, lk=64)
-    out, saved = sagebwd_cp.attention_forward(q, k, v)
-    do = cuda_desc(q.shape, base=7 << 44)
-    for deterministic, nk in ((True, 384), (False, 128)):
+    deterministic kernel of causal MHA at head dim 64 on sm_90, 128 keys for the others); the forward to 128."""
+    for hk, deterministic, nk in ((2, True, 384), (2, False, 128), (1, True, 128)):
+        q, k, v = qkv(hk=hk, lq=64, lk=64)
+        out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
+        do = cuda_desc(q.shape, base=7 << 44)
         plan.clear_plans()
         sagebwd_cp.attention_backward(saved, do, deterministic=deterministic)
         bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
         shapes = {b.name: b.shape for b in _buffers(bwd)}
-        assert shapes["k8"][2] == nk and shapes["k8t"][3] == nk and shapes["k_scale"][2] == nk
+        assert shapes["k8"][2] == nk and shapes["k8t"][3] == nk and shapes["k_scale"][2] == nk, (hk, deterministic)
         assert shapes["q8"][2] == 128
 
 

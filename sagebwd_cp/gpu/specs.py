@@ -304,7 +304,7 @@ def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
 class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
-    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for deterministic at head dim 64: wgmma_groups)
+    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for some deterministic kernels at d=64: wgmma_groups)
     ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; backward_tiles says where)
 
     @property
@@ -368,32 +368,37 @@ def backward_fixed_grid_order(wgmma: bool, causal: bool, deterministic: bool) ->
     return HEADS_BATCH_FIRST if causal and deterministic else BLOCKS_FIRST
 
 
-def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False) -> int:
-    """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 3 for
-    the deterministic kernels (dK's accumulators in shared memory, 168 registers: 12 warps per SM,
-    whose turn waits for dQ they hide; measured 10-15% faster), 2 for the others (which spend their
-    spare registers on work: 3 measured 11-17% slower, docs/history/PERFORMANCE_LOG.md, backward v13). SAGEBWD_BACKWARD_GROUPS=2
-    or 3 forces either at head dim 64. Packed batches take 2: their three-warpgroup kernels hold the sequence's
-    bounds too and spilled at 168 registers (NVRTC 13.0)."""
+def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False, causal_mha: bool = False) -> int:
+    """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 2, and 3 for
+    the deterministic kernels of causal attention with as many key heads as query heads (dK's accumulators
+    in shared memory, 168 registers: 12 warps per SM, whose turn waits for dQ they hide). Elsewhere the
+    deterministic kernels take 2 with the producer warpgroup (backward_tiles), which waits for the turns in
+    their place: against 3 measured 1.13-1.20x (MHA non-causal) and 1.10-1.29x (GQA 4:1 causal), against
+    1.00 / 0.93x for MHA causal at 2K / 8K (docs/PERFORMANCE.md). The non-deterministic kernels spend their
+    spare registers on work (3 measured 11-17% slower, docs/history/PERFORMANCE_LOG.md, backward v13).
+    SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64. Packed batches take 2: their
+    three-warpgroup kernels hold the sequence's bounds too and spilled at 168 registers (NVRTC 13.0)."""
     if dp != 64 or varlen:
         return 2
     forced = _env_choice("SAGEBWD_BACKWARD_GROUPS", (2, 3))
     if forced is not None:
         return forced
-    return 3 if deterministic else 2
+    return 3 if deterministic and causal_mha else 2
 
 
-def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False) -> BackwardTiles:
+def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False,
+                   causal_mha: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory). The wgmma kernel has a producer warpgroup (stage
-    loads, dQ's reductions and their deterministic turns; kernels/backward_wgmma.cu SB_WS) where it is
-    deterministic at head dim 128: there the computing warps stop waiting for turns, measured 1.12-1.35x
-    (docs/PERFORMANCE.md); elsewhere it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on
-    (on: wherever there are two computing warpgroups)."""
+    one where two do not fit the device's shared memory). The deterministic wgmma kernel with two computing
+    warpgroups has a producer warpgroup (stage loads, dQ's reductions and their turns; kernels/backward_wgmma.cu
+    SB_WS): there the computing warps stop waiting for turns, measured 1.12-1.35x at head dim 128
+    (docs/PERFORMANCE.md); not deterministic it measured 0.95-1.00x. ``causal_mha``: causal attention with as
+    many key heads as query heads (wgmma_groups). SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on (on: wherever
+    there are two computing warpgroups)."""
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
-    groups = wgmma_groups(dp, deterministic, varlen) if wg else 2
+    groups = wgmma_groups(dp, deterministic, varlen, causal_mha) if wg else 2
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
-    ws = wg and groups == 2 and (forced == 1 if forced is not None else deterministic and dp == 128)
+    ws = wg and groups == 2 and (forced == 1 if forced is not None else deterministic)
     return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws)
 
 
@@ -496,10 +501,11 @@ def all_specs(arch: str | None = None) -> list:
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
                             specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                wg = backward_tiles(dp, arch, det, varlen)
-                                spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
-                                if spec not in specs:
-                                    specs.append(spec)
+                                for causal_mha in {False, causal}:  # wgmma_groups: 3 or 2 at d=64
+                                    wg = backward_tiles(dp, arch, det, varlen, causal_mha)
+                                    spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
+                                    if spec not in specs:
+                                        specs.append(spec)
                                 if granularity == "fine" and not det and not bias and window < 0 and not cap and not varlen:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
                                     ws = dataclasses.replace(wg, ws=True)
