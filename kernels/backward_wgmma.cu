@@ -15,7 +15,7 @@
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
-// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two); SB_WS (opt-in): a
+// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two); SB_WS: a
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
 // the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
@@ -345,7 +345,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         setmaxnreg_dec<PRODUCER_REGS>();
         const int pwarp = (tid - THREADS) >> 5;
         int ph = h_first, pi = i_start;
-        if ((tid & 31) == 0 && pwarp == 0) {  // (two loops, not one: the producer's 32 registers hold either)
+        if ((tid & 31) == 0 && pwarp == 0) {  // (two loops, not one: the producer's 40 registers hold either)
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const int slot = it % SB_STAGES;
                 if (it >= SB_STAGES) mbarrier_wait(base + STAGE0 + slot * STAGE_BYTES + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
