@@ -19,7 +19,7 @@
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
 // the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
-// SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
+// SB_DQ_TILES (WS only: 1 or 2) dQ partial tiles, written and reduced in turn; SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
 // registers: there dK's accumulators live in shared memory). From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
 // launch's), and the query-side tensor maps' boxes (specs.BackwardTiles.query_maps): SB_TMA_QROWS
@@ -45,6 +45,10 @@ static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup 
 constexpr bool WS = SB_WS;
 constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
 static_assert(!WS || GROUPS == 2, "a producer beside two computing warpgroups (their 2 x 232 + 40 registers a lane)");
+// dQ partial tiles (SB_DQ_TILES, specs.BackwardTiles.dq_tiles): WS with two, the computing warps write one while the
+// producer's reduction reads the other.
+constexpr int DQ_TILES = SB_DQ_TILES;
+static_assert(DQ_TILES == 1 || (WS && DQ_TILES == 2), "a second dQ tile needs the producer's reductions");
 // setmaxnreg moves registers inside the CTA's launch allocation (168 a thread at 384 threads), so the split must fit
 // it; at 24 the producer's loops spilled (causal).
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
@@ -121,7 +125,7 @@ struct BackwardShared {
     float red[RED_FLOATS];
     float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
     int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials
-    float dq[BQ * DQ_PITCH];         // the dQ partial's tile
+    float dq[DQ_TILES][BQ * DQ_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES)
     float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
 };
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TILE_ALIGN - 128);
@@ -144,7 +148,12 @@ static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OF
 static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
 static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
 
-constexpr int SBAR_EMPTY = SBAR + 8, DQ_FULL_BAR = STAGE0 + SBAR + 16, DQ_EMPTY_BAR = STAGE0 + SBAR + 24;
+constexpr int DQ_TILE_BYTES = BQ * DQ_PITCH * 4;
+// WS mbarriers: a stage's "empty" beside its "full"; in stage 0, dQ tile b's "full" and "empty".
+constexpr int SBAR_EMPTY = SBAR + 8;
+SB_DEVICE constexpr int dq_full_bar(int b) { return STAGE0 + SBAR + 16 + 16 * b; }
+SB_DEVICE constexpr int dq_empty_bar(int b) { return STAGE0 + SBAR + 24 + 16 * b; }
+static_assert(SBAR + 24 + 16 * (DQ_TILES - 1) + 8 <= SBAR + 128, "the mbarriers fit the stage's 128 bytes");
 
 // The computing warpgroups wait for one another (the whole CTA where there is no producer).
 SB_DEVICE void compute_sync() {
@@ -270,8 +279,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             if (WS) mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR_EMPTY, THREADS / 32);
         }
         if (WS) {
-            mbarrier_init(base + DQ_FULL_BAR, THREADS / 32);
-            mbarrier_init(base + DQ_EMPTY_BAR, 1);
+#pragma unroll
+            for (int b = 0; b < DQ_TILES; ++b) {
+                mbarrier_init(base + dq_full_bar(b), THREADS / 32);
+                mbarrier_init(base + dq_empty_bar(b), 1);
+            }
         }
         fence_mbarrier_init();
         prefetch_tensor_map(tm_q);
@@ -316,14 +328,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     constexpr int REDUCER = (GROUPS - 1) * 128;
     const u32 dq_s = base + DQ_OFF;
     i64 pending_row = -1;  // the partial's first row in dq_acc ([B][Hq][Nq_pad] rows); -1: none yet
-    // The partial in the tile added into dq_acc's rows from `row`; deterministic: in turn `turn` of the query
-    // block's counter.
-    auto reduce_rows = [&](i64 row, int turn) {
+    // The partial in the tile at shared address `tile` added into dq_acc's rows from `row`; deterministic: in turn
+    // `turn` of the query block's counter.
+    auto reduce_rows = [&](i64 row, int turn, u32 tile) {
         if (SB_DETERMINISTIC) {
             wait_turn(a.dq_lock + row / BQ, turn);
             fence_proxy_async_global();
         }
-        bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, dq_s, BQ * DQ_PITCH * 4);
+        bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, tile, DQ_TILE_BYTES);
         bulk_commit();
         if (SB_DETERMINISTIC) {
             bulk_wait<0>();
@@ -335,7 +347,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // The partial's turn: j, or under a window (dq_turn) the one the thread left in shared memory at the
     // top of iteration `it` (slot it % 2; formed later, or held across the loop, it spilled).
     int* turn_s = reinterpret_cast<int*>(smem + TURN_OFF);
-    auto reduce_dq = [&](int it) { reduce_rows(pending_row, SB_WINDOW ? turn_s[it & 1] : j); };
+    auto reduce_dq = [&](int it) { reduce_rows(pending_row, SB_WINDOW ? turn_s[it & 1] : j, dq_s); };
 
     // WS: the producer warpgroup. Its first warp's lane 0 loads the stages of every iteration once the computing
     // warps have released the stage's previous use; its second warp's lane 0 adds each iteration's dQ partial into
@@ -355,10 +367,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const i64 row = seq.q_row0(ph) + pi * BQ;
                 const int turn = SB_WINDOW ? dq_turn(j, pi * BQ, CTA_KEYS, seq) : j;
-                mbarrier_wait(base + DQ_FULL_BAR, it & 1);
-                reduce_rows(row, turn);
+                const int b = it % DQ_TILES;
+                mbarrier_wait(base + dq_full_bar(b), (it / DQ_TILES) & 1);
+                reduce_rows(row, turn, dq_s + b * DQ_TILE_BYTES);
                 bulk_wait_read<0>();
-                mbarrier_arrive(base + DQ_EMPTY_BAR);
+                mbarrier_arrive(base + dq_empty_bar(b));
             }
             bulk_wait<0>();
         }
@@ -595,7 +608,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         rows_issue<false>(pr, zf, sqt_lo, 0);  // dK, chunk 0
         fence_proxy_async();  // Ŷ's stores are read by wgmma
         if (!WS && tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
-        if (WS && it > 0) mbarrier_wait(base + DQ_EMPTY_BAR, (it - 1) & 1);  // the last partial has been read
+        if (WS && it >= DQ_TILES)  // the partial this tile held last has been read
+            mbarrier_wait(base + dq_empty_bar(it % DQ_TILES), (it / DQ_TILES - 1) & 1);
         compute_sync();  // both warpgroups' Ŷ and scales are in shared memory
 
         // dQ's head-dim slice wg: Σ over the key blocks kb of ŷ_kb[query]·(Ŷ_kb K̂_kb), in column chunks of
@@ -607,7 +621,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             // This thread's rows and columns.
             const int ft = loop_tid(), fw = loop_wg(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const int col0 = dq_col0(fw), own0 = fw * DQ_COLS;  // first computed and first stored column
-            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF) + rows * DQ_PITCH + col0 + 2 * (ft & 3);
+            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF + (it % DQ_TILES) * DQ_TILE_BYTES) + rows * DQ_PITCH +
+                            col0 + 2 * (ft & 3);
             const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
             auto issue_dq = [&](int c) {
                 wgmma_fence();
@@ -683,7 +698,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             if (WS) {  // the partial is in its tile, and the stage has been read (the dK products are done)
                 __syncwarp();
                 if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
-                    mbarrier_arrive(base + DQ_FULL_BAR);
+                    mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));
                     mbarrier_arrive(base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SBAR_EMPTY);
                 }
             }

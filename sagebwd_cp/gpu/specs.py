@@ -51,6 +51,7 @@ KEY_TEXT = {
     "SB_WGMMA": lambda v: ".wgmma" if v else "",
     "SB_GROUPS": lambda v: f".g{v}" if v != 2 else "",
     "SB_WS": lambda v: ".ws" if v else "",
+    "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
     "SB_CONSUMERS": lambda v: f".c{v}",
     "SB_KV_STAGES": lambda v: f"s{v}",
@@ -306,6 +307,7 @@ class BackwardTiles:
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for some deterministic kernels at d=64: wgmma_groups)
     ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; backward_tiles says where)
+    dq_tiles: int = 1  # wgmma: dQ partial tiles in shared memory (SB_DQ_TILES; 2 needs ws: dq_tiles_for)
 
     @property
     def filename(self) -> str:
@@ -341,7 +343,7 @@ class BackwardTiles:
 
     def choices(self) -> dict:
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
-                **({"SB_GROUPS": self.groups, "SB_WS": int(self.ws)} if self.wgmma else {})}
+                **({"SB_GROUPS": self.groups, "SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {})}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -399,7 +401,14 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     groups = wgmma_groups(dp, deterministic, varlen, causal_mha) if wg else 2
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and groups == 2 and (forced == 1 if forced is not None else deterministic)
-    return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws)
+    return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws, dq_tiles=dq_tiles_for(dp, ws))
+
+
+def dq_tiles_for(dp: int, ws: bool) -> int:
+    """dQ partial tiles of the wgmma backward: two where a producer warpgroup reduces them (the computing warps
+    write one while the other is read) and they fit sm_90's shared memory (d=64; at d=128 a second tile is 512
+    bytes over), else one. SAGEBWD_BACKWARD_DQ_TILES=1 forces one."""
+    return 2 if ws and dp == 64 and _env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
@@ -416,7 +425,7 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
         # Q-smoothing 8 bytes (NVRTC 13.0).
-        tiles = dataclasses.replace(tiles, ws=False)
+        tiles = dataclasses.replace(tiles, ws=False, dq_tiles=1)
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
@@ -508,7 +517,7 @@ def all_specs(arch: str | None = None) -> list:
                                         specs.append(spec)
                                 if granularity == "fine" and not det and not bias and window < 0 and not cap and not varlen:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
-                                    ws = dataclasses.replace(wg, ws=True)
+                                    ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(dp, True))
                                     specs.append(backward_kernel(dp, dt, bwd, ws, arch, limit, varlen)[1])
     return specs
 
