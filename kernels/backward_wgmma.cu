@@ -101,20 +101,21 @@ static_assert(SB_TMA_QROWS == BQ, "a box spans one query block");
 static_assert(2 * DO_COLS == 128 && DP % DO_COLS == 0, "dO boxes are 128-byte column blocks");
 static_assert(SB_TMA_SWIZZLE_Q == DP && SB_TMA_SWIZZLE_QT == BQ && SB_TMA_SWIZZLE_DO == 2 * DO_COLS,
               "each box in the swizzle of its rows");
-// Shared memory: per-CTA tiles, then SB_STAGES query-side stages, then Ŷ, the reductions and dQ.
-// Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned with 896 bytes of slack.
+// Shared memory: per-CTA tiles, then SB_STAGES query-side stages' tiles, then Ŷ, the reductions, the stages'
+// rows and mbarriers, and dQ. Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned
+// with 896 bytes of slack.
 constexpr int TILE_ALIGN = 1024;
-constexpr int STAGE_TILES = 320 * DP + 16 * BQ;  // a stage's tiles and rows, all loaded by TMA
-struct BackwardStage {
+struct BackwardStage {      // 320·DP bytes, a whole number of swizzle atoms
     i8 q[BQ * DP];          // Q̂   [64 q][DP] int8
     i8 qt[DP * BQ];         // Q̂ᵀ  [DP][64 q] int8, fragment token order
     i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
     u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
+};
+struct StageRows {          // a stage's rows and mbarriers (kept out of the tiles: their atoms stay unpadded)
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
-    unsigned long long bar[16];  // the stage's mbarriers, in 128 bytes: [0] full (its TMA loads' bytes); WS: [1]
-                                 // empty (every computing warp is done with it), and in stage 0 [2] and [3]
-                                 // dQ's tile full (written) and empty (read by its reduction)
-    char pad[(STAGE_TILES + 128 + TILE_ALIGN - 1) / TILE_ALIGN * TILE_ALIGN - STAGE_TILES - 128];  // to TILE_ALIGN
+    unsigned long long bar[16];  // in 128 bytes: [0] full (the stage's TMA loads' bytes); WS: [1] empty (every
+                                 // computing warp is done with it), and in stage 0 from [2] on dQ tile b's full
+                                 // (written, [2 + 2b]) and empty (read by its reduction, [3 + 2b])
 };
 struct BackwardShared {
     i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8
@@ -125,6 +126,7 @@ struct BackwardShared {
     float red[RED_FLOATS];
     float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
     int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials
+    StageRows rows[SB_STAGES];
     float dq[DQ_TILES][BQ * DQ_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES)
     float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
 };
@@ -133,26 +135,30 @@ constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TI
 constexpr int K_OFF = 0, KT_OFF = K_OFF + sizeof(BackwardShared::k), V_OFF = KT_OFF + sizeof(BackwardShared::kt);
 constexpr int STAGE0 = V_OFF + sizeof(BackwardShared::v);
 constexpr int SQ = 0, SQT = SQ + sizeof(BackwardStage::q), SDOT = SQT + sizeof(BackwardStage::qt);
-constexpr int SDO = SDOT + sizeof(BackwardStage::dot), SSTATS = SDO + sizeof(BackwardStage::dout);
-constexpr int SBAR = SSTATS + sizeof(BackwardStage::stats);
+constexpr int SDO = SDOT + sizeof(BackwardStage::dot);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
-constexpr u32 STAGE_LOAD_BYTES = SBAR;            // every tile of a stage, padding and zero fill included
+constexpr int SBAR = sizeof(StageRows::stats), ROWS_BYTES = sizeof(StageRows);  // in a StageRows
+constexpr u32 STAGE_LOAD_BYTES = STAGE_BYTES + SBAR;  // a stage's tiles and rows, padding and zero fill included
 constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF + sizeof(BackwardShared::ds);
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
-constexpr int DQ_OFF = TURN_OFF + sizeof(BackwardShared::turn);
+constexpr int ROWS0 = TURN_OFF + sizeof(BackwardShared::turn);
+constexpr int DQ_OFF = ROWS0 + sizeof(BackwardShared::rows);
 constexpr int DK_OFF = DQ_OFF + sizeof(BackwardShared::dq);
-static_assert(SBAR == STAGE_TILES && STAGE_BYTES == SBAR + sizeof(BackwardStage::bar) + sizeof(BackwardStage::pad) &&
-              sizeof(BackwardShared) == DK_OFF + sizeof(BackwardShared::dk), "no padding in the layout");
+static_assert(STAGE_BYTES == 320 * DP && sizeof(BackwardShared) == DK_OFF + sizeof(BackwardShared::dk),
+              "no padding in the layout");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
-static_assert(DQ_OFF % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
+static_assert(DQ_OFF % 16 == 0 && ROWS0 % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
 static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
 
 constexpr int DQ_TILE_BYTES = BQ * DQ_PITCH * 4;
 // WS mbarriers: a stage's "empty" beside its "full"; in stage 0, dQ tile b's "full" and "empty".
+// Stage s's tiles and rows.
+SB_DEVICE constexpr int stage_at(int s) { return STAGE0 + s * STAGE_BYTES; }
+SB_DEVICE constexpr int rows_at(int s) { return ROWS0 + s * ROWS_BYTES; }
 constexpr int SBAR_EMPTY = SBAR + 8;
-SB_DEVICE constexpr int dq_full_bar(int b) { return STAGE0 + SBAR + 16 + 16 * b; }
-SB_DEVICE constexpr int dq_empty_bar(int b) { return STAGE0 + SBAR + 24 + 16 * b; }
+SB_DEVICE constexpr int dq_full_bar(int b) { return ROWS0 + SBAR + 16 + 16 * b; }
+SB_DEVICE constexpr int dq_empty_bar(int b) { return ROWS0 + SBAR + 24 + 16 * b; }
 static_assert(SBAR + 24 + 16 * (DQ_TILES - 1) + 8 <= SBAR + 128, "the mbarriers fit the stage's 128 bytes");
 
 // The computing warpgroups wait for one another (the whole CTA where there is no producer).
@@ -251,7 +257,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 
     // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
     auto load_stage = [&](int h, int i, int slot) {
-        const u32 st = base + STAGE0 + slot * STAGE_BYTES, bar = st + SBAR;
+        const u32 st = base + stage_at(slot), rows = base + rows_at(slot), bar = rows + SBAR;
         mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
         tma_load_2d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, bar);
         tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, static_cast<int>(seq.qt_row0(h, DP)), bar);
@@ -262,7 +268,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         for (int cb = 0; cb < DP / DO_COLS; ++cb)
             tma_load_4d(st + SDO + cb * BQ * (2 * DO_COLS), tm_do, DO_COLS * cb, seq.q_start() + i * BQ, h,
                         SB_VARLEN ? 0 : seq.b, bar);
-        bulk_load(st + SSTATS, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
+        bulk_load(rows, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order
     // (backward_common.cuh): `it` is (h, i), the next load (nh, ni).
@@ -275,8 +281,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < SB_STAGES; ++s) {
-            mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR, 1);
-            if (WS) mbarrier_init(base + STAGE0 + s * STAGE_BYTES + SBAR_EMPTY, THREADS / 32);
+            mbarrier_init(base + rows_at(s) + SBAR, 1);
+            if (WS) mbarrier_init(base + rows_at(s) + SBAR_EMPTY, THREADS / 32);
         }
         if (WS) {
 #pragma unroll
@@ -360,7 +366,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         if ((tid & 31) == 0 && pwarp == 0) {  // (two loops, not one: the producer's 40 registers hold either)
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const int slot = it % SB_STAGES;
-                if (it >= SB_STAGES) mbarrier_wait(base + STAGE0 + slot * STAGE_BYTES + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
+                if (it >= SB_STAGES) mbarrier_wait(base + rows_at(slot) + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
                 load_stage(ph, pi, slot);
             }
         } else if ((tid & 31) == 0 && pwarp == 1) {
@@ -416,11 +422,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         if (!WS && tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) % SB_STAGES);
         if (!WS && it + 1 < n_it) advance(nh, ni);
 
-        const int stage_off = STAGE0 + (it % SB_STAGES) * STAGE_BYTES;
+        const int stage_off = stage_at(it % SB_STAGES);
         const u32 st = base + stage_off;
-        const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + SSTATS);
+        // rows_at(it % SB_STAGES), formed from stage_off (formed apart, d=128 causal soft-capped spilled 16 bytes)
+        const float4* stats_s = reinterpret_cast<const float4*>(smem + stage_off + (ROWS0 - STAGE0) +
+                                                                (it % SB_STAGES) * (ROWS_BYTES - STAGE_BYTES));
         const float s_do = a.do_scale[seq.q_block0(h) + i];
-        mbarrier_wait(st + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
+        mbarrier_wait(base + rows_at(it % SB_STAGES) + SBAR, (it / SB_STAGES) & 1);  // stage `it` is in
         const int q0 = i * BQ;
         if (!WS && SB_WINDOW && SB_DETERMINISTIC && tid == REDUCER) turn_s[it & 1] = dq_turn(j, q0, CTA_KEYS, seq);
         const int ftid = loop_tid();
@@ -686,7 +694,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                     // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
                     // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
                     const float s_qt =
-                        reinterpret_cast<const float4*>(smem + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SSTATS)[0].w;
+                        reinterpret_cast<const float4*>(smem + rows_at(it % SB_STAGES))[0].w;
                     const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
                     fold_dk(c, DK_PAIRS && c % 2 ? pr2 : pr, zf, fk);
                 }
@@ -699,7 +707,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 __syncwarp();
                 if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
                     mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));
-                    mbarrier_arrive(base + STAGE0 + (it % SB_STAGES) * STAGE_BYTES + SBAR_EMPTY);
+                    mbarrier_arrive(base + rows_at(it % SB_STAGES) + SBAR_EMPTY);
                 }
             }
         }

@@ -338,10 +338,12 @@ def test_the_producer_warpgroup_backward_is_the_deterministic_default(monkeypatc
                            (128, AttentionOptions(granularity="paper"), False),
                            (64, AttentionOptions(causal=True, deterministic=True), False)):  # three warpgroups
         assert ws(dp, opts, mha=True) == want, (dp, opts)
-    # Two dQ tiles where the producer reduces them and they fit (d=64), or SAGEBWD_BACKWARD_DQ_TILES=1.
+    # Two dQ tiles where the producer reduces them, or SAGEBWD_BACKWARD_DQ_TILES=1; and both fit sm_90 at d=128.
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
     tiles = lambda dp: specs.backward_tiles(dp, "sm_90", True)
-    assert (tiles(64).dq_tiles, tiles(128).dq_tiles, specs.backward_tiles(64, "sm_90").dq_tiles) == (2, 1, 1)
+    assert (tiles(64).dq_tiles, tiles(128).dq_tiles, specs.backward_tiles(64, "sm_90").dq_tiles) == (2, 2, 1)
+    wide = specs.backward_spec(128, "float16", det, tiles(128))
+    assert compiler.dynamic_shared_bytes(wide, "sm_90") <= specs.arch_shared_limit("sm_90")
     spec = specs.backward_spec(64, "float16", det, tiles(64))
     assert spec.key.endswith(".ws.dq2") and dict(spec.defines)["SB_DQ_TILES"] == 2
     monkeypatch.setenv("SAGEBWD_BACKWARD_DQ_TILES", "1")

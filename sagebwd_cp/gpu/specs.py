@@ -406,9 +406,8 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
 
 def dq_tiles_for(dp: int, ws: bool) -> int:
     """dQ partial tiles of the wgmma backward: two where a producer warpgroup reduces them (the computing warps
-    write one while the other is read) and they fit sm_90's shared memory (d=64; at d=128 a second tile is 512
-    bytes over), else one. SAGEBWD_BACKWARD_DQ_TILES=1 forces one."""
-    return 2 if ws and dp == 64 and _env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
+    write one while the other is read), else one. SAGEBWD_BACKWARD_DQ_TILES=1 forces one."""
+    return 2 if ws and _env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
