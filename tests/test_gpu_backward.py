@@ -338,7 +338,7 @@ def test_cached_plans_follow_each_calls_arrays():
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, shape, options):
     """SAGEBWD_BACKWARD_WS=1 (kernels/backward_wgmma.cu SB_WS: stage loads and dQ's reductions by a producer
-    warpgroup, and at d=64 two dQ tiles; the deterministic default) computes what the wgmma backward without it
+    warpgroup, with two dQ tiles; the deterministic default) computes what the wgmma backward without it
     (SAGEBWD_BACKWARD_WS=0) computes: dK and dV bit for bit, dQ bit for bit when deterministic and otherwise
     within its accumulation order's rounding; packed batches too. Hopper only."""
     import torch
