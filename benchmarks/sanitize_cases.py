@@ -17,7 +17,7 @@ CASES = [
     (1, 2, 2, 77, 77, 64, True, "float16", {}),                                   # ragged N
     (1, 4, 2, 130, 70, 128, False, "bfloat16", {}),                               # GQA, Lq > Lk
     (1, 2, 1, 50, 190, 80, True, "float16", {"granularity": "paper"}),            # MQA, padded head dim
-    (2, 2, 2, 129, 129, 64, True, "bfloat16", {"deterministic": True}),           # deterministic (3 warpgroups at d=64)
+    (2, 2, 2, 129, 129, 64, True, "bfloat16", {"deterministic": True}),           # deterministic (the producer warpgroup)
     (1, 2, 2, 100, 100, 128, True, "float16", {"deterministic": True, "smooth_q": True}),
     (1, 2, 2, 1, 1, 64, False, "float16", {}),                                    # N = 1
     (1, 2, 2, 96, 96, 64, False, "float16", {"strided": True}),                   # strided views, misaligned rows

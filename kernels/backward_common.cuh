@@ -24,7 +24,7 @@ SB_DEVICE GridCell backward_cell(int grid_order) {
     return {x, y, z};
 }
 
-// The keys of a CTA (specs.BackwardTiles.block_keys: 64 for backward.cu, SB_GROUPS·64 for
+// The keys of a CTA (specs.BackwardTiles.block_keys: 64 for backward.cu, 128 for
 // backward_wgmma.cu); a packed batch's key-side INT8 rows per sequence are a multiple of SB_KEY_PAD:
 // whole CTAs of keys and of SB_TOKEN_PAD (specs.BackwardTiles.key_pad).
 constexpr int BACKWARD_CTA_KEYS = SB_CTA_KEYS;

@@ -1,5 +1,5 @@
-// SageBwd backward on Hopper (sm_90a): warpgroup products (wgmma) and CTAs of 2 or 3 warpgroups
-// (128 or 192 keys). The numerics are backward.cu's (quantization blocks of 64 keys x 64 queries,
+// SageBwd backward on Hopper (sm_90a): warpgroup products (wgmma) and CTAs of 2 computing warpgroups
+// (128 keys). The numerics are backward.cu's (quantization blocks of 64 keys x 64 queries,
 // the same scales and products); the shape is another. Warpgroup w owns keys 64w..64w+63 of the
 // CTA and every query of the 64-query block; warp v of a warpgroup owns 16 of those keys, so its Sᵀ
 // and dPᵀ are 16 keys x 64 queries. A key's maxima (P and Z, per key) stay inside a warp, a
@@ -19,8 +19,7 @@
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
 // the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
-// SB_DQ_TILES (WS only: 1 or 2) dQ partial tiles, written and reduced in turn; SB_GROUPS warpgroups per CTA: 2, or 3 at head dim 64 (12 warps per SM instead of 8, at 168
-// registers: there dK's accumulators live in shared memory). From specs.BackwardTiles.implied:
+// SB_DQ_TILES (WS only: 1 or 2) dQ partial tiles, written and reduced in turn. From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
 // launch's), and the query-side tensor maps' boxes (specs.BackwardTiles.query_maps): SB_TMA_QROWS
 // query rows (Q̂, dO) or columns (Q̂ᵀ, dÔᵀ) a box, SB_TMA_DO_COLS columns of a dO box, and the swizzles
@@ -35,7 +34,7 @@
 constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q;       // queries per tile (= dO scale block)
 constexpr int BKV = SB_BLOCK_KV;     // keys per warpgroup (= the quantization block)
-constexpr int GROUPS = SB_GROUPS;    // warpgroups
+constexpr int GROUPS = 2;            // computing warpgroups (specs.WGMMA_GROUPS)
 constexpr int CTA_KEYS = SB_CTA_KEYS;
 constexpr int THREADS = SB_THREADS;  // the computing warpgroups' threads
 static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup per 64 keys");
@@ -44,7 +43,6 @@ static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup 
 #endif
 constexpr bool WS = SB_WS;
 constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
-static_assert(!WS || GROUPS == 2, "a producer beside two computing warpgroups (their 2 x 232 + 40 registers a lane)");
 // dQ partial tiles (SB_DQ_TILES, specs.BackwardTiles.dq_tiles): WS with two, the computing warps write one while the
 // producer's reduction reads the other.
 constexpr int DQ_TILES = SB_DQ_TILES;
@@ -57,31 +55,27 @@ static_assert(!WS || 128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (65536 / C
 // The computing warpgroups' barrier (bar.sync ids 1..GROUPS are each warpgroup's own); the whole CTA's without a
 // producer, which leaves the loop's barriers.
 constexpr int BAR_COMPUTE = 1 + GROUPS;
-// dK's FP32 accumulators in shared memory (a slot per thread): three warpgroups.
-constexpr bool DK_SMEM = GROUPS > 2;
 constexpr int NT_Q = BQ / 8;         // n-tiles of a warp's Sᵀ (the whole query block)
 // Two warpgroups at head dim 64 use about 185 of the 255 registers a thread may hold at one CTA per
 // SM; the spare ones keep work out of shared memory and save products (ROOMY):
-constexpr bool ROOMY = DP == 64 && GROUPS == 2;
+constexpr bool ROOMY = DP == 64;
 // dK and dV in chunks of CHUNK_COLS columns, one m64nCHUNK_COLS product each (a chunk's int32 registers
 // are in flight beside dK, dV and dS: 16 for 32 columns; at head dim 64 one 64-column chunk fits).
 constexpr int CHUNK_COLS = ROOMY ? 64 : 32;
 constexpr int CHUNKS = DP / CHUNK_COLS;
 constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 // dQ: warpgroup w computes DQ_COLS head-dim columns from DQ_COL0(w) over every key block of the CTA,
-// and stores those from w·DQ_COLS on (3 warpgroups at d=64: columns 0-23, 24-47, 40-63 of which
-// the last stores 48-63).
-constexpr int DQ_COLS = (DP / GROUPS + 7) / 8 * 8;
+// and stores them.
+constexpr int DQ_COLS = DP / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
-// of DQ_CHUNK_NT n-tiles in flight): 32 columns, or the 24 of three warpgroups.
+// of DQ_CHUNK_NT n-tiles in flight): 32 columns.
 constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : 4, DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
 static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
-SB_DEVICE int dq_col0(int w) { return GROUPS * DQ_COLS == DP ? w * DQ_COLS : min(w * DQ_COLS, DP - DQ_COLS); }
-// Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows: blocks of 128 keys one after the other,
-// the last one half used when GROUPS is odd (so that every block keeps the 128-byte swizzle).
-constexpr int KEY_BLOCKS = (CTA_KEYS + 127) / 128;
-static_assert(GROUPS == 2 || (GROUPS == 3 && DP == 64), "3 warpgroups fit the registers at head dim 64 only");
+SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
+// Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows, the CTA's 128 keys (one 128-byte swizzle block).
+constexpr int KEY_BLOCKS = CTA_KEYS / 128;
+static_assert(CTA_KEYS == 128 && DQ_COLS % 8 == 0, "two warpgroups of 64 keys");
 constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
@@ -128,7 +122,6 @@ struct BackwardShared {
     int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials
     StageRows rows[SB_STAGES];
     float dq[DQ_TILES][BQ * DQ_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES)
-    float4 dk[DK_SMEM ? CHUNKS * NT_CH * THREADS : 1];  // DK_SMEM: [CHUNKS][NT_CH n-tiles][THREADS]
 };
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TILE_ALIGN - 128);
 // Members follow one another without padding (asserted), so an offset is the size of what precedes it.
@@ -143,8 +136,7 @@ constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF 
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
 constexpr int ROWS0 = TURN_OFF + sizeof(BackwardShared::turn);
 constexpr int DQ_OFF = ROWS0 + sizeof(BackwardShared::rows);
-constexpr int DK_OFF = DQ_OFF + sizeof(BackwardShared::dq);
-static_assert(STAGE_BYTES == 320 * DP && sizeof(BackwardShared) == DK_OFF + sizeof(BackwardShared::dk),
+static_assert(STAGE_BYTES == 320 * DP && sizeof(BackwardShared) == DQ_OFF + sizeof(BackwardShared::dq),
               "no padding in the layout");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
@@ -385,35 +377,19 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     }
     if (WS) setmaxnreg_inc<CONSUMER_REGS>();
 
-    // Keys krow, krow+8 x head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1. dK: registers, or (DK_SMEM)
-    // this thread's slot in shared memory, read and written around each fold (float4 n of chunk ch at
-    // [ch][n][thread]: a warp's accesses are conflict-free).
-    float dk[DK_SMEM ? 1 : CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
-    auto dk_slot = [&](u32 thread) { return reinterpret_cast<float4*>(smem + DK_OFF) + thread; };
+    // Keys krow, krow+8 x head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
+    float dk[CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
-        for (int n = 0; n < NT_CH; ++n) {
-            if (DK_SMEM) dk_slot(tid)[(ch * NT_CH + n) * THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int n = 0; n < NT_CH; ++n)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) dk[DK_SMEM ? 0 : ch][n][c] = dv[ch][n][c] = 0.f;
-        }
+            for (int c = 0; c < 4; ++c) dk[ch][n][c] = dv[ch][n][c] = 0.f;
     auto fold_dk = [&](int ch, int (&pr)[NT_CH][4], u32 (&zf)[2][4], const float (&f)[2]) {
-        if constexpr (DK_SMEM) {
-            float4* slot = dk_slot(loop_tid()) + ch * NT_CH * THREADS;
-            float acc[NT_CH][4];
-#pragma unroll
-            for (int n = 0; n < NT_CH; ++n) {
-                const float4 v = slot[n * THREADS];
-                acc[n][0] = v.x, acc[n][1] = v.y, acc[n][2] = v.z, acc[n][3] = v.w;
-            }
-            rows_finish(acc, pr, zf, f);
-#pragma unroll
-            for (int n = 0; n < NT_CH; ++n) slot[n * THREADS] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
-        } else {
-            rows_finish(dk[ch], pr, zf, f);
-        }
+        rows_finish(dk[ch], pr, zf, f);
     };
+    // Stage `slot`'s rows (LSE2, s_Q, δ, s_Qᵀ), at an address formed where it is read.
+    auto stage_rows = [&](int slot) { return reinterpret_cast<const float4*>(smem + rows_at(slot)); };
 
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         // Every warp is done with the last iteration's Ŷ, its scales and maxima (WS), or also with the stage
@@ -568,11 +544,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         {
             // Query row n·8 + 2t + c has swizzle key 2t + c whatever n (swizzled_offset<128, true>), so
             // two offsets and immediates address all 32 bytes (16 offsets would not stay in registers).
-            // The warp's 16 keys in Ŷ's 128-key blocks (two warpgroups: one block, no division to form; the
-            // general form costs the register-bound d=128 kernels spills).
-            const int ychunk = GROUPS > 2 ? 4 * (wg % 2) + wv : 4 * wg + wv, yblock = GROUPS > 2 ? (wg / 2) * BQ * 128 : 0;
-            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + yblock + g,
-                                  swizzled_offset<128, true>(2 * t + 1, ychunk) + yblock + g};
+            // The warp's 16 keys in Ŷ's 128-key block.
+            const int ychunk = 4 * wg + wv;
+            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + g, swizzled_offset<128, true>(2 * t + 1, ychunk) + g};
             const int yc = ycol();
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -628,7 +602,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             int pq[GROUPS][DQ_CHUNK_NT][4];
             // This thread's rows and columns.
             const int ft = loop_tid(), fw = loop_wg(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
-            const int col0 = dq_col0(fw), own0 = fw * DQ_COLS;  // first computed and first stored column
+            const int col0 = dq_col0(fw);  // the first column of the slice
             float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF + (it % DQ_TILES) * DQ_TILE_BYTES) + rows * DQ_PITCH +
                             col0 + 2 * (ft & 3);
             const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
@@ -636,11 +610,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 wgmma_fence();
 #pragma unroll
                 for (int kb = 0; kb < GROUPS; ++kb) {
-                    const int blk = kb / 2 * (BQ * 128 / 16), in = 64 * (kb % 2);  // Ŷ's and K̂ᵀ's 128-key block, offset in it
-                    const int kt_blk = kb / 2 * (DP * 128 / 16) + c * DQ_CHUNK_COLS * 128 / 16;
+                    const int in = 64 * kb, kt_col = c * DQ_CHUNK_COLS * 128 / 16;  // key block kb's offset in Ŷ, K̂ᵀ's rows
 #pragma unroll
                     for (int kk = 0; kk < 2; ++kk)
-                        wgmma_s8_ss(pq[kb], wgmma_desc<128>(ds_desc + blk, in + 32 * kk), wgmma_desc<128>(kt_lo + kt_blk, in + 32 * kk), kk);
+                        wgmma_s8_ss(pq[kb], wgmma_desc<128>(ds_desc, in + 32 * kk), wgmma_desc<128>(kt_lo + kt_col, in + 32 * kk), kk);
                 }
                 wgmma_commit();
             };
@@ -653,7 +626,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
                 for (int n = 0; n < DQ_CHUNK_NT; ++n) {
                     const int col = c * DQ_CHUNK_COLS + 8 * n;
-                    if (DP % GROUPS != 0 && col0 + col < own0) continue;  // another warpgroup's columns
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         float2 x = make_float2(static_cast<float>(pq[0][n][2 * half]) * f[0][half],
@@ -693,8 +665,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 } else {
                     // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
                     // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
-                    const float s_qt =
-                        reinterpret_cast<const float4*>(smem + rows_at(it % SB_STAGES))[0].w;
+                    const float s_qt = stage_rows(it % SB_STAGES)[0].w;
                     const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
                     fold_dk(c, DK_PAIRS && c % 2 ? pr2 : pr, zf, fk);
                 }
@@ -715,26 +686,16 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         if (SB_BIAS) {
             // Q-smoothing's exact dK term colsum(dS)ᵀ ⊗ μ_Q.
             const float* mu = a.q_mean + (seq.q_block0(h) + i) * DP;
-            float4* own = nullptr;  // DK_SMEM: this thread's slot
-            if constexpr (DK_SMEM) own = dk_slot(loop_tid());
 #pragma unroll
             for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
                 for (int n = 0; n < NT_CH; ++n) {
                     const int col = ch * CHUNK_COLS + n * 8 + 2 * t;
                     const float m0 = mu[col], m1 = mu[col + 1];
-                    if constexpr (DK_SMEM) {
-                        float4* v = own + (ch * NT_CH + n) * THREADS;
-                        v->x = fmaf(rs[0], m0, v->x);
-                        v->y = fmaf(rs[0], m1, v->y);
-                        v->z = fmaf(rs[1], m0, v->z);
-                        v->w = fmaf(rs[1], m1, v->w);
-                    } else {
-                        dk[ch][n][0] = fmaf(rs[0], m0, dk[ch][n][0]);
-                        dk[ch][n][1] = fmaf(rs[0], m1, dk[ch][n][1]);
-                        dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
-                        dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
-                    }
+                    dk[ch][n][0] = fmaf(rs[0], m0, dk[ch][n][0]);
+                    dk[ch][n][1] = fmaf(rs[0], m1, dk[ch][n][1]);
+                    dk[ch][n][2] = fmaf(rs[1], m0, dk[ch][n][2]);
+                    dk[ch][n][3] = fmaf(rs[1], m1, dk[ch][n][3]);
                 }
         }
     }
@@ -763,15 +724,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             for (int n = 0; n < NT_CH; ++n) {
                 const int col = ch * CHUNK_COLS + n * 8 + 2 * ft_t;
                 if (col >= a.D) continue;
-                float k0, k1;
-                if constexpr (DK_SMEM) {
-                    const float4 v = dk_slot(ft)[(ch * NT_CH + n) * THREADS];
-                    k0 = half ? v.z : v.x;
-                    k1 = half ? v.w : v.y;
-                } else {
-                    k0 = dk[ch][n][2 * half];
-                    k1 = dk[ch][n][2 * half + 1];
-                }
+                const float k0 = dk[ch][n][2 * half], k1 = dk[ch][n][2 * half + 1];
                 *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);
                 *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
             }

@@ -57,9 +57,6 @@ enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };
 #ifndef SB_STAGES
 #define SB_STAGES 2          // backward: query-side buffers in flight
 #endif
-#ifndef SB_GROUPS
-#define SB_GROUPS 2          // wgmma backward: warpgroups per CTA
-#endif
 #ifndef SB_VARLEN
 #define SB_VARLEN 0          // packed batches: sequence b's tokens are rows cu_q[b].. of [total][H][D] arrays (seqinfo.cuh)
 #endif

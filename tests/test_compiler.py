@@ -104,8 +104,8 @@ def test_spec_keys_are_unique():
     assert specs.forward_spec(128, "float16", AttentionOptions(causal=True), specs.ForwardTiles(4, 1)).key == \
         "forward.hd128.float16.causal.w4m1"
     assert specs.backward_spec(64, "bfloat16", AttentionOptions(granularity="paper", deterministic=True),
-                               specs.BackwardTiles(2, True, 3), varlen=True).key == \
-        "backward.hd64.bfloat16.full.paper.det.s2.wgmma.g3.varlen"
+                               specs.BackwardTiles(2, True, ws=True, dq_tiles=2), varlen=True).key == \
+        "backward.hd64.bfloat16.full.paper.det.s2.wgmma.ws.dq2.varlen"
 
 
 @pytest.fixture
@@ -315,29 +315,28 @@ def test_cli_info_is_quick_with_a_fresh_cache(tmp_path):
 
 def test_the_producer_warpgroup_backward_is_the_deterministic_default(monkeypatch):
     """The wgmma backward with a producer warpgroup (384 threads, key ".ws"): by default where it is deterministic
-    with two computing warpgroups (not at d=128 with the paper granularity or Q-smoothing, which spill; d=64 causal
-    MHA keeps three warpgroups); SAGEBWD_BACKWARD_WS=1 wherever there are two computing warpgroups, =0 nowhere."""
+    (not at d=128 with the paper granularity or Q-smoothing, which spill); SAGEBWD_BACKWARD_WS=1 everywhere it
+    fits, =0 nowhere."""
     limit = specs.arch_shared_limit("sm_90")
 
-    def ws(dp, opts, varlen=False, mha=False):
-        wanted = specs.backward_tiles(dp, "sm_90", opts.deterministic, varlen, causal_mha=opts.causal and mha)
+    def ws(dp, opts, varlen=False):
+        wanted = specs.backward_tiles(dp, "sm_90", opts.deterministic)
         tiles, spec = specs.backward_kernel(dp, "float16", opts, wanted, "sm_90", limit, varlen)
         assert ("ws" in spec.key.split(".")) == tiles.ws, spec.key
-        assert tiles.threads == 128 * (tiles.groups + tiles.ws) and dict(spec.defines)["SB_THREADS"] == 128 * tiles.groups
+        assert tiles.threads == 128 * (2 + tiles.ws) and dict(spec.defines)["SB_THREADS"] == 256
+        assert dict(spec.defines)["SB_CTA_KEYS"] == 128
         return tiles.ws
 
     det = AttentionOptions(causal=True, deterministic=True)
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
     assert ws(128, det) and ws(128, det, varlen=True) and ws(128, det._replace(softcap=5.0, smooth_k=False))
-    assert ws(64, det) and ws(64, det._replace(granularity="paper", smooth_q=True)) and ws(64, det, varlen=True, mha=True)
-    assert not ws(128, AttentionOptions(causal=True)) and not ws(64, det, mha=True)  # three warpgroups
-    assert ws(128, det, mha=True) and ws(64, AttentionOptions(deterministic=True), mha=True)  # (not causal)
+    assert ws(64, det) and ws(64, det._replace(granularity="paper", smooth_q=True)) and ws(64, det, varlen=True)
+    assert ws(64, AttentionOptions(deterministic=True)) and not ws(128, AttentionOptions(causal=True))
     assert not ws(128, det._replace(granularity="paper")) and not ws(128, det._replace(smooth_q=True))
     monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
     for dp, opts, want in ((128, AttentionOptions(causal=True), True), (64, AttentionOptions(), True),
-                           (128, AttentionOptions(granularity="paper"), False),
-                           (64, AttentionOptions(causal=True, deterministic=True), False)):  # three warpgroups
-        assert ws(dp, opts, mha=True) == want, (dp, opts)
+                           (128, AttentionOptions(granularity="paper"), False)):
+        assert ws(dp, opts) == want, (dp, opts)
     # Two dQ tiles where the producer reduces them, or SAGEBWD_BACKWARD_DQ_TILES=1; and both fit sm_90 at d=128.
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
     tiles = lambda dp: specs.backward_tiles(dp, "sm_90", True)
@@ -356,16 +355,12 @@ def test_the_producer_warpgroup_backward_is_the_deterministic_default(monkeypatc
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     assert specs.forward_tiles(128, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)
-    assert specs.backward_tiles(128, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
-    assert specs.backward_tiles(64, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True, groups=2)
-    for det in (False, True):  # 3 warpgroups for the deterministic kernels of causal MHA at d=64
-        assert specs.backward_tiles(64, "sm_90", det, causal_mha=True).groups == (3 if det else 2)
-        assert specs.backward_tiles(64, "sm_90", det).groups == 2
-        assert specs.backward_tiles(128, "sm_90", det, causal_mha=True).groups == 2
-        assert specs.backward_tiles(64, "sm_90", det, varlen=True, causal_mha=True).groups == 2  # packed: 3 spilled
+    assert specs.backward_tiles(128, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
+    assert specs.backward_tiles(64, "sm_90") == specs.BackwardTiles(stages=2, wgmma=True)
+    assert specs.backward_tiles(64, "sm_90", True) == specs.BackwardTiles(stages=2, wgmma=True, ws=True, dq_tiles=2)
     # The overrides: a listed value is taken, another is refused by name.
     for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, "sm_90").key_tile),
-                                ("SAGEBWD_BACKWARD_GROUPS", 3, lambda: specs.backward_tiles(64, "sm_90").groups)):
+                                ("SAGEBWD_BACKWARD_WS", 1, lambda: int(specs.backward_tiles(64, "sm_90").ws))):
         monkeypatch.setenv(name, str(value))
         assert chosen() == value
         monkeypatch.setenv(name, "96")
@@ -400,11 +395,9 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
-    # full and causal, dense (the deterministic ones are the default kernels, counted above); and at d=64 the
-    # deterministic kernels of causal MHA with three warpgroups (dense: causal x (plain, Q-smoothing) x granularity,
-    # window x granularity, soft-capped causal and window), beside the two-warpgroup ones.
+    # full and causal, dense (the deterministic ones are the default kernels, counted above).
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
-    per_dtype = {64: 2 * 12 + 8 + 4 + 4 + (4 + 2 + 2), 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
+    per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
     backward = [s for s in wg if s.key.startswith("backward.")]
     assert len(backward) == 2 * sum(per_dtype.values()) + 2 * 2 * 2
     assert len({s.key for s in backward}) == len(backward)
@@ -421,10 +414,7 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
         assert wg.dq_row(dp) == dp + 8 and plain.dq_row(dp) == dp
     assert (wg.block_keys, plain.block_keys, wg.threads, plain.threads) == (128, 64, 256, 256)
     assert (wg.filename, plain.filename) == ("backward_wgmma.cu", "backward.cu")
-    # Three warpgroups (head dim 64): 192 keys; the key-side buffers hold whole 192-key tiles.
-    g3 = specs.BackwardTiles(2, wgmma=True, groups=3)
-    assert (g3.block_keys, g3.threads) == (192, 384)
-    assert (g3.key_pad, wg.key_pad, plain.key_pad) == (384, 128, 128)
+    assert (wg.key_pad, plain.key_pad, specs.BackwardTiles(2, wgmma=True, ws=True).threads) == (128, 128, 384)
 
 
 def test_shared_layouts_are_read_back_from_the_compiled_kernels():

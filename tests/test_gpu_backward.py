@@ -169,26 +169,6 @@ def test_mma_sync_backward_agrees_with_the_default(monkeypatch, causal, d, dtype
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("granularity", ["fine", "paper"])
-def test_three_warpgroups_agree_with_two(monkeypatch, causal, granularity):
-    """At head dim 64 Hopper runs 192-key CTAs of three warpgroups (dK accumulated in shared memory,
-    dQ's columns split 24/24/16) for the deterministic kernels of causal MHA and 128-key CTAs of two
-    for the others; SAGEBWD_BACKWARD_GROUPS forces either. Only FP32 sums of dQ over a CTA's key
-    blocks differ in order."""
-    from sagebwd_cp.gpu import specs
-    from sagebwd_cp.gpu.device import device_arch
-
-    if not specs.use_wgmma(device_arch(0)):
-        pytest.skip("the wgmma backward runs on sm_90 only")
-    layout = "HND"
-    q, k, v = make_qkv(2, 4, 2, 333, 517, 64, "bfloat16", layout, seed=7 + causal)
-    do = _grad_output(q, layout, seed=8)
-    groups = ({"SAGEBWD_BACKWARD_GROUPS": "3"}, {"SAGEBWD_BACKWARD_GROUPS": "2"})
-    _assert_kernels_agree(monkeypatch, groups, ("three warpgroups", "two warpgroups"), q, k, v, do, layout, causal,
-                          granularity, False, "bfloat16")
-
-
-@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_deterministic_is_bitwise_repeatable(causal, d):
     import torch

@@ -442,9 +442,9 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
 
 
 def test_backward_pads_keys_to_whole_cta_tiles(gpu):
-    """K̂ and K̂ᵀ are padded to the backward's key tile (192-key CTAs of three warpgroups for the
-    deterministic kernel of causal MHA at head dim 64 on sm_90, 128 keys for the others); the forward to 128."""
-    for hk, deterministic, nk in ((2, True, 384), (2, False, 128), (1, True, 128)):
+    """K̂ and K̂ᵀ are padded to the backward's key tile (128 keys), whatever the heads and determinism; the
+    forward to 128."""
+    for hk, deterministic, nk in ((2, True, 128), (2, False, 128), (1, True, 128)):
         q, k, v = qkv(hk=hk, lq=64, lk=64)
         out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
         do = cuda_desc(q.shape, base=7 << 44)

@@ -9,7 +9,7 @@ machine with the run):
     python tools/ab_kernels.py --passes fwd --seqlens 4096 16384 --head-dims 64 --causal both
 
 With ``--base-env NAME=VALUE`` (repeatable) the base is instead these same sources run with those
-environment settings, e.g. ``--base-env SAGEBWD_BACKWARD_GROUPS=3`` against the default choice.
+environment settings, e.g. ``--base-env SAGEBWD_BACKWARD_WS=1`` against the default choice.
 
 Every argument but ``--base`` and ``--base-env`` goes to ``bench_attention.py``. The Python side of the checkout is
 shared, so the two versions must take the same kernel arguments, unless the base folder also holds

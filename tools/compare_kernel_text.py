@@ -174,7 +174,8 @@ def main(argv=None) -> int:
             a, b = cache[base[key]["digest"][arch]], cache[new[key]["digest"][arch]]
             if a["text"] != b["text"] or a["shared"] != b["shared"]:
                 differ.append(key)
-                print(f"  {arch} {key}: differs (shared {a['shared']} -> {b['shared']}, registers "
+                code = "code differs" if a["text"] != b["text"] else "same code"
+                print(f"  {arch} {key}: differs ({code}; shared {a['shared']} -> {b['shared']}, registers "
                       f"{a['registers']} -> {b['registers']})")
             if b["spills"]:
                 spills.append(key)

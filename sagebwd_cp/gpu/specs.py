@@ -49,7 +49,6 @@ KEY_TEXT = {
     "SB_WARPS": lambda v: f".w{v}",
     "SB_MT": lambda v: f"m{v}",
     "SB_WGMMA": lambda v: ".wgmma" if v else "",
-    "SB_GROUPS": lambda v: f".g{v}" if v != 2 else "",
     "SB_WS": lambda v: ".ws" if v else "",
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
@@ -301,12 +300,14 @@ def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
                  {**_token_pad(), "SB_THREADS": ROWS_THREADS})
 
 
+WGMMA_GROUPS = 2  # computing warpgroups of the wgmma backward, a warpgroup per 64 keys
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
     stages: int  # query-side buffers in flight (SB_STAGES)
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
-    groups: int = 2  # wgmma: warpgroups per CTA (SB_GROUPS; 3 for some deterministic kernels at d=64: wgmma_groups)
-    ws: bool = False  # wgmma: a producer warpgroup beside the groups (SB_WS; backward_tiles says where)
+    ws: bool = False  # wgmma: a producer warpgroup beside the two computing ones (SB_WS; backward_tiles says where)
     dq_tiles: int = 1  # wgmma: dQ partial tiles in shared memory (SB_DQ_TILES; 2 needs ws: dq_tiles_for)
 
     @property
@@ -317,12 +318,12 @@ class BackwardTiles:
     def threads(self) -> int:
         """The launch's: mma.sync 4 key groups x 2 query halves of a 64x64 tile; wgmma 128 per warpgroup, and
         the producer's 128 (ws)."""
-        return 128 * (self.groups + self.ws) if self.wgmma else 256
+        return 128 * (WGMMA_GROUPS + self.ws) if self.wgmma else 256
 
     @property
     def block_keys(self) -> int:
         """Keys per CTA (the grid's x extent is the key length over this)."""
-        return self.groups * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
+        return WGMMA_GROUPS * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
 
     @property
     def key_pad(self) -> int:
@@ -343,7 +344,7 @@ class BackwardTiles:
 
     def choices(self) -> dict:
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
-                **({"SB_GROUPS": self.groups, "SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {})}
+                **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {})}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -370,38 +371,17 @@ def backward_fixed_grid_order(wgmma: bool, causal: bool, deterministic: bool) ->
     return HEADS_BATCH_FIRST if causal and deterministic else BLOCKS_FIRST
 
 
-def wgmma_groups(dp: int, deterministic: bool = False, varlen: bool = False, causal_mha: bool = False) -> int:
-    """Warpgroups per CTA of the wgmma backward. Head dim 128: 2 (255 registers). Head dim 64: 2, and 3 for
-    the deterministic kernels of causal attention with as many key heads as query heads (dK's accumulators
-    in shared memory, 168 registers: 12 warps per SM, whose turn waits for dQ they hide). Elsewhere the
-    deterministic kernels take 2 with the producer warpgroup (backward_tiles), which waits for the turns in
-    their place: against 3 measured 1.13-1.20x (MHA non-causal) and 1.10-1.29x (GQA 4:1 causal), against
-    1.00 / 0.93x for MHA causal at 2K / 8K (docs/PERFORMANCE.md). The non-deterministic kernels spend their
-    spare registers on work (3 measured 11-17% slower, docs/history/PERFORMANCE_LOG.md, backward v13).
-    SAGEBWD_BACKWARD_GROUPS=2 or 3 forces either at head dim 64. Packed batches take 2: their
-    three-warpgroup kernels hold the sequence's bounds too and spilled at 168 registers (NVRTC 13.0)."""
-    if dp != 64 or varlen:
-        return 2
-    forced = _env_choice("SAGEBWD_BACKWARD_GROUPS", (2, 3))
-    if forced is not None:
-        return forced
-    return 3 if deterministic and causal_mha else 2
-
-
-def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False, varlen: bool = False,
-                   causal_mha: bool = False) -> BackwardTiles:
+def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False) -> BackwardTiles:
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
-    one where two do not fit the device's shared memory). The deterministic wgmma kernel with two computing
-    warpgroups has a producer warpgroup (stage loads, dQ's reductions and their turns; kernels/backward_wgmma.cu
-    SB_WS): there the computing warps stop waiting for turns, measured 1.12-1.35x at head dim 128
-    (docs/PERFORMANCE.md); not deterministic it measured 0.95-1.00x. ``causal_mha``: causal attention with as
-    many key heads as query heads (wgmma_groups). SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on (on: wherever
-    there are two computing warpgroups)."""
+    one where two do not fit the device's shared memory). The deterministic wgmma kernel has a producer
+    warpgroup (stage loads, dQ's reductions and their turns; kernels/backward_wgmma.cu SB_WS): there the computing
+    warps stop waiting for turns, measured 1.12-1.35x at head dim 128 and, with two dQ tiles, 1.08x at head dim 64
+    causal MHA 8K against the three-warpgroup kernel it replaced (docs/PERFORMANCE.md); not deterministic it
+    measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on."""
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
-    groups = wgmma_groups(dp, deterministic, varlen, causal_mha) if wg else 2
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
-    ws = wg and groups == 2 and (forced == 1 if forced is not None else deterministic)
-    return BackwardTiles(stages=2, wgmma=wg, groups=groups, ws=ws, dq_tiles=dq_tiles_for(dp, ws))
+    ws = wg and (forced == 1 if forced is not None else deterministic)
+    return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(dp, ws))
 
 
 def dq_tiles_for(dp: int, ws: bool) -> int:
@@ -509,11 +489,10 @@ def all_specs(arch: str | None = None) -> list:
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
                             specs.append(backward_kernel(dp, dt, bwd, BackwardTiles(2), arch, limit, varlen)[1])
                             if arch in WGMMA_ARCHS:
-                                for causal_mha in (False, True) if causal else (False,):  # wgmma_groups at d=64
-                                    wg = backward_tiles(dp, arch, det, varlen, causal_mha)
-                                    spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
-                                    if spec not in specs:
-                                        specs.append(spec)
+                                wg = backward_tiles(dp, arch, det)
+                                spec = backward_kernel(dp, dt, bwd, wg, arch, limit, varlen)[1]
+                                if spec not in specs:  # (backward_kernel keeps some on mma.sync: deterministic d=128 windows)
+                                    specs.append(spec)
                                 if granularity == "fine" and not det and not bias and window < 0 and not cap and not varlen:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
                                     ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(dp, True))
