@@ -375,9 +375,9 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     """The wgmma kernel on sm_90, else the mma.sync kernel with two stages (``backward_kernel`` takes
     one where two do not fit the device's shared memory). The deterministic wgmma kernel has a producer
     warpgroup (stage loads, dQ's reductions and their turns; kernels/backward_wgmma.cu SB_WS): there the computing
-    warps stop waiting for turns, measured 1.12-1.35x at head dim 128 and, with two dQ tiles, 1.08x at head dim 64
-    causal MHA 8K against the three-warpgroup kernel it replaced (docs/PERFORMANCE.md); not deterministic it
-    measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on."""
+    warps stop waiting for turns, measured 1.12-1.35x at head dim 128 and, with two dQ tiles, 1.00-1.08x at head
+    dim 64 causal MHA 8K against the three-warpgroup kernel it replaced (docs/PERFORMANCE.md); not deterministic
+    it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on."""
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
