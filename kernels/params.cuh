@@ -110,7 +110,7 @@ SB_PARAM_LIST(BackwardMaps, SB_BACKWARD_MAPS)
 // One tensor of quantize.cu quantize_tensors (its comment says what each field does).
 #define SB_QUANTIZE_JOB_FIELDS(F0, F) \
     F0(const u16*, x)                         /* 16-bit input, strides sb, sh, sn (elements), unit stride along d */ \
-    F(double*, mean_sum) F(float*, mean_out) F(float*, block_mean_out) \
+    F(const double*, mean_sum) F(float*, mean_out) F(float*, block_mean_out) \
     F(i8*, rows_out) F(i8*, t_out) F(float*, scale_out) F(float*, t_scale_out) \
     F(i64, sb) F(i64, sh) F(i64, sn) \
     F(int, H) F(int, N) F(int, N_pad) F(int, flags) \
@@ -125,8 +125,7 @@ SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
 #define SB_QUANTIZE_FIELDS(F0, F) \
     F0(QuantizeJob, a) F(QuantizeJob, b) F(QuantizeJob, c) \
     F(int, D) F(int, D_pad) \
-    F(int, sum_parts)                         /* the parts behind the job with mean_sum (token_sum's, or its CTAs' a head) */ \
-    F(int*, sync)                             /* fused token sums: [0] CTAs' tickets, [1 + b·H + h] parts stored; else null */
+    F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum */
 SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
 
 // quantize.cu token_sum

@@ -2,10 +2,10 @@
 // layout the later products read: row-major [B][H][N_pad][D_pad] (reduction over d) and/or the
 // transposed copy [B][H][D_pad][N_pad] (reduction over tokens), optionally with the tokens of
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
-// Entries: quantize_tensors (up to three tensors in one launch; K's token sums behind μ_K taken by its own
-// CTAs, or by token_sum before it for long sequences). A thread's raw chunks come by cp.async into its own slots
-// of shared memory, and it writes both layouts itself (quantize_blocks): no tile shared between threads, no
-// barrier except for per-block maxima, column sums (Q-smoothing, fused token sums) and the fused sums' wait.
+// Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
+// sums behind μ_K). A thread's raw chunks come by cp.async into its own slots of shared memory, and
+// it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
+// for per-block maxima and Q-smoothing's means at D_pad = 128.
 //
 // Compile-time: SB_DP (the padded head dim, D_pad), SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of
 // V and dO); from specs.py
@@ -49,8 +49,8 @@ static_assert(GROUP == 16, "a thread's tokens are one group of the fragment toke
 struct QuantizeShared {
     float red[D_PAD / 32];                     // warp maxima (per-block scales at DPAD = 128)
     union {
-        double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing, fused token sums)
-        float mean[D_PAD];                     // μ per column (K-smoothing, from the token sums' parts)
+        double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing at DPAD = 128)
+        float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
 };
 
@@ -63,8 +63,7 @@ struct QuantizeShared {
 // whence the group's 16 rows are transposed and stored as 16-byte columns.
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
-// mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's; with arrive ([B][H] counters,
-//   zeroed) each CTA stores its own 128 rows' and waits for its head's others): μ = float32(sum / N)
+// mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's): μ = float32(sum / N)
 //   is subtracted after the prescale (K-smoothing); the CTA holding block 0 stores μ in mean_out ([B][H][D]). With
 //   QUANT_MEAN_GIVEN instead, mean_out already holds μ (a saved forward's) and is only read.
 // block_mean_out (optional, [B][H][N_pad/64][DPAD]): subtract and store the block's own mean
@@ -82,7 +81,7 @@ struct QuantizeShared {
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
 template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
-                               int D, int N_pad, float prescale, double* mean_sum, int sum_parts, int* arrive,
+                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                                float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b,
@@ -116,27 +115,23 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     float shift[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) shift[e] = MEAN_GIVEN && c0 + e < D ? mean_out[bh * D + c0 + e] : 0.f;
-    // μ from the parts ([B][H][sum_parts][DPAD] float64 token sums), once a CTA: thread c adds column c's parts (a
-    // CTA has DPAD threads, its two blocks one head); the CTA whose first block is 0 stores μ. From L2 (ld.cg):
-    // with fused sums other CTAs of this launch stored them.
-    auto take_mean = [&] {
+    if (!MEAN_GIVEN && SHIFT && mean_sum) {
+        // μ from token_sum's parts ([B][H][sum_parts][DPAD]), once a CTA: thread c adds column c's parts (a CTA
+        // has DPAD threads, its two blocks one head); the CTA whose first block is 0 stores μ. Before the chunks'
+        // copies are issued: after them, NVRTC 13.0 spilled on sm_80-89 or kept a stack frame on sm_90, and it
+        // measured no faster.
         const int c = tid;
         const double* part = mean_sum + bh * sum_parts * DPAD + c;
         double sum = 0.0;
-#pragma unroll 8
-        for (int q = 0; q < sum_parts; ++q) sum += __ldcg(part + q * DPAD);  // 8 loads in flight: up to 64 parts
+#pragma unroll 4
+        for (int p = 0; p < sum_parts; ++p) sum += part[p * DPAD];
         const float m = c < D ? static_cast<float>(sum / static_cast<double>(N)) : 0.f;
         sm.mean[c] = m;
         if (blk == tid / TPB && c < D) mean_out[bh * D + c] = m;
         __syncthreads();
 #pragma unroll
         for (int e = 0; e < 8; ++e) shift[e] = sm.mean[c0 + e];
-    };
-    // With arrive (fused token sums) the CTA adds its own rows' share first, below; else token_sum stored the parts.
-    // Before the chunks' copies are issued: after them, NVRTC 13.0 spilled on sm_80-89 or kept a stack frame on
-    // sm_90, and it measured no faster.
-    const bool sums_here = !MEAN_GIVEN && SHIFT && mean_sum && arrive;
-    if (!MEAN_GIVEN && SHIFT && mean_sum && !arrive) take_mean();
+    }
     // Raw 16-bit values, zero outside the tensor. Rows that start 16-byte aligned are copied 8 values
     // at a time (D is then a multiple of 8: a chunk is all in or out); others value by value.
     if (rows_aligned_16(xs, sn, D)) {
@@ -159,15 +154,14 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
 
-    // Column sums of the thread's 16 rows (its values x·prescale, zero past N and D) in float64 (exact for realistic
-    // ranges, so any order of summation gives the same sums), added over the groups of its warp (lanes L and 2L
-    // apart) and then over `warps` warps from w0 (shared memory and a barrier where there are more than one).
-    auto column_sums = [&](double (&s)[8], int w0, int warps) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = 0.0;
+    if (SHIFT && block_mean_out) {
+        // Column means over the block's valid rows in float64 (exact for realistic ranges, so any
+        // order of summation gives the emulator's float32 mean): the thread's 16 rows, then its
+        // block's four groups (lanes L and 2L apart; two warps at DPAD = 128).
+        double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
         for (int i = 0; i < GROUP; ++i) {
             float v[8];
-            row_values<PRESCALE, false>(raw[i * DPAD + tid], prescale, shift, v);
+            row_values<PRESCALE, false>(raw[i * DPAD + tid], prescale, shift, v);  // zero past N and D
 #pragma unroll
             for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(v[e]);
         }
@@ -175,46 +169,19 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         for (int e = 0; e < 8; ++e)
 #pragma unroll
             for (int m = L; m < 32; m <<= 1) s[e] += __shfl_xor_sync(0xffffffffu, s[e], m);
-        if (warps > 1) {
+        if (WARPS_PER_BLOCK > 1) {
             if (lane < L)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) sm.colsum[warp][c0 + e] = s[e];
             __syncthreads();
+            const int w0 = warp / WARPS_PER_BLOCK * WARPS_PER_BLOCK;
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 s[e] = sm.colsum[w0][c0 + e];
 #pragma unroll
-                for (int k = 1; k < warps; ++k) s[e] += sm.colsum[w0 + k][c0 + e];
+                for (int k = 1; k < WARPS_PER_BLOCK; ++k) s[e] += sm.colsum[w0 + k][c0 + e];
             }
         }
-    };
-
-    if (sums_here) {
-        // Fused token sums (quantize_tensors' sync): the CTA's 128 rows are its part of μ's sums. It stores them,
-        // counts itself in, waits until the head's other CTAs have, and adds the parts like token_sum's.
-        double s[8];
-        column_sums(s, 0, DPAD / 32);
-        if (tid < L)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) mean_sum[(bh * sum_parts + blk / 2) * DPAD + c0 + e] = s[e];
-        __threadfence();
-        __syncthreads();  // every part stored and fenced; colsum (under sm.mean) read
-        if (tid == 0) {
-            const int parts = (SB_VARLEN ? (N + seq_pad - 1) / seq_pad * seq_pad : N_pad) / (2 * QBLOCK);
-            atomicAdd(arrive + bh, 1);
-            int seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(arrive + bh));
-            } while (seen < parts);
-        }
-        __syncthreads();
-        take_mean();
-    }
-
-    if (SHIFT && block_mean_out) {
-        // Q-smoothing: the block's column means over its valid rows (its four groups; two warps at DPAD = 128).
-        double s[8];
-        column_sums(s, warp / WARPS_PER_BLOCK * WARPS_PER_BLOCK, WARPS_PER_BLOCK);
         const int nvalid = max(0, min(QBLOCK, N - blk * QBLOCK));
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -349,17 +316,7 @@ extern "C" __global__ void SB_QUANT_BOUNDS
 quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
     SB_REQUIRE_SM80();
-    // With fused token sums (sync) a CTA takes the next ticket for its work: the CTAs a K CTA waits for (its head's)
-    // have then started, or will before any later work, so the wait ends wherever a head's CTAs fit the GPU at once
-    // (quantize.py fuses the sums only then).
-    int cta = blockIdx.x, b = blockIdx.z;
-    if (p.sync) {
-        __shared__ int ticket;
-        if (threadIdx.x == 0) ticket = atomicAdd(p.sync, 1);
-        __syncthreads();
-        cta = ticket % gridDim.x;
-        b = ticket / gridDim.x;
-    }
+    int cta = blockIdx.x;
     const int which = cta < p.a.ctas ? 0 : (cta < p.a.ctas + p.b.ctas ? 1 : 2);
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
@@ -368,8 +325,8 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), p.sum_parts, p.sync ? p.sync + 1 : nullptr, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
-        SB_JOB(scale_out), SB_JOB(t_scale_out), cta, b, SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
+        SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
     // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).

@@ -203,14 +203,14 @@ def test_calls_from_threads_launch_each_with_its_own_pointers(gpu, switch_often)
     by_thread, wrong, lock = {}, [], threading.Lock()
 
     def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        # quantize_tensors' first argument is K (its first job's tensor): read it now, as the driver would copy it (after letting other
+        # token_sum's first argument is K: read it now, as the driver would copy it (after letting other
         # threads run: the real launch may release the GIL before it copies the arguments)
         time.sleep(0)
         mine = by_thread.get(threading.get_ident())
         first = ctypes.c_void_p.from_address(params).value
         value = struct.unpack("<Q", ctypes.string_at(first, 8))[0]
         step = next((s for p in list(plan._plans.values()) for s in p.steps if s.head[0] == f), None)
-        if step is not None and step.entry == "quantize_tensors" and value != mine:
+        if step is not None and step.entry == "token_sum" and value != mine:
             with lock:
                 wrong.append((value, mine))
         return real(gpu, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
@@ -227,7 +227,7 @@ def test_calls_from_threads_launch_each_with_its_own_pointers(gpu, switch_often)
 
     _in_threads(call)
     assert not wrong
-    assert sum(1 for c in gpu.launches()) == 8 * CALLS * 2  # quantize (with K's token sums), attention each call
+    assert sum(1 for c in gpu.launches()) == 8 * CALLS * 3  # token_sum, quantize, attention each call
 
 
 # ------------------------------------------------------------------------------ out of memory

@@ -14,7 +14,6 @@ from sagebwd_cp import numerics
 from sagebwd_cp.gpu import compiler, device, launch, params, plan, tensor_map
 from sagebwd_cp.arrays import ArrayDesc
 from sagebwd_cp.gpu.launch import PackedArgs, f32, i32, i64, ptr, struct_arg
-from sagebwd_cp.gpu.quantize import FUSED_SUMS_ENV
 
 H200_SHARED = 232448
 
@@ -217,7 +216,7 @@ def test_arrays_without_a_cheap_signature_reuse_a_plan_keyed_by_their_descriptor
         q, k, v = (Opaque(dataclasses.replace(x, ptr=x.ptr + (shift << 30))) for x in qkv())
         sagebwd_cp.attention(q, k, v, causal=True)
     assert builds == [1] and len(plan._plans) == 1
-    assert len(gpu.launches()) == 3 * 2  # quantize (with K's token sums), attention
+    assert len(gpu.launches()) == 3 * 3
 
 
 def test_a_cached_plan_keeps_no_array_alive(gpu):
@@ -249,8 +248,8 @@ def test_caches_stay_bounded_under_a_stream_of_sequence_lengths(gpu, monkeypatch
         sagebwd_cp.attention(q, k, v, causal=True)
         assert len(plan._plans) <= 8
     assert len(plan._plans) == 8
-    assert {entry for _, entry in resolved} == {"quantize_tensors", "attention_forward"}
-    assert len(resolved) == 2  # one kernel each, whatever the length
+    assert {entry for _, entry in resolved} == {"token_sum", "quantize_tensors", "attention_forward"}
+    assert len(resolved) == 3  # one kernel each, whatever the length
 
 
 def test_compiled_kernel_caches_stay_bounded_under_a_stream_of_shapes(gpu, monkeypatch):
@@ -271,7 +270,7 @@ def test_compiled_kernel_caches_stay_bounded_under_a_stream_of_shapes(gpu, monke
         sagebwd_cp.attention(q, k, v, causal=True)
         sizes.append((len(resolved), len(compiler._memory_cache)))
         assert len(plan._plans) <= 4
-    assert len({entry for _, entry in resolved}) == 2 and len(resolved) == 2
+    assert len({entry for _, entry in resolved}) == 3 and len(resolved) == 3
     assert sizes[-1] == sizes[0], "the compiled-kernel cache grew with the shapes"
 
 
@@ -315,14 +314,13 @@ def _argument_bytes(params_ptr, sizes):
     return [ctypes.string_at(params[i], n) for i, n in enumerate(sizes)]
 
 
-def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypatch):
+def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
     """Two calls of one plan: every pointer argument holds this call's array, output or workspace
     sub-buffer (base + carved offset); nothing else in the arguments changes."""
     from sagebwd_cp.gpu.forward import forward_plan
     from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
-    monkeypatch.setenv(FUSED_SUMS_ENV, "0")  # token_sum (long keys'); the fused sums: the test below
     q, k, v = qkv(lq=100, lk=600)  # two token-sum parts, stored apart (nothing to zero) and added by the K job
     prob = make_problem(q, k, v, AttentionOptions(causal=True))
     built = forward_plan(prob, None, True, False)
@@ -349,8 +347,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypa
         assert struct.unpack("<i", ts[8])[0] == 300  # tokens a part
         launch = next(c for c in launches if c[1] == next(s.head[0] for s in built.steps if s.entry == "token_sum"))
         assert launch[2] == (2, 1, 1)  # (parts, Hkv, B)
-        assert struct.unpack("<i", args["quantize_tensors"][-2])[0] == 2  # the K job adds both parts
-        assert u64(args["quantize_tensors"][-1]) == 0  # no fused sums: no counters
+        assert struct.unpack("<i", args["quantize_tensors"][-1])[0] == 2  # the K job adds both parts
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
@@ -385,44 +382,6 @@ def _buffers(built):
     return seen.values()
 
 
-def test_fused_token_sums_pass_their_counters_and_parts(gpu):
-    """Keys of at most 64 CTAs a head (8K tokens, and no more CTAs than SMs): no token_sum; the K job's CTAs
-    store their sums in k_sum (a part each) and count themselves in zeroed counters (ticket, one a (batch, head))."""
-    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=600)
-    sagebwd_cp.attention(q, k, v)
-    built = next(iter(plan._plans.values()))
-    names = {b.name: b for b in _buffers(built)}
-    assert [s.entry for s in built.steps] == ["quantize_tensors", "attention_forward"]
-    assert names["k_sum"].shape == (2, 2, 640 // 128, 64) and names["quantize_sync"].shape == (1 + 2 * 2,)
-    ws = gpu.allocations[-1][0]
-    base = (ws + 255) // 256 * 256
-    assert [c[1:4] for c in gpu.calls if c[0] == "memset"] == [(base, 0, built.zero_bytes)]
-    assert names["quantize_sync"].offset == 0 and built.zero_bytes == 4 * (1 + 2 * 2)  # zeroed buffers first
-    step = built.steps[0]
-    args = _argument_bytes(next(c for c in gpu.launches() if c[1] == step.head[0])[6], step.args.sizes)
-    job = struct.unpack("<8Q3q4ifiQii", args[0])
-    assert job[0] == k.ptr and job[1] == base + names["k_sum"].offset
-    assert struct.unpack("<i", args[-2])[0] == 5 and struct.unpack("<Q", args[-1])[0] == base
-
-
-@pytest.mark.parametrize("parts, sms, env, fused", [(64, 132, None, True), (65, 132, None, False), (40, 30, None, False),
-                                                   (1, 132, "0", False), (64, 132, "1", True)])
-def test_fused_token_sums_only_where_a_heads_ctas_fit(monkeypatch, parts, sms, env, fused):
-    from sagebwd_cp.gpu.quantize import fused_token_sums
-    if env is None:
-        monkeypatch.delenv(FUSED_SUMS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FUSED_SUMS_ENV, env)
-    assert fused_token_sums(parts, sms) == fused
-
-
-def test_fused_token_sums_switch_names_what_it_takes(monkeypatch):
-    from sagebwd_cp.gpu.quantize import fused_token_sums
-    monkeypatch.setenv(FUSED_SUMS_ENV, "yes")
-    with pytest.raises(ValueError, match="SAGEBWD_FUSED_TOKEN_SUMS: expected 0 or 1, got 'yes'"):
-        fused_token_sums(1, 132)
-
-
 def test_device_is_switched_only_when_needed(gpu):
     q, k, v = qkv()
     sagebwd_cp.attention(q, k, v)
@@ -435,20 +394,11 @@ def test_device_is_switched_only_when_needed(gpu):
     assert "launch" in kinds[1:-1]
 
 
-def test_forward_zeroes_only_the_fused_sums_counters_and_the_backward_its_dq(gpu, monkeypatch):
+def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
-    fwd = next(iter(plan._plans.values()))
-    assert [b.name for b in _buffers(fwd) if b.zeroed] == ["quantize_sync"]  # a ticket and one count a (batch, head)
-    assert [c[3] for c in gpu.calls if c[0] == "memset"] == [fwd.zero_bytes] == [8]
-    # K and V (two blocks a CTA; the forward kernel quantizes Q; K's CTAs take the token sums); the attention
-    # (causal: heads in x)
-    assert [c[2] for c in gpu.launches()] == [((2 * 1 + 2 * 1) // 2, 1, 1), (2, 1, 1)]
-    monkeypatch.setenv(FUSED_SUMS_ENV, "0")
-    plan.clear_plans()
-    gpu.calls.clear()
-    out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
+    # token_sum; K and V (two blocks a CTA; the forward kernel quantizes Q); the attention (causal: heads in x)
     assert [c[2] for c in gpu.launches()] == [(1, 1, 1), ((2 * 1 + 2 * 1) // 2, 1, 1), (2, 1, 1)]
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
@@ -479,8 +429,7 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
         bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"
                and ("k_mean" in p.inputs) == given][0]
         entries = [s.entry for s in bwd.steps]
-        assert "token_sum" not in entries  # 300 keys: the K CTAs' own sums
-        assert ("quantize_sync" in {b.name for b in _buffers(bwd)}) == (not given)
+        assert ("token_sum" in entries) == (not given)
         step = next(s for s in bwd.steps if s.entry == "quantize_tensors")
         launch_args = next(c for c in gpu.launches() if c[1] == step.head[0])
         k_job = job(_argument_bytes(launch_args[6], step.args.sizes), 1)  # Q, K, dO
@@ -642,7 +591,7 @@ def _check_against_kernel(step, checked: dict) -> None:
     assert block[1:] == (1, 1) and (block[0] <= threads if step.entry == "quantize_tensors" else block[0] == threads), (key, block)
 
 
-def test_packed_arguments_match_every_kernel_signature(gpu, monkeypatch):
+def test_packed_arguments_match_every_kernel_signature(gpu):
     """Every launch of the forward and backward plans passes as many arguments as its kernel declares,
     each of the declared size (an i32 where an i64 is expected would shift every later argument), with
     the threads it was compiled for."""
@@ -652,8 +601,6 @@ def test_packed_arguments_match_every_kernel_signature(gpu, monkeypatch):
     for smooth_q in (False, True):
         out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, smooth_q=smooth_q, return_lse=True)
         sagebwd_cp.attention_backward(saved, do, deterministic=True)
-    monkeypatch.setenv(FUSED_SUMS_ENV, "0")  # and token_sum, which long keys take
-    sagebwd_cp.attention_forward(q, k, v, causal=True)
     checked = {}
     for built in plan._plans.values():
         for step in built.steps:
@@ -791,7 +738,7 @@ def _packed(lens_q, lens_k, hq=2, hk=1, d=64, dtype="float16"):
             cuda_desc((tk, hk, d), dtype, 3 << 44), cu(lens_q, 7 << 44), cu(lens_k, 8 << 44))
 
 
-def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu, monkeypatch):
+def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu):
     """A packed batch's plans: varlen specializations, grids over the longest sequence and the batch,
     INT8 buffers with every sequence's padded rows, the offsets passed per call, and arguments that
     match every kernel's signature."""
@@ -812,14 +759,7 @@ def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu, monkey
     fwd, bwd = plan._plans.values()
     grids = {s.entry: s.head[1:4] for s in fwd.steps + bwd.steps}
     assert grids["attention_forward"][2] == 3 and grids["quantize_tensors"][2] == 3  # one z per sequence
-    # K's CTAs take the token sums: 384 padded rows, three CTAs a sequence's head, a count for each
-    fwd_names = {b.name: b for b in _buffers(fwd)}
-    assert fwd_names["k_sum"].shape == (3, 1, 3, 128) and fwd_names["quantize_sync"].shape == (1 + 3,)
-    monkeypatch.setenv(FUSED_SUMS_ENV, "0")
-    sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, 130, 300, causal=True)
-    ts = [s for p in plan._plans.values() for s in p.steps if s.entry == "token_sum"]
-    assert len(ts) == 1 and ts[0].head[3] == 3 and ts[0].spec.key.endswith(".varlen")
-    _check_against_kernel(ts[0], checked)
+    assert grids["token_sum"][2] == 3
     # Query rows: round_up(138, 128) + 3·128 = 640 a head; the wgmma backward's keys pad to 128.
     names = {b.name: b for b in _buffers(bwd)}
     assert names["q8"].shape == (1, 2, 640, 128) and names["k8"].shape == (1, 1, 384 + 384, 128)

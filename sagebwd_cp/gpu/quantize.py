@@ -6,13 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from .. import numerics
 from ..arrays import ArrayDesc
 from ..problem import AttentionProblem
 from . import params, specs
-from .device import sm_count
 from .plan import PlanBuilder
 
 # QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
@@ -21,19 +19,6 @@ PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
 # quantize.cu's launch bounds, on the 132 SMs of an H100/H200: one wave), each over at least SUM_MIN_SPAN
 # tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
 SUM_CTAS, SUM_MIN_SPAN, SUM_MAX_PARTS = 396, 256, 16
-# Fused token sums: K's quantizing CTAs (128 rows each) take μ_K's sums themselves, each waiting for the other CTAs
-# of its head (kernels/quantize.cu), where a head's CTAs surely fit the GPU at once: at most FUSED_SUM_MAX_PARTS and
-# the device's SM count (an SM always has room for one). Longer keys have token_sum first.
-FUSED_SUM_MAX_PARTS = 64
-FUSED_SUMS_ENV = "SAGEBWD_FUSED_TOKEN_SUMS"  # 0: token_sum everywhere
-
-
-def fused_token_sums(parts: int, sms: int) -> bool:
-    """Whether K's quantizing CTAs, ``parts`` a head, take the token sums themselves on a GPU of ``sms`` SMs."""
-    value = os.environ.get(FUSED_SUMS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_SUMS_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1" and parts <= min(FUSED_SUM_MAX_PARTS, sms)
 
 
 def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
@@ -101,9 +86,9 @@ def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flag
                          seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
 
-def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0, sync=None) -> None:
-    """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: the parts behind
-    the job with token sums; ``sync``: fused token sums' zeroed counters (ticket, then one a (batch, head))."""
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
+    """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
+    parts behind the job with token sums."""
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
@@ -111,7 +96,7 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
     plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
-                               sum_parts=sum_parts, sync=sync),
+                               sum_parts=sum_parts),
                 shared=dp * specs.QUANT_CHUNKS * 16)
 
 
@@ -135,23 +120,17 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given
-    k_sum, parts, sync = None, 0, None
+    k_sum, parts = None, 0
     if prob.smooth_k and not k_mean_given:
+        parts, span = token_sum_parts(B, Hk, Lk)
         if k_mean is None:
             k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
-        cta_parts = (_round_up(Lk, key_pad) if prob.varlen else nk) // (2 * numerics.BLOCK_KV)  # K's CTAs a head
-        if fused_token_sums(cta_parts, sm_count(plan.device_id)):
-            parts = cta_parts
-            k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
-            sync = plan.workspace("quantize_sync", (1 + B * Hk,), "int32", zeroed=True)
-        else:
-            parts, span = token_sum_parts(B, Hk, Lk)
-            # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
-            k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
-            sb, sh, sn = prob.bhnd_strides(prob.k)
-            plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
-                        params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
-                                       span=span, sum_out=k_sum, cu=prob.cu_k))
+        # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
+        k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
+        sb, sh, sn = prob.bhnd_strides(prob.k)
+        plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
+                    params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
+                                   span=span, sum_out=k_sum, cu=prob.cu_k))
 
     # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
     q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
@@ -184,7 +163,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    _launch_quantize(plan, prob, jobs, parts, sync)
+    _launch_quantize(plan, prob, jobs, parts)
 
     bias = None
     if prob.smooth_q:
