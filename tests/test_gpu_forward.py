@@ -172,7 +172,7 @@ def test_cached_plans_follow_each_calls_arrays():
 
     from sagebwd_cp.gpu import plan
 
-    inputs = [make_qkv(1, 4, 2, 300, 300, 64, "float16", seed=s) for s in range(3)]  # 300 keys: a memset
+    inputs = [make_qkv(1, 4, 2, 300, 300, 64, "float16", seed=s) for s in range(3)]  # 300 keys: two token-sum parts
     plan.clear_plans()
     first = [sagebwd_cp.attention(*x, causal=True, return_lse=True) for x in inputs]  # one plan, three calls
     for x, (out, lse) in zip(inputs, first):
