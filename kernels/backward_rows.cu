@@ -3,14 +3,15 @@
 // aligned (the main kernel reads V and dO with cp.async).
 //
 // Compile-time: SB_BF16 (16-bit dtype bf16, else fp16), SB_THREADS (every kernel's CTA: specs.ROWS_THREADS),
-// SB_ROWS_ITEMS (specs.ROWS_ITEMS), SB_TOKEN_PAD.
+// SB_ROWS_ITEMS, SB_DQ_ITEMS (specs.ROWS_ITEMS, DQ_ITEMS), SB_TOKEN_PAD.
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
 #include "convert.cuh"
 
 constexpr int THREADS = SB_THREADS;
-constexpr int ITEMS = SB_ROWS_ITEMS;  // row_stats' rows and dq_convert's 8-column groups a thread
+constexpr int ITEMS = SB_ROWS_ITEMS;  // row_stats' rows a thread
+constexpr int DQ_ITEMS = SB_DQ_ITEMS;  // dq_convert's 8-column groups a thread
 
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
 // dO and of O where rows are 16-byte aligned), ITEMS rows a thread (all its loads in flight at once: the pass is bound
@@ -80,9 +81,9 @@ row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
         row_stats_rows<8>(p);
 }
 
-// dQ = scale · dq_acc, stored in the input dtype with the output's strides; a thread per 8 columns of ITEMS rows'
+// dQ = scale · dq_acc, stored in the input dtype with the output's strides; a thread per 8 columns of DQ_ITEMS rows'
 // worth of work (two 16-byte loads each, all in flight at once, and one 16-byte store where the row is 16-byte aligned:
-// D is a multiple of 8, so dQ rows and the accumulator's are); grid (ceil(Lq · D/8 / (ITEMS · THREADS)), Hq, B).
+// D is a multiple of 8, so dQ rows and the accumulator's are); grid (ceil(Lq · D/8 / (DQ_ITEMS · THREADS)), Hq, B).
 extern "C" __global__ void __launch_bounds__(THREADS)
 dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
     const DqConvertParams p = SB_KERNEL_VIEW(DqConvertParams, SB_DQ_CONVERT_FIELDS);
@@ -90,10 +91,10 @@ dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
     const int h = blockIdx.y;
     const SeqInfo<DqConvertParams> seq(p, blockIdx.z);
     const int groups = p.D / 8, n = seq.len_q() * groups;
-    float4 lo[ITEMS], hi[ITEMS];
+    float4 lo[DQ_ITEMS], hi[DQ_ITEMS];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int idx = (blockIdx.x * ITEMS + i) * THREADS + threadIdx.x;
+    for (int i = 0; i < DQ_ITEMS; ++i) {
+        const int idx = (blockIdx.x * DQ_ITEMS + i) * THREADS + threadIdx.x;
         if (idx < n) {
             const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (seq.q_row0(h) + idx / groups) * p.dq_row + 8 * (idx % groups));
             lo[i] = src[0];
@@ -101,8 +102,8 @@ dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
         }
     }
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int idx = (blockIdx.x * ITEMS + i) * THREADS + threadIdx.x;
+    for (int i = 0; i < DQ_ITEMS; ++i) {
+        const int idx = (blockIdx.x * DQ_ITEMS + i) * THREADS + threadIdx.x;
         if (idx >= n) break;
         const int row = idx / groups, col = 8 * (idx % groups);
         const uint4 w = make_uint4(pack2_f32<SB_BF16>(lo[i].x * p.scale, lo[i].y * p.scale), pack2_f32<SB_BF16>(lo[i].z * p.scale, lo[i].w * p.scale),
