@@ -3,69 +3,48 @@
 // aligned (the main kernel reads V and dO with cp.async).
 //
 // Compile-time: SB_BF16 (16-bit dtype bf16, else fp16), SB_THREADS (every kernel's CTA: specs.ROWS_THREADS),
-// SB_ROWS_ITEMS, SB_DQ_ITEMS (specs.ROWS_ITEMS, DQ_ITEMS), SB_TOKEN_PAD.
+// SB_TOKEN_PAD.
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
 #include "convert.cuh"
 
 constexpr int THREADS = SB_THREADS;
-constexpr int ITEMS = SB_ROWS_ITEMS;  // row_stats' rows a thread
-constexpr int DQ_ITEMS = SB_DQ_ITEMS;  // dq_convert's 8-column groups a thread
 
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
-// dO and of O where rows are 16-byte aligned), ITEMS rows a thread (all its loads in flight at once: the pass is bound
-// by bytes in flight), ITEMS·THREADS / LANES rows a CTA; grid (Nq_pad·LANES / (ITEMS·THREADS), Hq, B), packed: the
-// longest sequence's padded rows.
+// dO and of O where rows are 16-byte aligned), THREADS / LANES rows per CTA; grid (Nq_pad·LANES / THREADS, Hq, B), packed: the longest sequence's padded rows.
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 template <int LANES>
 SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
-    constexpr int PASS = THREADS / LANES;  // rows the CTA's threads take at once
-    static_assert(SB_TOKEN_PAD % (ITEMS * PASS) == 0, "a packed sequence's padded rows are whole CTAs");
-    const int c0 = 8 * (threadIdx.x % LANES), row0 = blockIdx.x * ITEMS * PASS + threadIdx.x / LANES;
+    static_assert(SB_TOKEN_PAD % (THREADS / LANES) == 0, "a packed sequence's padded rows are whole CTAs");
+    const int c0 = 8 * (threadIdx.x % LANES), row = blockIdx.x * (THREADS / LANES) + threadIdx.x / LANES;
     const int h = blockIdx.y;
     const SeqInfo<RowStatsParams> seq(p, blockIdx.z);
-    // Packed: rows up to the sequence's padded end (whole CTAs, SB_TOKEN_PAD a multiple of theirs).
-    if (SB_VARLEN && blockIdx.x * ITEMS * PASS >= (seq.len_q() + SB_TOKEN_PAD - 1) / SB_TOKEN_PAD * SB_TOKEN_PAD) return;
-    uint4 x[ITEMS], y[ITEMS];
-    bool vec[ITEMS];
-#pragma unroll
-    for (int r = 0; r < ITEMS; ++r) {
-        const int row = row0 + r * PASS;
-        const bool in = row < seq.len_q() && c0 < p.D;
-        const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, in ? row : 0) + c0;
-        const u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, in ? row : 0) + c0;
-        vec[r] = in && p.D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0;
-        x[r] = y[r] = make_uint4(0, 0, 0, 0);
-        if (vec[r]) {
-            x[r] = *reinterpret_cast<const uint4*>(dr);
-            y[r] = *reinterpret_cast<const uint4*>(orow);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ITEMS; ++r) {
-        const int row = row0 + r * PASS;
-        float s = 0.f;
-        if (vec[r]) {
-            const u32 xw[4] = {x[r].x, x[r].y, x[r].z, x[r].w}, yw[4] = {y[r].x, y[r].y, y[r].z, y[r].w};
+    // Packed: rows up to the sequence's padded end (whole CTAs, SB_TOKEN_PAD a multiple of their 16 or 32 rows).
+    if (SB_VARLEN && row >= (seq.len_q() + SB_TOKEN_PAD - 1) / SB_TOKEN_PAD * SB_TOKEN_PAD) return;
+    float s = 0.f;
+    if (row < seq.len_q() && c0 < p.D) {
+        const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
+        const u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row) + c0;
+        if (p.D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
+            const uint4 x = *reinterpret_cast<const uint4*>(dr), y = *reinterpret_cast<const uint4*>(orow);
+            const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
             for (int e = 0; e < 8; ++e)
                 s = fmaf(to_f32<SB_BF16>(static_cast<u16>(xw[e >> 1] >> (16 * (e & 1)))),
                          to_f32<SB_BF16>(static_cast<u16>(yw[e >> 1] >> (16 * (e & 1)))), s);
-        } else if (row < seq.len_q() && c0 < p.D) {
-            const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
-            const u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row) + c0;
+        } else {
             for (int e = 0; e < 8 && c0 + e < p.D; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
         }
-#pragma unroll
-        for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (threadIdx.x % LANES == 0)
-            p.stats[seq.q_row0(h) + row] = make_float4(row < seq.len_q() ? p.lse2[seq.lse_row0(h) + row] : __int_as_float(0x7f800000),
-                                                       p.q_scale[seq.q_row0(h) + row], s,
-                                                       p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);
     }
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % LANES == 0)
+        p.stats[seq.q_row0(h) + row] = make_float4(row < seq.len_q() ? p.lse2[seq.lse_row0(h) + row] : __int_as_float(0x7f800000),
+                                                   p.q_scale[seq.q_row0(h) + row], s,
+                                                   p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -81,40 +60,28 @@ row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
         row_stats_rows<8>(p);
 }
 
-// dQ = scale · dq_acc, stored in the input dtype with the output's strides; a thread per 8 columns of DQ_ITEMS rows'
-// worth of work (two 16-byte loads each, all in flight at once, and one 16-byte store where the row is 16-byte aligned:
-// D is a multiple of 8, so dQ rows and the accumulator's are); grid (ceil(Lq · D/8 / (DQ_ITEMS · THREADS)), Hq, B).
+// dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per 8 columns (two
+// 16-byte loads, one 16-byte store where the row is 16-byte aligned: D is a multiple of 8, so dQ rows and the
+// accumulator's are); grid (ceil(Lq · D/8 / THREADS), Hq, B).
 extern "C" __global__ void __launch_bounds__(THREADS)
 dq_convert(SB_KERNEL_PARAMS(SB_DQ_CONVERT_FIELDS)) {
     const DqConvertParams p = SB_KERNEL_VIEW(DqConvertParams, SB_DQ_CONVERT_FIELDS);
     SB_REQUIRE_SM80();
     const int h = blockIdx.y;
     const SeqInfo<DqConvertParams> seq(p, blockIdx.z);
-    const int groups = p.D / 8, n = seq.len_q() * groups;
-    float4 lo[DQ_ITEMS], hi[DQ_ITEMS];
-#pragma unroll
-    for (int i = 0; i < DQ_ITEMS; ++i) {
-        const int idx = (blockIdx.x * DQ_ITEMS + i) * THREADS + threadIdx.x;
-        if (idx < n) {
-            const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (seq.q_row0(h) + idx / groups) * p.dq_row + 8 * (idx % groups));
-            lo[i] = src[0];
-            hi[i] = src[1];
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < DQ_ITEMS; ++i) {
-        const int idx = (blockIdx.x * DQ_ITEMS + i) * THREADS + threadIdx.x;
-        if (idx >= n) break;
-        const int row = idx / groups, col = 8 * (idx % groups);
-        const uint4 w = make_uint4(pack2_f32<SB_BF16>(lo[i].x * p.scale, lo[i].y * p.scale), pack2_f32<SB_BF16>(lo[i].z * p.scale, lo[i].w * p.scale),
-                                   pack2_f32<SB_BF16>(hi[i].x * p.scale, hi[i].y * p.scale), pack2_f32<SB_BF16>(hi[i].z * p.scale, hi[i].w * p.scale));
-        u16* dst = p.dq + seq.token(p.qb, p.qh, p.qn, h, row) + col;
-        if ((reinterpret_cast<size_t>(dst) & 15) == 0) {
-            *reinterpret_cast<uint4*>(dst) = w;
-        } else {  // 4-byte aligned: D and the strides are even
-            u32* d4 = reinterpret_cast<u32*>(dst);
-            d4[0] = w.x, d4[1] = w.y, d4[2] = w.z, d4[3] = w.w;
-        }
+    const int idx = blockIdx.x * THREADS + threadIdx.x, groups = p.D / 8;
+    if (idx >= seq.len_q() * groups) return;
+    const int row = idx / groups, col = 8 * (idx % groups);
+    const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (seq.q_row0(h) + row) * p.dq_row + col);
+    const float4 lo = src[0], hi = src[1];
+    const uint4 w = make_uint4(pack2_f32<SB_BF16>(lo.x * p.scale, lo.y * p.scale), pack2_f32<SB_BF16>(lo.z * p.scale, lo.w * p.scale),
+                               pack2_f32<SB_BF16>(hi.x * p.scale, hi.y * p.scale), pack2_f32<SB_BF16>(hi.z * p.scale, hi.w * p.scale));
+    u16* dst = p.dq + seq.token(p.qb, p.qh, p.qn, h, row) + col;
+    if ((reinterpret_cast<size_t>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = w;
+    } else {  // 4-byte aligned: D and the strides are even
+        u32* d4 = reinterpret_cast<u32*>(dst);
+        d4[0] = w.x, d4[1] = w.y, d4[2] = w.z, d4[3] = w.w;
     }
 }
 

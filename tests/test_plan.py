@@ -456,9 +456,8 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
 
 @pytest.mark.parametrize("d, lq", [(64, 1), (104, 300), (200, 129), (128, 4096)])
 def test_backward_row_kernels_cover_every_row_once(gpu, d, lq):
-    """row_stats' grid covers the padded query rows exactly (ROWS_ITEMS rows a thread, D_pad / 8 lanes a row: a CTA
-    past them would store statistics past the buffer), and dq_convert's covers Lq rows of D / 8 groups with less
-    than one CTA to spare."""
+    """row_stats' grid covers the padded query rows exactly (D_pad / 8 lanes a row: a CTA past them would store
+    statistics past the buffer), and dq_convert's covers Lq rows of D / 8 groups with less than one CTA to spare."""
     from sagebwd_cp.gpu import specs
     q, k, v = qkv(hq=2, hk=1, lq=lq, lk=200, d=d)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
@@ -467,10 +466,9 @@ def test_backward_row_kernels_cover_every_row_once(gpu, d, lq):
     grids = {s.entry: (s.head[1:4], s.head[4]) for s in bwd.steps}
     dp, nq = specs.padded_head_dim(d), -(-lq // 128) * 128
     (gx, gy, gz), threads = grids["row_stats"]
-    assert gx * specs.ROWS_ITEMS * threads // (dp // 8) == nq and (gy, gz) == (2, 1)
+    assert gx * threads // (dp // 8) == nq and (gy, gz) == (2, 1)
     (gx, gy, gz), threads = grids["dq_convert"]
-    per_cta = specs.DQ_ITEMS * threads
-    assert (gx - 1) * per_cta < lq * (d // 8) <= gx * per_cta and (gy, gz) == (2, 1)
+    assert (gx - 1) * threads < lq * (d // 8) <= gx * threads and (gy, gz) == (2, 1)
 
 
 def test_backward_pads_keys_to_whole_cta_tiles(gpu):

@@ -31,10 +31,15 @@ PYTHON_DIR = {"sagebwd_cp": (".py",)}  # swapped when the base holds it
 
 
 def _copy_sources(src_root: str, dst_root: str, dirs: dict) -> None:
+    """The files of ``dirs`` with their suffixes, subfolders included (sagebwd_cp/gpu/...)."""
     for d, suffixes in dirs.items():
-        for name in os.listdir(os.path.join(src_root, d)):
-            if name.endswith(suffixes):
-                shutil.copy2(os.path.join(src_root, d, name), os.path.join(dst_root, d, name))
+        for folder, subdirs, names in os.walk(os.path.join(src_root, d)):
+            subdirs[:] = [s for s in subdirs if s != "__pycache__"]
+            rel = os.path.relpath(folder, src_root)
+            os.makedirs(os.path.join(dst_root, rel), exist_ok=True)
+            for name in names:
+                if name.endswith(suffixes):
+                    shutil.copy2(os.path.join(folder, name), os.path.join(dst_root, rel, name))
 
 
 def _bench(bench_args, env=None) -> dict:
@@ -76,8 +81,6 @@ def main(argv=None) -> int:
     if all(os.path.isdir(os.path.join(args.base, d)) for d in PYTHON_DIR):
         dirs.update(PYTHON_DIR)
     saved = tempfile.mkdtemp()
-    for d in dirs:
-        os.makedirs(os.path.join(saved, d))
     _copy_sources(ROOT, saved, dirs)
     try:
         first = _bench(bench_args)

@@ -139,10 +139,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    # D_pad / 8 lanes a row, specs.ROWS_ITEMS rows a thread, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
+    # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
     threads = specs.ROWS_THREADS
     stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
-    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // (threads * specs.ROWS_ITEMS), Hq, B), (threads, 1, 1),
+    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
                                **q_lengths))
@@ -171,7 +171,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.release_workspace(keep=(dq_acc, lock))
 
     qb, qh, qn = prob.bhnd_strides(dq)
-    plan.launch(rows, "dq_convert", (-(-Lq * (D // 8) // (threads * specs.DQ_ITEMS)), Hq, B), (threads, 1, 1),
+    plan.launch(rows, "dq_convert", (-(-Lq * (D // 8) // threads), Hq, B), (threads, 1, 1),
                 params.args("DqConvertParams", dq_acc=dq_acc, Hq=Hq, D=D, dq_row=dq_row, Nq_pad=nq,
                                scale=prob.softmax_scale, dq=dq, qb=qb, qh=qh, qn=qn, **q_lengths))
     return plan.build(problem=prob)

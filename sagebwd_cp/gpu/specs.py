@@ -21,8 +21,6 @@ QUANT_THREADS = 128  # quantize_tensors: at most this many, D_pad a CTA (two 64-
 QUANT_CHUNKS = 16  # quantize_tensors: tokens a thread owns, each a 16-byte chunk of dynamic shared memory a column
 SUM_THREADS = 512  # token_sum
 ROWS_THREADS = 256  # backward_rows.cu: row_stats, dq_convert, pack_rows
-ROWS_ITEMS = 4  # backward_rows.cu: rows a thread of row_stats, their loads in flight together
-DQ_ITEMS = 4  # backward_rows.cu: 8-column groups a thread of dq_convert, their loads in flight together
 LSE_THREADS = 128  # lse.cu: a query row a thread
 BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
 TMA_DO_COLS = 64  # the wgmma backward's dO boxes: 64 16-bit columns (128 bytes, the widest swizzle)
@@ -299,7 +297,7 @@ def forward_ws_spec(dp: int, dtype: str, options: AttentionOptions, tiles: WsFor
 
 def backward_rows_spec(dtype: str, varlen: bool = False) -> KernelSpec:
     return _spec("backward_rows", "backward_rows.cu", ["row_stats", "dq_convert", "pack_rows"], _dtype(dtype, varlen),
-                 {**_token_pad(), "SB_THREADS": ROWS_THREADS, "SB_ROWS_ITEMS": ROWS_ITEMS, "SB_DQ_ITEMS": DQ_ITEMS})
+                 {**_token_pad(), "SB_THREADS": ROWS_THREADS})
 
 
 WGMMA_GROUPS = 2  # computing warpgroups of the wgmma backward, a warpgroup per 64 keys
