@@ -125,10 +125,7 @@ SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
 #define SB_QUANTIZE_FIELDS(F0, F) \
     F0(QuantizeJob, a) F(QuantizeJob, b) F(QuantizeJob, c) \
     F(int, D) F(int, D_pad) \
-    F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum */ \
-    F(u32*, zero_a) F(i64, zero_a_words)      /* optional: words zeroed by CTAs of their own (dQ's accumulator) */ \
-    F(u32*, zero_b) F(i64, zero_b_words)      /* optional: more (dQ's turn counters) */ \
-    F(int, zero_slice)                        /* words a zeroing CTA takes, a multiple of 4 · D_pad */
+    F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum */
 SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
 
 // quantize.cu token_sum

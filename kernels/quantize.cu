@@ -298,8 +298,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // One tensor of a quantize_tensors launch is a QuantizeJob (params.cuh): quantize_blocks' arguments, and
 // its CTA count (N_pad / 64 blocks times H heads, two blocks a CTA: quantize.py _quantize_ctas).
 // Up to three tensors (Q, K, V for the forward; Q, K, dO for the backward) in one launch: blockIdx.x
-// runs over a's CTAs, then b's, then c's, then any zeroing CTAs (zero_slice); blockIdx.z is the batch; D_pad threads
-// a CTA; sum_parts: the
+// runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA; sum_parts: the
 // parts of the job with mean_sum (token_sum's grid.x). Several CTAs
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
 // d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
@@ -313,32 +312,11 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #else
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
 #endif
-// Zeroes slice `slice` (of `words` words each) of the ranges a then b, 16 bytes a store where whole (the ranges start
-// 16-byte aligned and a slice is a multiple of 4 words), word by word at a range's end.
-SB_DEVICE void zero_slice(u32* a, i64 a_words, u32* b, i64 b_words, int words, i64 slice) {
-    const i64 a_slices = (a_words + words - 1) / words;
-    u32* base = slice < a_slices ? a : b;
-    const i64 first = (slice < a_slices ? slice : slice - a_slices) * words;
-    const i64 n = min(static_cast<i64>(words), (slice < a_slices ? a_words : b_words) - first);
-    if (n <= 0) return;
-    uint4* z = reinterpret_cast<uint4*>(base + first);
-    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) z[i] = make_uint4(0, 0, 0, 0);
-    if (threadIdx.x < n % 4) base[first + n / 4 * 4 + threadIdx.x] = 0;
-}
-
 extern "C" __global__ void SB_QUANT_BOUNDS
 quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
     SB_REQUIRE_SM80();
     int cta = blockIdx.x;
-    const int job_ctas = p.a.ctas + p.b.ctas + p.c.ctas;
-    if (cta >= job_ctas) {
-        // CTAs past the jobs' zero the backward's dQ accumulator and turn counters in place of a memset, a slice each
-        // (the z of the grid takes its share); after the jobs' CTAs, they fill the last wave.
-        zero_slice(p.zero_a, p.zero_a_words, p.zero_b, p.zero_b_words, p.zero_slice,
-                   static_cast<i64>(blockIdx.z) * (gridDim.x - job_ctas) + cta - job_ctas);
-        return;
-    }
     const int which = cta < p.a.ctas ? 0 : (cta < p.a.ctas + p.b.ctas ? 1 : 2);
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).

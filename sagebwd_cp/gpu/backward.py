@@ -12,7 +12,7 @@ from .device import device_arch, shared_memory_limit, sm_count
 from .forward import varlen_inputs
 from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .quantize import padded_rows, quantize_inputs
+from .quantize import quantize_inputs
 from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
@@ -126,15 +126,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     arch = device_arch(dev)
     wanted = specs.backward_tiles(dp, arch, deterministic)
     tiles, spec = specs.backward_kernel(dp, prob.dtype, options, wanted, arch, shared_memory_limit(dev), prob.varlen)
-    # dQ's accumulator and turn counters start at zero: the pre-pass's launch zeroes them (no memset of their own).
-    dq_row = tiles.dq_row(dp)
-    nq = padded_rows(prob, "q", specs.TOKEN_PAD)
-    dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32")
-    lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32") if deterministic else None
-    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None,
-                         zero=(dq_acc,) + ((lock,) if lock is not None else ()))
-    assert qz.nq_pad == nq
-    nk = qz.nk_pad
+    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
+    nq, nk = qz.nq_pad, qz.nk_pad
 
     stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
     db, dh, dn = prob.bhnd_strides(do)
@@ -146,6 +139,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
                                **q_lengths))
+
+    dq_row = tiles.dq_row(dp)
+    dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32", zeroed=True)
+    lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
     do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq, tma=tiles.wgmma)

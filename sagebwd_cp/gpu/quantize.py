@@ -86,43 +86,23 @@ def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flag
                          seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
 
-# Zeroing CTAs of quantize_tensors (zero_slice): words each, per thread of the launch's D_pad.
-ZERO_WORDS_PER_THREAD = 128
-
-
-def _words(buf) -> int:
-    assert buf.dtype in ("float32", "int32"), buf.dtype
-    n = 1
-    for s in buf.shape:
-        n *= s
-    return n
-
-
-def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0, zero=()) -> None:
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
     """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
-    parts behind the job with token sums; ``zero``: up to two 4-byte workspace buffers that CTAs after the
-    jobs' zero (in place of a memset)."""
+    parts behind the job with token sums."""
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
     assert dp in specs.PADDED_HEAD_DIMS, dp
-    assert len(zero) <= 2
-    zero = list(zero) + [None] * (2 - len(zero))
-    words = [_words(buf) if buf is not None else 0 for buf in zero]
-    slice_words = dp * ZERO_WORDS_PER_THREAD
-    slices = sum(-(-w // slice_words) for w in words)
-    ctas += -(-slices // prob.batch)  # a share for each z of the grid
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
     plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
-                               sum_parts=sum_parts, zero_a=zero[0], zero_a_words=words[0], zero_b=zero[1],
-                               zero_b_words=words[1], zero_slice=slice_words),
+                               sum_parts=sum_parts),
                 shared=dp * specs.QUANT_CHUNKS * 16)
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
                     key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True, k_mean=None,
-                    k_mean_given: bool = False, zero=()) -> Quantized:
+                    k_mean_given: bool = False) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
     quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
     backward), dO is quantized in the same launch (see ``_grad_output_job``).  Key-side buffers
@@ -130,8 +110,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing).  With
     K-smoothing, ``k_mean`` ([B][Hkv][D] float32, an Output or an input) is where μ_K goes (default:
     a workspace buffer); with ``k_mean_given`` it already holds a saved forward's μ_K, so K's token
-    sums are not taken again and K̂ comes out exactly as that forward's. ``zero``: workspace buffers (4-byte
-    elements, at most two) the launch zeroes besides, e.g. the backward's dQ accumulator: no memset of their own."""
+    sums are not taken again and K̂ comes out exactly as that forward's."""
     assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
@@ -184,7 +163,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    _launch_quantize(plan, prob, jobs, parts, zero)
+    _launch_quantize(plan, prob, jobs, parts)
 
     bias = None
     if prob.smooth_q:
