@@ -32,7 +32,7 @@ CASES = [
     (2, 4, 2, 2048, 2048, 128, True),
     (1, 8, 8, 1536, 1536, 64, False),
 ]
-SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64"}, {"SAGEBWD_BACKWARD_GROUPS": "3"}]
+SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64"}, {"SAGEBWD_BACKWARD_WS": "1"}]
 
 
 def _digest(x) -> str:

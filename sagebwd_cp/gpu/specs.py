@@ -381,10 +381,10 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
-    return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(dp, ws))
+    return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(ws))
 
 
-def dq_tiles_for(dp: int, ws: bool) -> int:
+def dq_tiles_for(ws: bool) -> int:
     """dQ partial tiles of the wgmma backward: two where a producer warpgroup reduces them (the computing warps
     write one while the other is read), else one. SAGEBWD_BACKWARD_DQ_TILES=1 forces one."""
     return 2 if ws and _env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
@@ -495,7 +495,7 @@ def all_specs(arch: str | None = None) -> list:
                                     specs.append(spec)
                                 if granularity == "fine" and not det and not bias and window < 0 and not cap and not varlen:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
-                                    ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(dp, True))
+                                    ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(True))
                                     specs.append(backward_kernel(dp, dt, bwd, ws, arch, limit, varlen)[1])
     return specs
 
