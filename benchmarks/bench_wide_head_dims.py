@@ -3,7 +3,8 @@ two-pass kernels; SDPA with cuDNN and with FlashAttention-2 (each where it takes
 where not); FlexAttention (compiled) with a causal block mask. Forward and forward+backward in ms (CUDA
 events, median).
 
-    python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--json PATH]
+    python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--peers ours cudnn]
+                                              [--json PATH]
 
 A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128).
 """
@@ -62,6 +63,7 @@ PEERS = {"ours": _ours, "cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_A
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD[xDv]")
+    ap.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS), help="what to time (default: all)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
                    for h, e in ((hq, d), (hk, d), (hk, dv)))
         do = torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
         rec = {"shape": text}
-        for name, make in PEERS.items():
+        for name in args.peers:
+            make = PEERS[name]
             try:
                 fwd, fwdbwd = make(q, k, v, do)
                 rec[name] = {"fwd_ms": timed(fwd, args.reps), "fwdbwd_ms": timed(fwdbwd, args.reps)}

@@ -161,7 +161,7 @@ SB_DEVICE void compute_sync() {
 
 // Offset of 16-byte chunk c of row r in a [ROWS][DP] 16-bit tile stored as 128-byte column blocks.
 template <int ROWS>
-SB_DEVICE int tile16_offset(int r, int c) { return (c >> 3) * (ROWS * 128) + swizzled_offset<128>(r, c & 7); }
+SB_DEVICE int tile16_offset(int r, int c) { return wgmma_tile_offset<2 * DP, ROWS>(r, c); }
 
 // ROWS rows of a strided 16-bit array into a [ROWS][DP] tile; rows >= n_valid and columns >= D are
 // zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).

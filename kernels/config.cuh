@@ -19,7 +19,7 @@
 enum GridOrder { BLOCKS_FIRST = 0, HEADS_FIRST = 1, HEADS_BATCH_FIRST = 2 };
 
 #ifndef SB_DP
-#define SB_DP 128            // padded head dim (64 or 128)
+#define SB_DP 128            // padded head dim (64, 128 or 256)
 #endif
 #ifndef SB_BF16
 #define SB_BF16 0            // 16-bit dtype bf16 (else fp16)

@@ -43,13 +43,13 @@ static_assert(SB_GRID_ORDER == BLOCKS_FIRST || HEADS_BATCH_GRID, "(blocks, heads
 constexpr int KSTEPS_D = DP / 32;             // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
-// Head dims above 128: O in two passes over the key tiles, a half of the head dim each (S and P̂ recomputed,
-// the same values both times), so that a thread holds O for DP/2 columns (the registers of d=128).
-constexpr int O_PASSES = DP > 128 ? 2 : 1;
+// Head dims above 128 (mma.sync): O in two passes over the key tiles, a half of the head dim each (S and P̂
+// recomputed, the same values both times), so that a thread holds O for DP/2 columns (the registers of d=128).
+// wgmma: one pass, O's 128 registers a thread at d=256 beside 64-key tiles' S, two CTAs an SM.
+constexpr bool WG = SB_WGMMA;
+constexpr int O_PASSES = DP > 128 && !WG ? 2 : 1;
 constexpr int DO = DP / O_PASSES;             // O's columns a pass
 constexpr int NT_D = DO / 8;                  // n-tiles of O over a pass's columns
-constexpr bool WG = SB_WGMMA;
-static_assert(!WG || O_PASSES == 1, "the wgmma forward takes head dims up to 128");
 // Shared memory: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's per-token K scales (f32).
 // wgmma tiles start on their swizzle atom (1024 bytes covers both), so a stage's scales take 1024
 // bytes (their padding) and the dynamic base is aligned inside 1024 bytes of slack.
@@ -76,6 +76,7 @@ static_assert(!WG || (Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES 
               "wgmma tiles start on 1024 bytes");
 static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
 static_assert(TILE == BKV || (WG && TILE == 2 * BKV), "128-key tiles on the wgmma path only");
+static_assert(!WG || DP <= 128 || TILE == BKV, "d=256 wgmma: 64-key tiles (O holds 128 registers)");
 static_assert(!WG || KS_BYTES <= 1024, "the K scales live in a stage's 1024 bytes of padding");
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 // Lazy rescaling: O and l are kept relative to a per-row reference max m_ref that moves only when
@@ -106,7 +107,8 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
 // more and take one CTA fewer.
 // Packed batches' 128-key d=64 kernels hold the sequence's bounds too and take three CTAs (168 registers;
 // the dense kernel measured the same at three and four).
-constexpr int MIN_BLOCKS = !WG ? 1 : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
+// d=256: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each).
+constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? 2 : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
@@ -151,7 +153,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     if (n_tiles > j_first) load_stage(sKV + (j_first & 1) * STAGE_BYTES, j_first);
     cp_async_commit();
     float q_row_scale = 0.f;  // without Q-smoothing: the scale of the row this thread quantized
-    if (!SB_BIAS) q_row_scale = quantize_q_rows<DP, WG>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale, threadIdx.x);
+    if (!SB_BIAS) q_row_scale = quantize_q_rows<DP, WG, CTA_Q>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, q0, seq.len_q(), p.D, p.q_prescale, threadIdx.x);
     cp_async_wait<0>();
     if (WG) fence_proxy_async();  // cp.async and the Q̂ stores wrote what wgmma reads
     __syncthreads();
@@ -216,7 +218,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks)
-            wgmma_s8_ss(s[0], wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), 32 * ks), ks);
+            wgmma_s8_ss(s[0], wgmma_desc<DP>(q_desc, kstep_offset<DP, CTA_Q>(ks)),
+                        wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), kstep_offset<DP, TILE>(ks)), ks);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

@@ -11,11 +11,11 @@
 #include "exp2.cuh"
 
 // Q̂ of a tile's rows from 16-bit Q (head base qh_base, row stride qn elements, unit stride along d) into
-// the swizzled tile at sQ (WG: the wgmma layout), as the pre-pass's Q job computes it (quantize.cu,
+// the swizzled tile at sQ (WG: the wgmma layout of a ROWS-row tile), as the pre-pass's Q job computes it (quantize.cu,
 // per token, prescale c·log2(e)): thread tid quantizes half of row tid / 2 (DP/16
 // chunks of 8 values); the two halves share the row max by a shuffle. Rows past Lq and columns past D
 // are zero (codes 0, scale 0). Returns the row's scale (both threads of the row hold it).
-template <int DP, bool WG>
+template <int DP, bool WG, int ROWS>
 SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn, int q0, int Lq, int D, float prescale,
                                 int tid) {
     constexpr int CH = DP / 16;  // raw chunks a thread: half a row
@@ -56,7 +56,10 @@ SB_DEVICE float quantize_q_rows(u32 sQ, const u16* __restrict__ qh_base, i64 qn,
             row_values<true, false>(raw[c + x], prescale, NO_SHIFT, v);
             code[x] = chunk_codes(v, inv);
         }
-        const u32 dst = sQ + swizzled_offset<DP, WG>(r, (c0 + c) / 2);
+        int at;
+        if constexpr (WG) at = wgmma_tile_offset<DP, ROWS>(r, (c0 + c) / 2);
+        else at = swizzled_offset<DP>(r, (c0 + c) / 2);
+        const u32 dst = sQ + at;
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(code[0].x), "r"(code[0].y), "r"(code[1].x), "r"(code[1].y) : "memory");
     }
     return scale;

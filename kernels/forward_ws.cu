@@ -227,8 +227,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     // CTA's last tile (whose stage they give back unread, below).
     const int n_c = min(n_tiles, consumer_tiles(seq, qc0));
     // The last work tile's products have all completed: its Q̂ tile may be written again.
-    const float q_row_scale = quantize_q_rows<DP, true>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, qc0,
-                                                        seq.len_q(), p.D, p.q_prescale, ctid);
+    const float q_row_scale = quantize_q_rows<DP, true, WG_ROWS>(sQ, p.q + seq.token(p.q_sb, p.q_sh, p.q_sn, h, 0), p.q_sn, qc0,
+                                                             seq.len_q(), p.D, p.q_prescale, ctid);
     fence_proxy_async();          // the Q̂ stores, before wgmma reads them
     named_barrier<128>(BAR_Q + c);
     // forward.cu: row r of the tile was quantized by lanes 2r, 2r + 1 of its warp; a zero row's scale

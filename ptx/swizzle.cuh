@@ -14,13 +14,22 @@ template <int ROW_BYTES, bool WGMMA = false>
 SB_DEVICE int swizzled_offset(int row, int chunk) {
     static_assert(ROW_BYTES % 16 == 0 && (ROW_BYTES >= 128 ? ROW_BYTES % 128 == 0 : 128 % ROW_BYTES == 0),
                   "rows must tile 128-byte lines");
-    static_assert(!WGMMA || ROW_BYTES == 64 || ROW_BYTES == 128, "wgmma layouts for 64- and 128-byte rows");
+    static_assert(!WGMMA || ROW_BYTES == 64 || ROW_BYTES == 128, "wgmma layouts for 64- and 128-byte rows (longer: wgmma_tile_offset)");
     if (WGMMA && ROW_BYTES == 64) return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
     const int linear = row * ROW_BYTES + chunk * 16;
     const int line = linear >> 7;
     const int c = (linear >> 4) & 7;
     const int key = ROW_BYTES > 128 ? row & 7 : line & 7;
     return (line << 7) | ((c ^ key) << 4);
+}
+
+// wgmma operand tiles (WGMMA) of ROWS rows longer than 128 bytes: 128-byte column blocks of the whole
+// tile, one after the other, each in the 128-byte mode (wgmma.cuh: a k-step never crosses a block).
+// Rows of up to 128 bytes: swizzled_offset's wgmma layout.
+template <int ROW_BYTES, int ROWS>
+SB_DEVICE int wgmma_tile_offset(int row, int chunk) {
+    if constexpr (ROW_BYTES <= 128) return swizzled_offset<ROW_BYTES, true>(row, chunk);
+    else return (chunk >> 3) * (ROWS * 128) + swizzled_offset<128, true>(row, chunk & 7);
 }
 
 // Rows after which the swizzle pattern repeats: moving a multiple of this many rows adds
@@ -41,13 +50,18 @@ SB_DEVICE void load_tile(u32 smem, const i8* g, i64 gstride, u32 tid = threadIdx
     static_assert(THREADS % CHUNKS == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
     constexpr bool PERIODIC = ROWS_PER_PASS % swizzle_period_rows<ROW_BYTES, WGMMA>() == 0;
+    constexpr int PITCH = WGMMA && ROW_BYTES > 128 ? 128 : ROW_BYTES;  // bytes from a row to the next
+    auto offset = [](int r, int c) {
+        if constexpr (WGMMA) return wgmma_tile_offset<ROW_BYTES, ROWS>(r, c);
+        else return swizzled_offset<ROW_BYTES>(r, c);
+    };
     const int r0 = tid / CHUNKS, c = tid % CHUNKS;
     const i8* src = g + r0 * gstride + c * 16;
-    const u32 dst0 = smem + swizzled_offset<ROW_BYTES, WGMMA>(r0, c);
+    const u32 dst0 = smem + offset(r0, c);
 #pragma unroll
     for (int k = 0; k < (TOTAL + THREADS - 1) / THREADS; ++k) {
         const int r = r0 + k * ROWS_PER_PASS;
-        const u32 dst = PERIODIC ? dst0 + k * ROWS_PER_PASS * ROW_BYTES : smem + swizzled_offset<ROW_BYTES, WGMMA>(r, c);
+        const u32 dst = PERIODIC ? dst0 + k * ROWS_PER_PASS * PITCH : smem + offset(r, c);
         if (TOTAL % THREADS == 0 || r < ROWS) cp_async_16(dst, src + k * ROWS_PER_PASS * gstride);
     }
 }

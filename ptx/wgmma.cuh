@@ -14,23 +14,31 @@
 
 typedef unsigned long long u64;
 
-// Matrix descriptor of a K-major swizzled tile whose rows are ROW_BYTES (64 or 128) long, as two
-// words. Low: start address in 16-byte units (bits 0-13) and the leading offset (bits 16-29, unused
+// Matrix descriptor of a K-major swizzled tile whose rows are ROW_BYTES (64 or 128) long, or 256 stored as
+// 128-byte column blocks (swizzle.cuh wgmma_tile_offset: described as 128-byte rows), as two words. Low: start address in 16-byte units (bits 0-13) and the leading offset (bits 16-29, unused
 // for swizzled K-major tiles). High: the stride between 8-row groups in 16-byte units (bits 0-13)
 // and the swizzle mode (bits 30-31; 1: 128-byte, 2: 64-byte). A k-step or row block further into
 // a tile adds its offset / 16 to the low word (the start field cannot carry out for shared
 // addresses), so a loop forms each descriptor with one add.
 template <int ROW_BYTES>
 SB_DEVICE u32 wgmma_desc_lo(u32 addr) {
-    static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "descriptors for 64- and 128-byte rows");
+    static_assert(ROW_BYTES == 64 || ROW_BYTES == 128 || ROW_BYTES == 256, "descriptors for 64-, 128- and 256-byte rows");
     return ((addr & 0x3FFFF) >> 4) | (1u << 16);
 }
 template <int ROW_BYTES>
 SB_DEVICE u64 wgmma_desc(u32 lo, u32 byte_offset = 0) {
-    constexpr u32 hi = ((8 * ROW_BYTES) >> 4) | ((ROW_BYTES == 128 ? 1u : 2u) << 30);
+    static_assert(ROW_BYTES == 64 || ROW_BYTES == 128 || ROW_BYTES == 256, "descriptors for 64-, 128- and 256-byte rows");
+    constexpr u32 hi = ((8 * (ROW_BYTES > 128 ? 128 : ROW_BYTES)) >> 4) | ((ROW_BYTES >= 128 ? 1u : 2u) << 30);
     u64 d;
     asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (byte_offset >> 4)), "n"(hi));
     return d;
+}
+
+// Byte offset of INT8 k-step ks (32 bytes of every row) in a K-major tile of ROWS rows of ROW_BYTES, for
+// wgmma_desc<ROW_BYTES>: 256-byte rows step to the next column block every four k-steps.
+template <int ROW_BYTES, int ROWS>
+SB_DEVICE constexpr u32 kstep_offset(int ks) {
+    return ROW_BYTES > 128 ? (ks >> 2) * (ROWS * 128) + 32 * (ks & 3) : 32 * ks;
 }
 
 // Orders this thread's register writes (accumulators, register A operands) before later wgmma.

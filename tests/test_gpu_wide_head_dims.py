@@ -1,7 +1,8 @@
 """Head dims above 128 (to 256) on the GPU: the two-pass mma.sync kernels (forward.cu's O, backward.cu's dK, dV
-and dQ a half of the head dim a pass) against the emulator (same algorithm: tight) and exact FP64 attention,
-over ragged shapes, Lq != Lk, GQA, both dtypes and layouts, causal and not, windows and soft caps, packed
-batches; the options these kernels do not take are refused by name."""
+and dQ a half of the head dim a pass) and sm_90's one-pass wgmma forward against the emulator (same algorithm:
+tight) and exact FP64 attention, over ragged shapes, Lq != Lk, GQA, both dtypes and layouts, causal and not,
+windows and soft caps, packed batches; the wgmma forward bit for bit the mma.sync one; the options these kernels
+do not take are refused by name."""
 import math
 
 import numpy as np
@@ -68,6 +69,36 @@ def test_forward_and_backward_match_the_emulator(kernels, shape, causal, dtype, 
         assert rel_l2(o, o_ref) < 0.03
         for g, r in zip(grads, g_ref):
             assert rel_l2(to_hnd_numpy(g, layout), r) < 0.06
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((-1, 0), 0.0), ((90, 0), 20.0)], ids=["full", "causal",
+                                                                                                   "window-softcap"])
+def test_the_wgmma_forward_is_the_mma_sync_forward_bit_for_bit(monkeypatch, shape, window, softcap):
+    """sm_90's one-pass wgmma forward and the two-pass mma.sync forward compute the same numerics (64-key tiles,
+    the same products and folds in the same order): outputs and LSE equal, bit for bit."""
+    import torch
+
+    from sagebwd_cp.gpu import plan
+    from sagebwd_cp.gpu.device import device_arch
+
+    if device_arch(0) != "sm_90":
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    b, hq, hk, lq, lk, d = shape
+    opts = dict(causal=window[1] == 0, window_size=window, softcap=softcap, smooth_k=not softcap)
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, "bfloat16", "NHD", seed=lq + lk)
+    results = []
+    for family in ("1", "0"):
+        monkeypatch.setenv("SAGEBWD_WGMMA", family)
+        plan.clear_plans()
+        with poisoned_workspaces():
+            results.append(sagebwd_cp.attention(q, k, v, layout="NHD", return_lse=True, **opts))
+        torch.cuda.synchronize()
+    plan.clear_plans()
+    (out, lse), (out_ref, lse_ref) = results
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0)])

@@ -195,9 +195,15 @@ def forward_key_tile() -> int:
     return 128 if forced is None else forced
 
 
+# The wgmma forward above head dim 128: 64-key tiles (O takes 128 registers a thread; kernels/forward.cu).
+WIDE_WGMMA_FORWARD_TILES = ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=numerics.BLOCK_KV)
+
+
 def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
     """Tiles for the forward (the plan checks that the kernel's shared layout fits the device)."""
-    if use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM:
+    if use_wgmma(arch):
+        if dp > numerics.WIDE_HEAD_DIM:
+            return WIDE_WGMMA_FORWARD_TILES
         return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
     return FORWARD_TILES[dp]
 
@@ -474,7 +480,10 @@ def all_specs(arch: str | None = None) -> list:
                     fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
                                            smooth_k=not cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
-                    if wide:  # the mma.sync kernels alone, fine and not deterministic; the backward where it fits
+                    if wide:  # the mma.sync kernels, fine and not deterministic, but the wgmma forward; the backward
+                              # where it fits
+                        if arch in WGMMA_ARCHS:
+                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         continue
