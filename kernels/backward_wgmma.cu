@@ -14,16 +14,21 @@
 // dQ's partial of the CTA's keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
-// Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
-// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2 (sm_90's shared memory always holds two); SB_WS: a
+// Head dims above 128 (SB_DP 256): dK, dV and dQ in PASSES = 2 halves of the head dim, one a CTA (the grid's batch
+// axis holds the pass: specs.BackwardTiles.passes), each CTA computing Sᵀ, dPᵀ and the quantizations over the whole
+// head dim (the same values in both), so that a thread holds the accumulators of d=128; one stage (the tiles
+// fill shared memory), loaded by the producer warpgroup.
+//
+// Compile-time parameters: SB_DP (64, 128 or 256), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
+// SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2, or 1 at SB_DP 256 (with SB_WS); SB_WS: a
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
 // the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
 // SB_DQ_TILES (WS only: 1 or 2) dQ partial tiles, written and reduced in turn. From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
 // launch's), and the query-side tensor maps' boxes (specs.BackwardTiles.query_maps): SB_TMA_QROWS
-// query rows (Q̂, dO) or columns (Q̂ᵀ, dÔᵀ) a box, SB_TMA_DO_COLS columns of a dO box, and the swizzles
-// SB_TMA_SWIZZLE_Q, _QT and _DO.
+// query rows (Q̂, dO) or columns (Q̂ᵀ, dÔᵀ) a box, SB_TMA_Q_COLS bytes of a Q̂ box's rows, SB_TMA_QT_ROWS rows of a
+// Q̂ᵀ or dÔᵀ box, SB_TMA_DO_COLS columns of a dO box, and the swizzles SB_TMA_SWIZZLE_Q, _QT and _DO.
 #include "backward_common.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -43,6 +48,11 @@ static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup 
 #endif
 constexpr bool WS = SB_WS;
 constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
+constexpr int PASSES = SB_PASSES;  // CTAs a key block, dK, dV and dQ for DH head-dim columns each
+constexpr int DH = DP / PASSES;
+constexpr int KROW = DP > 128 ? 128 : DP;  // bytes from a row of K̂ or Q̂ to the next (swizzle.cuh wgmma_tile_offset)
+static_assert(PASSES == 1 || (WS && SB_FINE && !SB_DETERMINISTIC && !SB_BIAS),
+              "head dims above 128: the producer's loads, fine granularity, not deterministic, no Q-smoothing");
 // dQ partial tiles (SB_DQ_TILES, specs.BackwardTiles.dq_tiles): WS with two, the computing warps write one while the
 // producer's reduction reads the other.
 constexpr int DQ_TILES = SB_DQ_TILES;
@@ -62,11 +72,11 @@ constexpr bool ROOMY = DP == 64;
 // dK and dV in chunks of CHUNK_COLS columns, one m64nCHUNK_COLS product each (a chunk's int32 registers
 // are in flight beside dK, dV and dS: 16 for 32 columns; at head dim 64 one 64-column chunk fits).
 constexpr int CHUNK_COLS = ROOMY ? 64 : 32;
-constexpr int CHUNKS = DP / CHUNK_COLS;
+constexpr int CHUNKS = DH / CHUNK_COLS;
 constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 // dQ: warpgroup w computes DQ_COLS head-dim columns from DQ_COL0(w) over every key block of the CTA,
 // and stores them.
-constexpr int DQ_COLS = DP / GROUPS;
+constexpr int DQ_COLS = DH / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
 // of DQ_CHUNK_NT n-tiles in flight): 32 columns.
@@ -83,26 +93,31 @@ static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
 // maxima of P, Z and Y per warp.
 constexpr int RED_Y = 0, RED_TILE = RED_Y + GROUPS * 4 * BQ, RED_FLOATS = RED_TILE + 3 * 4 * GROUPS;
-constexpr int DQ_PITCH = SB_DQ_PITCH;  // dQ tile and dq_acc rows (specs.BackwardTiles.dq_row), padded (DP + 8):
-                                       // a warp's 8-byte stores hit every bank, and tile and rows are one range each
+constexpr int DQ_PITCH = SB_DQ_PITCH;  // dq_acc rows (specs.BackwardTiles.dq_row), padded (DP + 8)
+constexpr int DQ_TILE_PITCH = DH + 8;  // dQ tile rows, padded: a warp's 8-byte stores hit every bank; at one pass the
+                                       // tile and dq_acc's rows are one range each
 static_assert(DQ_PITCH >= DP && DQ_PITCH % 4 == 0, "rows hold the head dim, 16-byte aligned for the bulk copies");
+static_assert(PASSES > 1 || DQ_TILE_PITCH == DQ_PITCH, "one pass: the tile is dq_acc's rows");
+static_assert(SB_TMA_DQ_COLS == DQ_TILE_PITCH, "tm_dq's box is a dQ tile");
 // The TMA boxes: Q̂ one query block of DP-byte rows; Q̂ᵀ, dÔᵀ DP rows of a query block's bytes; dO
 // DP / DO_COLS boxes of the query block's rows x DO_COLS 16-bit columns (128 bytes: tile16_offset's
 // column blocks); each box in the swizzle of its row's bytes, which the wgmma descriptors and
 // tile16_offset read.
 constexpr int DO_COLS = SB_TMA_DO_COLS;
+constexpr int Q_COLS = SB_TMA_Q_COLS;
 static_assert(SB_TMA_QROWS == BQ, "a box spans one query block");
+static_assert(Q_COLS == KROW && SB_TMA_QT_ROWS == DH, "Q̂ boxes are its column blocks, Q̂ᵀ and dÔᵀ boxes a pass's rows");
 static_assert(2 * DO_COLS == 128 && DP % DO_COLS == 0, "dO boxes are 128-byte column blocks");
-static_assert(SB_TMA_SWIZZLE_Q == DP && SB_TMA_SWIZZLE_QT == BQ && SB_TMA_SWIZZLE_DO == 2 * DO_COLS,
+static_assert(SB_TMA_SWIZZLE_Q == Q_COLS && SB_TMA_SWIZZLE_QT == BQ && SB_TMA_SWIZZLE_DO == 2 * DO_COLS,
               "each box in the swizzle of its rows");
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages' tiles, then Ŷ, the reductions, the stages'
 // rows and mbarriers, and dQ. Every wgmma tile starts on a 1024-byte swizzle atom; the dynamic base is aligned
 // with 896 bytes of slack.
 constexpr int TILE_ALIGN = 1024;
-struct BackwardStage {      // 320·DP bytes, a whole number of swizzle atoms
-    i8 q[BQ * DP];          // Q̂   [64 q][DP] int8
-    i8 qt[DP * BQ];         // Q̂ᵀ  [DP][64 q] int8, fragment token order
-    i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
+struct BackwardStage {      // a whole number of swizzle atoms
+    i8 q[BQ * DP];          // Q̂   [64 q][DP] int8, 128-byte column blocks
+    i8 qt[DH * BQ];         // Q̂ᵀ  [DH][64 q] int8, fragment token order: the pass's rows
+    i8 dot[DH * BQ];        // dÔᵀ [DH][64 q] int8, fragment token order: the pass's rows
     u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
 };
 struct StageRows {          // a stage's rows and mbarriers (kept out of the tiles: their atoms stay unpadded)
@@ -112,16 +127,18 @@ struct StageRows {          // a stage's rows and mbarriers (kept out of the til
                                  // (written, [2 + 2b]) and empty (read by its reduction, [3 + 2b])
 };
 struct BackwardShared {
-    i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8
-    i8 kt[KEY_BLOCKS][DP * 128];     // K̂ᵀ [key block][DP][128 keys] int8
+    i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8, 128-byte column blocks
+    i8 kt[KEY_BLOCKS][DH * 128];     // K̂ᵀ [key block][DH][128 keys] int8: the pass's rows
     u16 v[CTA_KEYS * DP];            // V  [keys][DP] 16-bit, 128-byte column blocks
     BackwardStage stage[SB_STAGES];
     i8 ds[KEY_BLOCKS][BQ * 128];     // Ŷ [key block][64 q][128 keys] int8
+    float dq[DQ_TILES][BQ * DQ_TILE_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES), on 1024 bytes
+                                             // (tm_dq's reductions read them: 128)
     float red[RED_FLOATS];
     float yscale[GROUPS * BQ];       // Ŷ's scale per (key block, query)
-    int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials
+    int turn[4];                     // deterministic windows: the turns (dq_turn) of two iterations' dQ partials;
+                                     // PASSES > 1: each dQ tile's first row in dq_acc
     StageRows rows[SB_STAGES];
-    float dq[DQ_TILES][BQ * DQ_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES)
 };
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(BackwardShared) + (TILE_ALIGN - 128);
 // Members follow one another without padding (asserted), so an offset is the size of what precedes it.
@@ -132,18 +149,19 @@ constexpr int SDO = SDOT + sizeof(BackwardStage::dot);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
 constexpr int SBAR = sizeof(StageRows::stats), ROWS_BYTES = sizeof(StageRows);  // in a StageRows
 constexpr u32 STAGE_LOAD_BYTES = STAGE_BYTES + SBAR;  // a stage's tiles and rows, padding and zero fill included
-constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), RED_OFF = DS_OFF + sizeof(BackwardShared::ds);
+constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), DQ_OFF = DS_OFF + sizeof(BackwardShared::ds);
+constexpr int RED_OFF = DQ_OFF + sizeof(BackwardShared::dq);
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
 constexpr int ROWS0 = TURN_OFF + sizeof(BackwardShared::turn);
-constexpr int DQ_OFF = ROWS0 + sizeof(BackwardShared::rows);
-static_assert(STAGE_BYTES == 320 * DP && sizeof(BackwardShared) == DQ_OFF + sizeof(BackwardShared::dq),
+static_assert(STAGE_BYTES == 3 * BQ * DP + 2 * DH * BQ && sizeof(BackwardShared) == ROWS0 + sizeof(BackwardShared::rows),
               "no padding in the layout");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
-static_assert(DQ_OFF % 16 == 0 && ROWS0 % 16 == 0, "bulk copies need 16-byte aligned shared ranges");
-static_assert(SB_STAGES == 2, "the next stage loads while this one is read");
+static_assert(DQ_OFF % 128 == 0 && ROWS0 % 16 == 0, "bulk copies need 16-byte aligned shared ranges, TMA's 128");
+static_assert(SB_STAGES == 2 || (WS && SB_STAGES == 1), "the next stage loads while this one is read (or, one stage, "
+                                                         "once the producer has it back)");
 
-constexpr int DQ_TILE_BYTES = BQ * DQ_PITCH * 4;
+constexpr int DQ_TILE_BYTES = BQ * DQ_TILE_PITCH * 4;
 // WS mbarriers: a stage's "empty" beside its "full"; in stage 0, dQ tile b's "full" and "empty".
 // Stage s's tiles and rows.
 SB_DEVICE constexpr int stage_at(int s) { return STAGE0 + s * STAGE_BYTES; }
@@ -215,7 +233,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
     const GridCell cell = backward_cell(a.grid_order);
-    const int j = cell.j, hk = cell.hk, b = cell.b;
+    const int j = cell.j, hk = cell.hk, b = cell.b / PASSES;
+    // The CTA's part of the head dim, formed where used (held, the producer's 40 registers spilled).
+    auto fresh_pass = [&] { return PASSES > 1 ? backward_cell(a.grid_order).b % PASSES : 0; };
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
     const int hi = seq.band_hi();  // SB_CAUSAL: query r sees key c iff hi - win_width <= c - r <= hi
@@ -236,30 +256,39 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (!WS || tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
 #pragma unroll
-    for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {
+    for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {  // K̂ᵀ's rows of the pass
         constexpr int LAST = CTA_KEYS - 128 * (KEY_BLOCKS - 1);  // keys of the last block
-        const i8* src = a.k8t + seq.kt_base(hk, DP) + j * CTA_KEYS + 128 * kb2;
+        const i8* src = a.k8t + seq.kt_base(hk, DP) + static_cast<i64>(fresh_pass()) * DH * seq.nk_pad() + j * CTA_KEYS + 128 * kb2;
         if (kb2 + 1 < KEY_BLOCKS)
-            load_tile<128, DP, THREADS, true>(sKt + kb2 * DP * 128, src, seq.nk_pad());
+            load_tile<128, DH, THREADS, true>(sKt + kb2 * DH * 128, src, seq.nk_pad());
         else
-            load_tile<128, DP, THREADS, true, LAST>(sKt + kb2 * DP * 128, src, seq.nk_pad());
+            load_tile<128, DH, THREADS, true, LAST>(sKt + kb2 * DH * 128, src, seq.nk_pad());
     }
     load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
     }
 
-    // Query-side tiles of (query head h, query block i) into stage `slot`: issued by thread 0 alone.
+    // Query-side tiles of (query head h, query block i) into stage `slot` (Q̂ᵀ's and dÔᵀ's rows of the pass):
+    // issued by one thread.
     auto load_stage = [&](int h, int i, int slot) {
         const u32 st = base + stage_at(slot), rows = base + rows_at(slot), bar = rows + SBAR;
         mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
-        tma_load_2d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, bar);
-        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, static_cast<int>(seq.qt_row0(h, DP)), bar);
-        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, static_cast<int>(seq.qt_row0(h, DP)), bar);
-#pragma unroll
+        tma_load_3d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
+        const int qt_row = static_cast<int>(seq.qt_row0(h, DP)) + fresh_pass() * DH;
+        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
+        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
         // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
-        for (int cb = 0; cb < DP / DO_COLS; ++cb)
+        auto load_do = [&](int cb) {
             tma_load_4d(st + SDO + cb * BQ * (2 * DO_COLS), tm_do, DO_COLS * cb, seq.q_start() + i * BQ, h,
                         SB_VARLEN ? 0 : seq.b, bar);
+        };
+        if constexpr (PASSES > 1) {
+#pragma unroll 1  // (unrolled, the producer's 40 registers spilled)
+            for (int cb = 0; cb < DP / DO_COLS; ++cb) load_do(cb);
+        } else {
+#pragma unroll
+            for (int cb = 0; cb < DP / DO_COLS; ++cb) load_do(cb);
+        }
         bulk_load(rows, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order
@@ -288,9 +317,15 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         prefetch_tensor_map(tm_qt);
         prefetch_tensor_map(tm_dot);
         prefetch_tensor_map(tm_do);
+        if (PASSES > 1) prefetch_tensor_map(tm_dq);
         if (!WS && n_it > 0) load_stage(nh, ni, 0);
     }
     if (!WS && n_it > 0) advance(nh, ni);
+    if (PASSES > 1 && tid < BQ * DQ_TILES) {  // the dQ tiles' padding columns, which tm_dq's box adds too: zeros
+        float* pad = reinterpret_cast<float*>(smem + DQ_OFF) + tid * DQ_TILE_PITCH + DH;
+#pragma unroll
+        for (int c = 0; c < DQ_TILE_PITCH - DH; ++c) pad[c] = 0.f;
+    }
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async wrote K̂, K̂ᵀ and V, which wgmma reads
     __syncthreads();      // and the mbarriers are initialized
@@ -361,6 +396,19 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 if (it >= SB_STAGES) mbarrier_wait(base + rows_at(slot) + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
                 load_stage(ph, pi, slot);
             }
+        } else if (PASSES > 1 && (tid & 31) == 0 && pwarp == 1) {
+            // PASSES > 1: the whole tile, its 8 columns of zeros too, into dq_acc's box from the pass's first column
+            // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row from
+            // the computing warps, in turn_s[tile] (swept here, the producer's 40 registers spilled).
+            for (int it = 0; it < n_it; ++it) {
+                const int b = it % DQ_TILES;
+                mbarrier_wait(base + dq_full_bar(b), (it / DQ_TILES) & 1);
+                tma_reduce_add_2d(tm_dq, fresh_pass() * DH, *reinterpret_cast<volatile int*>(turn_s + b), dq_s + b * DQ_TILE_BYTES);
+                bulk_commit();
+                bulk_wait_read<0>();
+                mbarrier_arrive(base + dq_empty_bar(b));
+            }
+            bulk_wait<0>();
         } else if ((tid & 31) == 0 && pwarp == 1) {
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const i64 row = seq.q_row0(ph) + pi * BQ;
@@ -377,7 +425,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     }
     if (WS) setmaxnreg_inc<CONSUMER_REGS>();
 
-    // Keys krow, krow+8 x head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
+    // Keys krow, krow+8 x the pass's head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
     float dk[CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
@@ -424,10 +472,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const u32 q_desc = wgmma_desc_lo<DP>(st + SQ), do_desc = wgmma_desc_lo<128>(st + SDO);
             // The warpgroup's K̂ and V rows.
             const int kwg = loop_wg();
-            const u32 k_desc = wgmma_desc_lo<DP>(sK) + kwg * BKV * DP / 16, v_desc = wgmma_desc_lo<128>(sV) + kwg * BKV * 128 / 16;
+            const u32 k_desc = wgmma_desc_lo<DP>(sK) + kwg * BKV * KROW / 16, v_desc = wgmma_desc_lo<128>(sV) + kwg * BKV * 128 / 16;
 #pragma unroll
             for (int ks = 0; ks < KS8; ++ks)
-                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, 32 * ks), ks);
+                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, CTA_KEYS>(ks)), wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
             wgmma_commit();
 #pragma unroll
             for (int ks = 0; ks < KS16; ++ks)
@@ -603,7 +651,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             // This thread's rows and columns.
             const int ft = loop_tid(), fw = loop_wg(), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const int col0 = dq_col0(fw);  // the first column of the slice
-            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF + (it % DQ_TILES) * DQ_TILE_BYTES) + rows * DQ_PITCH +
+            float* dq_row = reinterpret_cast<float*>(smem + DQ_OFF + (it % DQ_TILES) * DQ_TILE_BYTES) + rows * DQ_TILE_PITCH +
                             col0 + 2 * (ft & 3);
             const u32 kt_lo = kt_desc + col0 * 128 / 16;  // K̂ᵀ rows of the slice
             auto issue_dq = [&](int c) {
@@ -635,7 +683,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                             x.x = fmaf(static_cast<float>(pq[kb][n][2 * half]), f[kb][half], x.x);
                             x.y = fmaf(static_cast<float>(pq[kb][n][2 * half + 1]), f[kb][half], x.y);
                         }
-                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_PITCH + col) = x;
+                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_TILE_PITCH + col) = x;
                     }
                 }
             };
@@ -676,6 +724,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             pending_row = seq.q_row0(h) + q0;
             if (WS) {  // the partial is in its tile, and the stage has been read (the dK products are done)
                 __syncwarp();
+                if (PASSES > 1 && fresh_tid() == 0) turn_s[it % DQ_TILES] = static_cast<int>(pending_row);
                 if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
                     mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));
                     mbarrier_arrive(base + rows_at(it % SB_STAGES) + SBAR_EMPTY);
@@ -712,6 +761,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // thread's key and columns come from a fresh index: the compiler would otherwise form them (and the
     // column predicates) before the loop and hold them across it.
     const int ft = fresh_tid(), ft_t = ft & 3;
+    const int fpass = fresh_pass();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = j * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
@@ -722,7 +772,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
             for (int n = 0; n < NT_CH; ++n) {
-                const int col = ch * CHUNK_COLS + n * 8 + 2 * ft_t;
+                const int col = fpass * DH + ch * CHUNK_COLS + n * 8 + 2 * ft_t;
                 if (col >= a.D) continue;
                 const float k0 = dk[ch][n][2 * half], k1 = dk[ch][n][2 * half + 1];
                 *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);

@@ -11,6 +11,7 @@
 //   SB_DQ_PITCH    backward: floats a row of the dQ accumulator
 //   SB_GRID_ORDER  forward, backward: the grid's order (GridOrder below; -1: the launch's grid_order)
 //   SB_TMA_*       TMA boxes and swizzles of the tensor maps (specs.TmaBox)
+//   SB_PASSES      wgmma backward: CTAs a key block, each over its part of the head dim (specs.BackwardTiles.passes)
 //   SB_QUANT_THREADS, SB_QUANT_CHUNKS, SB_SUM_THREADS: quantize.cu
 #pragma once
 

@@ -101,10 +101,11 @@ SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
 
 // backward_wgmma.cu attention_backward, after BackwardParams: the TMA maps of the query-side tiles
 #define SB_BACKWARD_MAPS(F0, F) \
-    F0(TensorMap, tm_q)                       /* Q̂ bytes [B·Hq·Nq_pad][DP], box DP x 64 rows */ \
-    F(TensorMap, tm_qt)                       /* Q̂ᵀ bytes [B·Hq·DP][Nq_pad], box 64 x DP */ \
+    F0(TensorMap, tm_q)                       /* Q̂ bytes [B·Hq·Nq_pad][DP] as (column, row, column block), box DP or 128 x 64 x blocks */ \
+    F(TensorMap, tm_qt)                       /* Q̂ᵀ bytes [B·Hq·DP][Nq_pad], box 64 x DP (or a pass's rows) */ \
     F(TensorMap, tm_dot)                      /* dÔᵀ, as tm_qt */ \
-    F(TensorMap, tm_do)                       /* dO 16-bit [B][Hq][Lq][D] (its strides), box 64 x 64 x 1 x 1, zero past Lq, D */
+    F(TensorMap, tm_do)                       /* dO 16-bit [B][Hq][Lq][D] (its strides), box 64 x 64 x 1 x 1, zero past Lq, D */ \
+    F(TensorMap, tm_dq)                       /* dq_acc f32 [rows][SB_DQ_PITCH], box SB_TMA_DQ_COLS x 64, for reductions */
 SB_PARAM_LIST(BackwardMaps, SB_BACKWARD_MAPS)
 
 // One tensor of quantize.cu quantize_tensors (its comment says what each field does).

@@ -56,12 +56,28 @@ SB_DEVICE void tma_load_2d(u32 dst, const TensorMap& m, int x, int y, u32 bar) {
         : "memory");
 }
 
+SB_DEVICE void tma_load_3d(u32 dst, const TensorMap& m, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];" ::"r"(dst),
+        "l"(tensor_map_address(m)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+
 SB_DEVICE void tma_load_4d(u32 dst, const TensorMap& m, int x, int y, int z, int w, u32 bar) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
         "[%6];" ::"r"(dst),
         "l"(tensor_map_address(m)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
         : "memory");
+}
+
+// The box at (x, y) of the f32 tensor m += the dense box at shared `src` (a bulk group: bulk_commit, bulk_wait*).
+SB_DEVICE void tma_reduce_add_2d(const TensorMap& m, int x, int y, u32 src) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                     tensor_map_address(m)),
+                 "r"(x), "r"(y), "r"(src)
+                 : "memory");
 }
 
 // `bytes` contiguous bytes (16-byte aligned, a multiple of 16) global -> shared, counted on `bar`.

@@ -395,7 +395,15 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
-    # full and causal, dense (the deterministic ones are the default kernels, counted above).
+    # full and causal, dense (the deterministic ones are the default kernels, counted above). Head dim 256: per
+    # dtype, full, causal, window, soft-capped causal and window x (dense, packed), a 64-key-tile forward each and a
+    # fine, not deterministic backward each but the soft-capped window's (a mma.sync kernel).
+    wide = [s for s in wg if ".hd256." in s.key]
+    assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2
+    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * 4 * 2
+    assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == 1 for s in wide
+               if s.key.startswith("backward."))
+    wg = [s for s in wg if s not in wide]
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
     per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
     backward = [s for s in wg if s.key.startswith("backward.")]

@@ -519,9 +519,9 @@ def test_backward_releases_its_quantized_inputs_before_dq_is_allocated(gpu, monk
 
 
 def test_backward_encodes_its_query_tile_maps_per_call(gpu):
-    """On sm_90 the backward kernel loads Q̂, Q̂ᵀ, dÔᵀ and dO by TMA: the plan encodes their four
-    tensor maps at every call, with that call's addresses, into the kernel's 64-byte aligned
-    arguments; dO's map has its strides (bytes) and zero fill past Lq and D."""
+    """On sm_90 the backward kernel loads Q̂, Q̂ᵀ, dÔᵀ and dO by TMA and adds dQ's partials into dq_acc by
+    TMA: the plan encodes their five tensor maps at every call, with that call's addresses, into the kernel's
+    64-byte aligned arguments; dO's map has its strides (bytes) and zero fill past Lq and D."""
     q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=300, d=80)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
     nq, dp = 128, 128
@@ -529,20 +529,42 @@ def test_backward_encodes_its_query_tile_maps_per_call(gpu):
         gpu.calls.clear()
         sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=base))
         maps = [c for c in gpu.calls if c[0] == "tensor_map"]
-        assert len(maps) == 4
+        assert len(maps) == 5
         layouts = [m[1] for m in maps]
-        assert layouts[0].dims == (dp, 2 * 4 * nq) and layouts[0].box == (dp, 64) and layouts[0].swizzle == 128
+        assert layouts[0].dims == (dp, 2 * 4 * nq, 1) and layouts[0].box == (dp, 64, 1) and layouts[0].swizzle == 128
         assert layouts[1] == layouts[2] and layouts[1].dims == (nq, 2 * 4 * dp) and layouts[1].box == (64, dp)
         assert layouts[3].dims == (80, 100, 4, 2) and layouts[3].strides == (160, 100 * 160, 4 * 100 * 160)
         assert layouts[3].box == (64, 64, 1, 1) and maps[3][3] == base
+        # dq_acc: rows of dp + 8 floats, a box of a dQ tile's rows (unswizzled: the tile's padding is zeros)
+        assert layouts[4].dims == (dp + 8, 2 * 4 * nq) and layouts[4].strides == (4 * (dp + 8),)
+        assert layouts[4].box == (dp + 8, 64) and layouts[4].swizzle == 0
         bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
         step = [st for st in bwd.steps if st.entry == "attention_backward"][0]
         names = {b.name: b for b in _buffers(bwd)}
-        assert [m[2] for m in maps] == [step.args.base + off for off in step.args.offsets[-4:]]
+        assert [m[2] for m in maps] == [step.args.base + off for off in step.args.offsets[-5:]]
         assert all(m[2] % 64 == 0 for m in maps)
         # Q̂, Q̂ᵀ and dÔᵀ at their offsets in one workspace allocation of this call.
         bases = {m[3] - names[n].offset for m, n in zip(maps, ("q8", "q8t", "dot8"))}
         assert len(bases) == 1 and bases.pop() % 256 == 0
+
+
+def test_wide_backward_maps_split_q_into_column_blocks_and_d_into_passes(gpu):
+    """Above head dim 128 the wgmma backward runs two CTAs a key block, a half of dK, dV and dQ each: Q̂'s
+    256-byte rows load as two 128-byte column blocks in one box, Q̂ᵀ and dÔᵀ a half's rows, and dQ's partial
+    tile (a half's columns and 8 of zeros) adds into its columns of dq_acc's rows; the grid's batch axis
+    holds the two halves."""
+    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=300, d=256)
+    out, saved = sagebwd_cp.attention_forward(q, k, v)
+    gpu.calls.clear()
+    sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+    maps = [c[1] for c in gpu.calls if c[0] == "tensor_map"]
+    nq, dp = 128, 256
+    assert maps[0].dims == (128, 2 * 4 * nq, 2) and maps[0].strides == (dp, 128) and maps[0].box == (128, 64, 2)
+    assert maps[1].dims == (nq, 2 * 4 * dp) and maps[1].box == (64, 128)
+    assert maps[4].dims == (dp + 8, 2 * 4 * nq) and maps[4].box == (136, 64)
+    # The backward's launch: two computing warpgroups and the producer's (the other launches take 256 threads).
+    launch = [c for c in gpu.launches() if c[3] == (384, 1, 1)]
+    assert len(launch) == 1 and launch[0][2] == (3, 2, 2 * 2)  # key blocks of 128, key heads, batch x two halves
 
 
 def test_tensor_map_layouts_are_checked():

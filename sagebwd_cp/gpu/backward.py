@@ -13,7 +13,7 @@ from .forward import varlen_inputs
 from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
 from .quantize import quantize_inputs
-from .tensor_map import DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
+from .tensor_map import DTYPE_FLOAT32, DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
 def _cp_async_ready(desc: ArrayDesc, prob: AttentionProblem) -> bool:
@@ -47,15 +47,18 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
     return packed, (0 if prob.varlen else heads * length * d, length * d, d)
 
 
-def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
+def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
     """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*), in the
-    boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes), Q̂ᵀ and dÔᵀ (Dp rows of 64
-    bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D)."""
+    boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes, or of its 128-byte column blocks),
+    Q̂ᵀ and dÔᵀ (a pass's rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D); and
+    dq_acc's ([rows][dq_row] f32) that dQ's partial tiles add into."""
     B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
     if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
         B, Lq = 1, prob.total_q
     boxes = tiles.query_maps(dp)
-    rows = TensorMapLayout(DTYPE_UINT8, (dp, B * Hq * nq), (dp,), boxes["rows"].box, boxes["rows"].swizzle)
+    q_cols, q_blocks = boxes["rows"].box[0], boxes["rows"].box[2]  # Q̂'s rows as column blocks (the box's third dim)
+    rows = TensorMapLayout(DTYPE_UINT8, (q_cols, B * Hq * nq, q_blocks), (dp, q_cols), boxes["rows"].box,
+                           boxes["rows"].swizzle)
     cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["cols"].box, boxes["cols"].swizzle)
     # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
     db, dh, dn = do_strides
@@ -64,15 +67,18 @@ def _query_tile_maps(qz, do_rows, do_strides, prob: AttentionProblem, tiles: spe
         strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
         inner = strides[-1] * n
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
+    dq_row = dq_acc.shape[-1]
+    acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), boxes["dq"].box, boxes["dq"].swizzle)
     return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(cols, qz.dot8),
-                tm_do=tensor_map(grad, do_rows))
+                tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
 
 
 # A causal backward grid of at most this many CTAs an SM starts heads first (backward_grid).
 FEW_WAVES = 4
 
 
-def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, wgmma: bool, sms: int) -> tuple[tuple, int]:
+def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, wgmma: bool, sms: int,
+                  passes: int = 1) -> tuple[tuple, int]:
     """The backward kernel's grid and its order (launch.attention_grid; BackwardParams.grid_order).
     Causal key blocks differ in work (the first sees every query), and the kernels start each (head,
     batch entry)'s blocks heaviest first. Where such a chain is shorter than a wave and the grid is a
@@ -86,9 +92,10 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     first cost the d=128 32K model shape 9%). The deterministic kernels go heads and batch first (their
     turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
-    costs it a register it does not have at d=64 (specs.backward_fixed_grid_order)."""
+    costs it a register it does not have at d=64 (specs.backward_fixed_grid_order). ``passes`` CTAs a key
+    block (specs.BackwardTiles.passes) share its batch axis: entry b's CTAs are batch indices b·passes + pass."""
     blocks = -(-prob.len_k // block_keys)
-    few = blocks * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks < sms
+    few = blocks * prob.heads_kv * prob.batch * passes <= FEW_WAVES * sms and blocks < sms
     banded = prob.options.banded
     fixed = specs.backward_fixed_grid_order(wgmma, banded, deterministic)
     if fixed is not None:
@@ -99,7 +106,7 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
         order = HEADS_BATCH_FIRST
     else:
         order = HEADS_FIRST
-    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k"), order
+    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch * passes, order, "k"), order
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets
@@ -153,8 +160,9 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 
-    maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), prob, tiles)) if tiles.wgmma else []
-    grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev))
+    maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), dq_acc, prob, tiles)) if tiles.wgmma else []
+    passes = tiles.passes(dp) if tiles.wgmma else 1
+    grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev), passes)
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,

@@ -342,11 +342,23 @@ class BackwardTiles:
 
     def query_maps(self, dp: int) -> dict:
         """The TMA boxes of the wgmma kernel's query-side tiles (BackwardParams tm_*): Q̂ (a query block
-        of dp-byte rows), Q̂ᵀ and dÔᵀ (dp rows of a query block's bytes), dO (a query block's rows x
-        TMA_DO_COLS 16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes."""
-        bq = numerics.BLOCK_Q
-        return {"rows": TmaBox((dp, bq), dp), "cols": TmaBox((bq, dp), bq),
-                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS)}
+        of dp-byte rows, as its 128-byte column blocks one after the other: a box of columns x rows x blocks), Q̂ᵀ and dÔᵀ (a pass's rows, ``pass_dims``,
+        of a query block's bytes), dO (a query block's rows x TMA_DO_COLS 16-bit columns, 128 bytes, the
+        widest swizzle), each in the swizzle of its row's bytes; and the dQ accumulator's box that a pass's
+        partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero ones, unswizzled)."""
+        bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
+        return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
+                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((self.pass_dims(dp) + 8, bq), 0)}
+
+    @staticmethod
+    def passes(dp: int) -> int:
+        """CTAs of the wgmma kernel a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim
+        columns: two above head dim 128 (kernels/backward_wgmma.cu PASSES; the grid's batch axis holds them)."""
+        return 2 if dp > numerics.WIDE_HEAD_DIM else 1
+
+    @classmethod
+    def pass_dims(cls, dp: int) -> int:
+        return dp // cls.passes(dp)
 
     def choices(self) -> dict:
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
@@ -361,7 +373,8 @@ class BackwardTiles:
                "SB_DQ_PITCH": self.dq_row(dp), "SB_GRID_ORDER": -1 if order is None else order}
         if self.wgmma:
             maps = self.query_maps(dp)
-            out.update(SB_TMA_QROWS=maps["rows"].box[1], SB_TMA_DO_COLS=maps["grad"].box[0],
+            out.update(SB_PASSES=self.passes(dp), SB_TMA_QROWS=maps["rows"].box[1], SB_TMA_Q_COLS=maps["rows"].box[0],
+                       SB_TMA_QT_ROWS=maps["cols"].box[1], SB_TMA_DO_COLS=maps["grad"].box[0], SB_TMA_DQ_COLS=maps["dq"].box[0],
                        SB_TMA_SWIZZLE_Q=maps["rows"].swizzle, SB_TMA_SWIZZLE_QT=maps["cols"].swizzle,
                        SB_TMA_SWIZZLE_DO=maps["grad"].swizzle)
         return out
@@ -383,8 +396,12 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     warpgroup (stage loads, dQ's reductions and their turns; kernels/backward_wgmma.cu SB_WS): there the computing
     warps stop waiting for turns, measured 1.12-1.35x at head dim 128 and, with two dQ tiles, 1.00-1.08x at head
     dim 64 causal MHA 8K against the three-warpgroup kernel it replaced (docs/PERFORMANCE.md); not deterministic
-    it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on."""
-    wg = use_wgmma(arch) and dp <= numerics.WIDE_HEAD_DIM
+    it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on. Above head dim 128 the wgmma
+    kernel sweeps the query blocks twice, a half of dK, dV and dQ each, with one stage (the tiles fill shared
+    memory) that only the producer can reload in time: one stage, a producer, one dQ tile."""
+    wg = use_wgmma(arch)
+    if wg and dp > numerics.WIDE_HEAD_DIM:
+        return BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
     return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(ws))
@@ -400,12 +417,16 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
                     varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128); the
-    mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128.
+    mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128 and for a
+    window with a soft cap above head dim 128.
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
     if tiles.wgmma and options.windowed and options.deterministic and dp == 128:
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
+        tiles = BackwardTiles(stages=2)
+    if tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and options.windowed and options.softcap:
+        # The wide wgmma kernel with both a window and a soft cap spilled 8 bytes at its 232 registers (NVRTC 13.5).
         tiles = BackwardTiles(stages=2)
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
@@ -480,12 +501,15 @@ def all_specs(arch: str | None = None) -> list:
                     fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
                                            smooth_k=not cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
-                    if wide:  # the mma.sync kernels, fine and not deterministic, but the wgmma forward; the backward
-                              # where it fits
-                        if arch in WGMMA_ARCHS:
-                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
+                    if wide:  # the mma.sync kernels, fine and not deterministic (the backward where it fits), and
+                              # the wgmma ones
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
+                        if arch in WGMMA_ARCHS:
+                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
+                            spec = backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1]
+                            if spec not in specs:  # (a window with a soft cap keeps the mma.sync kernel)
+                                specs.append(spec)
                         continue
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):

@@ -16,8 +16,8 @@ MAP_BYTES = 128  # sizeof(CUtensorMap)
 MAP_ALIGN = 64  # alignof(CUtensorMap), also of the kernel parameter
 
 # CUtensorMapDataType, CUtensorMapSwizzle (cuda.h)
-DTYPE_UINT8, DTYPE_UINT16 = 0, 1
-_DTYPE_BYTES = {DTYPE_UINT8: 1, DTYPE_UINT16: 2}
+DTYPE_UINT8, DTYPE_UINT16, DTYPE_FLOAT32 = 0, 1, 7
+_DTYPE_BYTES = {DTYPE_UINT8: 1, DTYPE_UINT16: 2, DTYPE_FLOAT32: 4}
 SWIZZLE_BYTES = {0: 0, 32: 1, 64: 2, 128: 3}
 _L2_PROMOTION_128B = 2
 
