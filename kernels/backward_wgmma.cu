@@ -14,10 +14,10 @@
 // dQ's partial of the CTA's keys goes through a shared [64][DP+8] f32 tile to one bulk reduction
 // (deterministic: in key-block order). See backward.cu for P, Z and Y and their scales.
 //
-// Head dims above 128 (SB_DP 256): dK, dV and dQ in PASSES = 2 halves of the head dim, one a CTA (the grid's batch
-// axis holds the pass: specs.BackwardTiles.passes), each CTA computing Sᵀ, dPᵀ and the quantizations over the whole
-// head dim (the same values in both), so that a thread holds the accumulators of d=128; one stage (the tiles
-// fill shared memory), loaded by the producer warpgroup.
+// Head dims above 128 (SB_DP 256): dK, dV and dQ in PASSES = 2 halves of the head dim, one a CTA (neighbours on
+// the grid's key-block axis, block · PASSES + pass: specs.BackwardTiles.passes), each CTA computing Sᵀ, dPᵀ and
+// the quantizations over the whole head dim (the same values in both), so that a thread holds the accumulators of
+// d=128; one stage (the tiles fill shared memory), loaded by the producer warpgroup.
 //
 // Compile-time parameters: SB_DP (64, 128 or 256), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
 // SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2, or 1 at SB_DP 256 (with SB_WS); SB_WS: a
@@ -233,9 +233,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp / 4, wv = warp % 4;  // warpgroup (64-key block), warp inside it (16 keys)
     const GridCell cell = backward_cell(a.grid_order);
-    const int j = cell.j, hk = cell.hk, b = cell.b / PASSES;
+    const int j = cell.j / PASSES, hk = cell.hk, b = cell.b;
     // The CTA's part of the head dim, formed where used (held, the producer's 40 registers spilled).
-    auto fresh_pass = [&] { return PASSES > 1 ? backward_cell(a.grid_order).b % PASSES : 0; };
+    auto fresh_pass = [&] { return PASSES > 1 ? backward_cell(a.grid_order).j % PASSES : 0; };
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
     const int hi = seq.band_hi();  // SB_CAUSAL: query r sees key c iff hi - win_width <= c - r <= hi

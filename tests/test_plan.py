@@ -551,8 +551,8 @@ def test_backward_encodes_its_query_tile_maps_per_call(gpu):
 def test_wide_backward_maps_split_q_into_column_blocks_and_d_into_passes(gpu):
     """Above head dim 128 the wgmma backward runs two CTAs a key block, a half of dK, dV and dQ each: Q̂'s
     256-byte rows load as two 128-byte column blocks in one box, Q̂ᵀ and dÔᵀ a half's rows, and dQ's partial
-    tile (a half's columns and 8 of zeros) adds into its columns of dq_acc's rows; the grid's batch axis
-    holds the two halves."""
+    tile (a half's columns and 8 of zeros) adds into its columns of dq_acc's rows; a key block's two CTAs are
+    neighbours on the grid's blocks axis."""
     q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=300, d=256)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
     gpu.calls.clear()
@@ -564,7 +564,7 @@ def test_wide_backward_maps_split_q_into_column_blocks_and_d_into_passes(gpu):
     assert maps[4].dims == (dp + 8, 2 * 4 * nq) and maps[4].box == (136, 64)
     # The backward's launch: two computing warpgroups and the producer's (the other launches take 256 threads).
     launch = [c for c in gpu.launches() if c[3] == (384, 1, 1)]
-    assert len(launch) == 1 and launch[0][2] == (3, 2, 2 * 2)  # key blocks of 128, key heads, batch x two halves
+    assert len(launch) == 1 and launch[0][2] == (3 * 2, 2, 2)  # key blocks of 128 x two halves, key heads, batch
 
 
 def test_tensor_map_layouts_are_checked():

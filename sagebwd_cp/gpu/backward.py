@@ -93,9 +93,10 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
     costs it a register it does not have at d=64 (specs.backward_fixed_grid_order). ``passes`` CTAs a key
-    block (specs.BackwardTiles.passes) share its batch axis: entry b's CTAs are batch indices b·passes + pass."""
+    block (specs.BackwardTiles.passes) lie next to one another on the blocks' axis, so that they read the
+    same tiles at about the same time (L2)."""
     blocks = -(-prob.len_k // block_keys)
-    few = blocks * prob.heads_kv * prob.batch * passes <= FEW_WAVES * sms and blocks < sms
+    few = blocks * passes * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks * passes < sms
     banded = prob.options.banded
     fixed = specs.backward_fixed_grid_order(wgmma, banded, deterministic)
     if fixed is not None:
@@ -106,7 +107,7 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
         order = HEADS_BATCH_FIRST
     else:
         order = HEADS_FIRST
-    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch * passes, order, "k"), order
+    return attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k", passes), order
 
 
 BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, then a packed batch's offsets

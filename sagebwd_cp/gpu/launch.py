@@ -168,16 +168,17 @@ HEADS_FIRST = 1         # (heads, blocks, batch): a batch entry's heads go block
 HEADS_BATCH_FIRST = 2   # (heads, batch, blocks): every (head, batch entry)'s first block before any one's second
 
 
-def attention_grid(tokens: int, block: int, heads: int, batch: int, order: int, arg: str) -> tuple:
+def attention_grid(tokens: int, block: int, heads: int, batch: int, order: int, arg: str, parts: int = 1) -> tuple:
     """The grid of an attention kernel in ``order``. Under a causal mask a head's blocks differ in work
     and the kernels start the heaviest first; the heads-first orders start the heavy blocks of many heads
     before the light ones, so that the grid ends without a tail of heavy CTAs that started last
     (docs/history/PERFORMANCE_LOG.md, causal grids). The kernels read block, head and batch entry from
-    the matching axes. ``tokens`` of ``arg`` make blocks of ``block``."""
-    blocks = (tokens + block - 1) // block
+    the matching axes. ``tokens`` of ``arg`` make blocks of ``block``, each ``parts`` CTAs next to one
+    another on the blocks' axis (block index · parts + part)."""
+    blocks = (tokens + block - 1) // block * parts
     if order != BLOCKS_FIRST and blocks > GRID_YZ_LIMIT:
-        raise ValueError(f"{arg}: causal attention takes at most {GRID_YZ_LIMIT * block} tokens "
-                         f"({GRID_YZ_LIMIT} blocks of {block}), got {tokens}")
+        raise ValueError(f"{arg}: causal attention takes at most {GRID_YZ_LIMIT // parts * block} tokens "
+                         f"({GRID_YZ_LIMIT // parts} blocks of {block}), got {tokens}")
     if heads > GRID_YZ_LIMIT and order == BLOCKS_FIRST or batch > GRID_YZ_LIMIT:
         raise ValueError(f"{arg}: at most {GRID_YZ_LIMIT} heads and {GRID_YZ_LIMIT} batch entries, "
                          f"got {heads} heads and batch {batch}")
