@@ -64,9 +64,9 @@ import math
 import numpy as np
 
 PADDED_HEAD_DIMS = (64, 128, 256)  # the kernels' head dims; a head dim runs padded to the next of them
-# Head dims above this run the two-pass mma.sync kernels on every arch (forward.cu's O, backward.cu's dK, dV and
-# dQ a half of the head dim a pass), built without Q-smoothing, the deterministic dQ order and the paper
-# granularity (problem.check_wide_options).
+# Head dims above this run kernels that split the head dim in two (the mma.sync forward's O, the backward's dK, dV
+# and dQ a half a pass or a CTA; docs/KERNELS.md), built without Q-smoothing, the deterministic dQ order and the
+# paper granularity (problem.check_wide_options).
 WIDE_HEAD_DIM = 128
 
 

@@ -173,7 +173,7 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
 
 
 def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
-    """Head dims above WIDE_HEAD_DIM run kernels (two passes over the head dim) built without Q-smoothing,
+    """Head dims above WIDE_HEAD_DIM run kernels (the head dim split in two halves) built without Q-smoothing,
     the deterministic dQ order and the paper granularity."""
     if head_dim <= WIDE_HEAD_DIM:
         return
