@@ -2,7 +2,7 @@
 sagebwd_cp attention, in one run: where a user feels the attention kernels.
 
 The model: ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), hidden 1024, 8 layers, GQA 4:1, head dim 128
-(8 query heads) or 64 (16), a byte vocabulary (256); bfloat16 autocast over float32 weights, AdamW.
+(8 query heads), 64 (16) or 256 (4 query heads, one key/value head: Gemma's head dim), a byte vocabulary (256); bfloat16 autocast over float32 weights, AdamW.
 The corpus is the Python standard library's source read byte by byte (no download), 16K tokens a
 step (batch = 16384 / context). Both runs start from the same weights and see the same batches.
 
@@ -211,7 +211,7 @@ def record(head_dim: int, context: int, steps: int, res: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[64, 128])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[64, 128, 256])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
