@@ -124,7 +124,8 @@ struct StageRows {          // a stage's rows and mbarriers (kept out of the til
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
     unsigned long long bar[16];  // in 128 bytes: [0] full (the stage's TMA loads' bytes); WS: [1] empty (every
                                  // computing warp is done with it), and in stage 0 from [2] on dQ tile b's full
-                                 // (written, [2 + 2b]) and empty (read by its reduction, [3 + 2b])
+                                 // (written, [2 + 2b]) and empty (read by its reduction, [3 + 2b]); SPLIT: [0] and
+                                 // [1] part 0's, [4] and [5] part 1's, and [6, 7] part 1's copy of stats[0]
 };
 struct BackwardShared {
     i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8, 128-byte column blocks
@@ -149,6 +150,14 @@ constexpr int SDO = SDOT + sizeof(BackwardStage::dot);
 constexpr int STAGE_BYTES = sizeof(BackwardStage);
 constexpr int SBAR = sizeof(StageRows::stats), ROWS_BYTES = sizeof(StageRows);  // in a StageRows
 constexpr u32 STAGE_LOAD_BYTES = STAGE_BYTES + SBAR;  // a stage's tiles and rows, padding and zero fill included
+// One stage (SB_STAGES 1, with the producer): in two parts, each loaded once the computing warps are done with its
+// last contents, so that both loads run under computation: part 0, Q̂, dO and the rows' statistics (Sᵀ, dPᵀ, the
+// softmax and dS), is free once dS is formed; part 1, Q̂ᵀ and dÔᵀ (dV, dK), once the dK products are done.
+// (Soft-capped kernels keep the whole stage: split, the causal one spilled 24 bytes under NVRTC 13.5.)
+constexpr bool SPLIT = WS && SB_STAGES == 1 && !SB_SOFTCAP;
+constexpr u32 PART0_BYTES = sizeof(BackwardStage::q) + sizeof(BackwardStage::dout) + SBAR;
+constexpr u32 PART1_BYTES = sizeof(BackwardStage::qt) + sizeof(BackwardStage::dot) + 16;  // and stats[0] again (s_Qᵀ)
+static_assert(PART0_BYTES + PART1_BYTES == STAGE_LOAD_BYTES + 16, "the parts are the stage");
 constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), DQ_OFF = DS_OFF + sizeof(BackwardShared::ds);
 constexpr int RED_OFF = DQ_OFF + sizeof(BackwardShared::dq);
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
@@ -167,6 +176,8 @@ constexpr int DQ_TILE_BYTES = BQ * DQ_TILE_PITCH * 4;
 SB_DEVICE constexpr int stage_at(int s) { return STAGE0 + s * STAGE_BYTES; }
 SB_DEVICE constexpr int rows_at(int s) { return ROWS0 + s * ROWS_BYTES; }
 constexpr int SBAR_EMPTY = SBAR + 8;
+constexpr int SBAR_FULL1 = SBAR + 32, SBAR_EMPTY1 = SBAR + 40, SBAR_STATS1 = SBAR + 48;  // SPLIT: part 1's
+static_assert(!SPLIT || DQ_TILES == 1, "part 1's mbarriers where dQ tile 1's would be");
 SB_DEVICE constexpr int dq_full_bar(int b) { return ROWS0 + SBAR + 16 + 16 * b; }
 SB_DEVICE constexpr int dq_empty_bar(int b) { return ROWS0 + SBAR + 24 + 16 * b; }
 static_assert(SBAR + 24 + 16 * (DQ_TILES - 1) + 8 <= SBAR + 128, "the mbarriers fit the stage's 128 bytes");
@@ -269,13 +280,23 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 
     // Query-side tiles of (query head h, query block i) into stage `slot` (Q̂ᵀ's and dÔᵀ's rows of the pass):
     // issued by one thread.
-    auto load_stage = [&](int h, int i, int slot) {
+    // SPLIT: `parts` 1 or 2, part 0 or 1 alone.
+    auto load_stage = [&](int h, int i, int slot, int parts = 3) {
         const u32 st = base + stage_at(slot), rows = base + rows_at(slot), bar = rows + SBAR;
-        mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
-        tma_load_3d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
-        const int qt_row = static_cast<int>(seq.qt_row0(h, DP)) + fresh_pass() * DH;
-        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
-        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
+        const u32 bar1 = SPLIT ? rows + SBAR_FULL1 : bar;
+        if (!SPLIT) mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+        if (parts & 1) {
+            if (SPLIT) mbarrier_arrive_expect_tx(bar, PART0_BYTES);
+            tma_load_3d(st + SQ, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
+        }
+        if (parts & 2) {
+            if (SPLIT) mbarrier_arrive_expect_tx(bar1, PART1_BYTES);
+            const int qt_row = static_cast<int>(seq.qt_row0(h, DP)) + fresh_pass() * DH;
+            tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar1);
+            tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar1);
+            if (SPLIT) bulk_load(rows + SBAR_STATS1, a.stats + seq.q_row0(h) + i * BQ, 16, bar1);
+        }
+        if (!(parts & 1)) return;
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
         // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
         auto load_do = [&](int cb) {
@@ -304,6 +325,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         for (int s = 0; s < SB_STAGES; ++s) {
             mbarrier_init(base + rows_at(s) + SBAR, 1);
             if (WS) mbarrier_init(base + rows_at(s) + SBAR_EMPTY, THREADS / 32);
+            if (SPLIT) {
+                mbarrier_init(base + rows_at(s) + SBAR_FULL1, 1);
+                mbarrier_init(base + rows_at(s) + SBAR_EMPTY1, THREADS / 32);
+            }
         }
         if (WS) {
 #pragma unroll
@@ -394,7 +419,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const int slot = it % SB_STAGES;
                 if (it >= SB_STAGES) mbarrier_wait(base + rows_at(slot) + SBAR_EMPTY, ((it / SB_STAGES) & 1) ^ 1);
-                load_stage(ph, pi, slot);
+                if (SPLIT) {
+                    load_stage(ph, pi, slot, 1);
+                    if (it >= SB_STAGES) mbarrier_wait(base + rows_at(slot) + SBAR_EMPTY1, ((it / SB_STAGES) & 1) ^ 1);
+                    load_stage(ph, pi, slot, 2);
+                } else {
+                    load_stage(ph, pi, slot);
+                }
             }
         } else if (PASSES > 1 && (tid & 31) == 0 && pwarp == 1) {
             // PASSES > 1: the whole tile, its 8 columns of zeros too, into dq_acc's box from the pass's first column
@@ -524,6 +555,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         wgmma_wait<0>();
         wgmma_hold_all(ds);
         ds_from_dp(ds, p, stats_s, 0, t, a);
+        if (SPLIT) {
+            __syncwarp();
+            if ((fresh_tid() & 31) == 0) mbarrier_arrive(base + rows_at(it % SB_STAGES) + SBAR_EMPTY);
+            mbarrier_wait(base + rows_at(it % SB_STAGES) + SBAR_FULL1, (it / SB_STAGES) & 1);  // part 1 is in
+        }
 
         // dV += P̂ᵀ dÔ, one chunk at a time, in flight while dS's maxima are formed.
         const u32 sdot_lo = wgmma_desc_lo<BQ>(st + SDOT), sqt_lo = wgmma_desc_lo<BQ>(st + SQT);
@@ -713,7 +749,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 } else {
                     // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
                     // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
-                    const float s_qt = stage_rows(it % SB_STAGES)[0].w;
+                    const float s_qt = SPLIT ? reinterpret_cast<const float4*>(smem + rows_at(0) + SBAR_STATS1)->w
+                                             : stage_rows(it % SB_STAGES)[0].w;
                     const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
                     fold_dk(c, DK_PAIRS && c % 2 ? pr2 : pr, zf, fk);
                 }
@@ -727,7 +764,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 if (PASSES > 1 && fresh_tid() == 0) turn_s[it % DQ_TILES] = static_cast<int>(pending_row);
                 if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
                     mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));
-                    mbarrier_arrive(base + rows_at(it % SB_STAGES) + SBAR_EMPTY);
+                    mbarrier_arrive(base + rows_at(it % SB_STAGES) + (SPLIT ? SBAR_EMPTY1 : SBAR_EMPTY));
                 }
             }
         }
