@@ -388,6 +388,29 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
         assert compiler.dynamic_shared_bytes(spec, arch) <= specs.ARCH_SHARED_LIMIT[arch]
 
 
+def test_wide_head_dims_pick_the_wgmma_kernels_on_sm90(monkeypatch):
+    """Above head dim 128 sm_90 runs the wgmma forward with 64-key tiles and the wgmma backward as two CTAs a key
+    block (one stage, the producer, one dQ tile); a sliding window with a soft cap keeps the mma.sync backward, as
+    do SAGEBWD_WGMMA=0 and the other archs."""
+    limit = specs.ARCH_SHARED_LIMIT["sm_90"]
+    assert specs.forward_tiles(256, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=64)
+    tiles = specs.backward_tiles(256, "sm_90")
+    assert tiles == specs.BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
+    assert (tiles.passes(256), tiles.pass_dims(256), tiles.passes(128)) == (2, 128, 1)
+    window, cap = dict(window_left=100), dict(softcap=30.0, smooth_k=False)
+    for extra, wgmma in (({}, True), (cap, True), (window, True), ({**window, **cap}, False)):
+        chosen, spec = specs.backward_kernel(256, "bfloat16", AttentionOptions(causal=True, **extra), tiles, "sm_90",
+                                             limit)
+        assert chosen.wgmma == wgmma and (spec.filename == "backward_wgmma.cu") == wgmma, extra
+        if wgmma:
+            assert dict(spec.defines)["SB_PASSES"] == 2 and dict(spec.defines)["SB_TMA_DQ_COLS"] == 136
+    assert specs.forward_tiles(256, "sm_80") == specs.FORWARD_TILES[256]
+    assert not specs.backward_tiles(256, "sm_80").wgmma
+    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
+    assert specs.forward_tiles(256, "sm_90") == specs.FORWARD_TILES[256]
+    assert not specs.backward_tiles(256, "sm_90").wgmma
+
+
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
     # Forward: 2 head dims x 2 dtypes x (full and causal x (dense, Q-smoothing, packed) + window, soft-capped causal
