@@ -430,7 +430,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         } else if (PASSES > 1 && (tid & 31) == 0 && pwarp == 1) {
             // PASSES > 1: the whole tile, its 8 columns of zeros too, into dq_acc's box from the pass's first column
             // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row from
-            // the computing warps, in turn_s[tile] (swept here, the producer's 40 registers spilled).
+            // the computing warps, in turn_s[tile], so that this loop holds no sweep of its own.
             for (int it = 0; it < n_it; ++it) {
                 const int b = it % DQ_TILES;
                 mbarrier_wait(base + dq_full_bar(b), (it / DQ_TILES) & 1);
