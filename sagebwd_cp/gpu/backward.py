@@ -67,7 +67,7 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
         strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
         inner = strides[-1] * n
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
-    dq_row = dq_acc.shape[-1]
+    dq_row = tiles.dq_row(dp)
     acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), boxes["dq"].box, boxes["dq"].swizzle)
     return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(cols, qz.dot8),
                 tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
@@ -162,8 +162,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     wb, wh, wn = prob.bhnd_strides(dv)
 
     maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), dq_acc, prob, tiles)) if tiles.wgmma else []
-    passes = tiles.passes(dp) if tiles.wgmma else 1
-    grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev), passes)
+    grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev),
+                                     tiles.passes(dp))
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,

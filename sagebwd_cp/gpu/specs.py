@@ -342,23 +342,23 @@ class BackwardTiles:
 
     def query_maps(self, dp: int) -> dict:
         """The TMA boxes of the wgmma kernel's query-side tiles (BackwardParams tm_*): Q̂ (a query block
-        of dp-byte rows, as its 128-byte column blocks one after the other: a box of columns x rows x blocks), Q̂ᵀ and dÔᵀ (a pass's rows, ``pass_dims``,
-        of a query block's bytes), dO (a query block's rows x TMA_DO_COLS 16-bit columns, 128 bytes, the
-        widest swizzle), each in the swizzle of its row's bytes; and the dQ accumulator's box that a pass's
-        partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero ones, unswizzled)."""
+        of dp-byte rows as its 128-byte column blocks one after the other: columns x rows x blocks), Q̂ᵀ and
+        dÔᵀ (a pass's rows, ``pass_dims``, of a query block's bytes), dO (a query block's rows x TMA_DO_COLS
+        16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes; and the dQ
+        accumulator's box that a pass's partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero
+        ones, unswizzled)."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
         return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
                 "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((self.pass_dims(dp) + 8, bq), 0)}
 
-    @staticmethod
-    def passes(dp: int) -> int:
-        """CTAs of the wgmma kernel a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim
-        columns: two above head dim 128 (kernels/backward_wgmma.cu PASSES; the grid's batch axis holds them)."""
-        return 2 if dp > numerics.WIDE_HEAD_DIM else 1
+    def passes(self, dp: int) -> int:
+        """CTAs a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim columns: two for the wgmma
+        kernel above head dim 128 (kernels/backward_wgmma.cu PASSES; neighbours on the grid's blocks axis),
+        else one (the mma.sync kernel takes its halves in passes of its own)."""
+        return 2 if self.wgmma and dp > numerics.WIDE_HEAD_DIM else 1
 
-    @classmethod
-    def pass_dims(cls, dp: int) -> int:
-        return dp // cls.passes(dp)
+    def pass_dims(self, dp: int) -> int:
+        return dp // self.passes(dp)
 
     def choices(self) -> dict:
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
@@ -397,8 +397,9 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     warps stop waiting for turns, measured 1.12-1.35x at head dim 128 and, with two dQ tiles, 1.00-1.08x at head
     dim 64 causal MHA 8K against the three-warpgroup kernel it replaced (docs/PERFORMANCE.md); not deterministic
     it measured 0.95-1.00x. SAGEBWD_BACKWARD_WS=0 or 1 forces it off or on. Above head dim 128 the wgmma
-    kernel sweeps the query blocks twice, a half of dK, dV and dQ each, with one stage (the tiles fill shared
-    memory) that only the producer can reload in time: one stage, a producer, one dQ tile."""
+    kernel runs two CTAs a key block, a half of dK, dV and dQ each (``BackwardTiles.passes``), with one stage
+    (the tiles fill shared memory) that only the producer can reload in time: one stage, a producer, one dQ
+    tile."""
     wg = use_wgmma(arch)
     if wg and dp > numerics.WIDE_HEAD_DIM:
         return BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
