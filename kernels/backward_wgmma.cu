@@ -88,6 +88,11 @@ constexpr int KEY_BLOCKS = CTA_KEYS / 128;
 static_assert(CTA_KEYS == 128 && DQ_COLS % 8 == 0, "two warpgroups of 64 keys");
 constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
 constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
+// Above d=128 the k-steps that read only zero padding are skipped: Sᵀ's past the head dim D and dPᵀ's past V's Dv
+// (192 runs as 256, MLA's 192/128 with V's columns 128-255 zero). The first k-step is always issued (one that starts
+// the accumulator conditionally spilled). (Skipping dV's chunks past Dv, by a branch or a guard predicate, spilled
+// 8-40 bytes: a skipped product leaves its registers' old values live.)
+constexpr bool SKIP_PADDING = DP > 128;
 static_assert(BKV == 64 && BQ == 64, "fragment packing assumes 64x64 blocks");
 
 // Maxima exchanged inside a warpgroup (f32): Y per query from each warp; the paper mode's tile
@@ -506,12 +511,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const u32 k_desc = wgmma_desc_lo<DP>(sK) + kwg * BKV * KROW / 16, v_desc = wgmma_desc_lo<128>(sV) + kwg * BKV * 128 / 16;
 #pragma unroll
             for (int ks = 0; ks < KS8; ++ks)
-                wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, CTA_KEYS>(ks)), wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
+                if (!SKIP_PADDING || ks == 0 || 32 * ks < a.D)
+                    wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, CTA_KEYS>(ks)), wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
             wgmma_commit();
 #pragma unroll
             for (int ks = 0; ks < KS16; ++ks)
-                wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
-                                      wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
+                if (!SKIP_PADDING || ks == 0 || 16 * ks < a.Dv)
+                    wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
+                                          wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
             wgmma_commit();
             if (!WS && tid == REDUCER && it > 0) reduce_dq(it - 1);  // the previous query block's partial is in its tile
             wgmma_wait<1>();

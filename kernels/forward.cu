@@ -50,6 +50,9 @@ constexpr bool WG = SB_WGMMA;
 constexpr int O_PASSES = DP > 128 && !WG ? 2 : 1;
 constexpr int DO = DP / O_PASSES;             // O's columns a pass
 constexpr int NT_D = DO / 8;                  // n-tiles of O over a pass's columns
+// wgmma above d=128: the k-steps of S past the head dim D and the 64-column P̂V̂ products past V's Dv read only
+// zero padding (192 as 256, or MLA's 192/128), and are skipped; a skipped product's O columns stay zero.
+constexpr bool SKIP_PADDING = WG && DP > 128;
 // Shared memory: Q̂ of the CTA, then two stages of K̂, V̂ᵀ and the key tile's per-token K scales (f32).
 // wgmma tiles start on their swizzle atom (1024 bytes covers both), so a stage's scales take 1024
 // bytes (their padding) and the dynamic base is aligned inside 1024 bytes of slack.
@@ -218,8 +221,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_D; ++ks)
-            wgmma_s8_ss(s[0], wgmma_desc<DP>(q_desc, kstep_offset<DP, CTA_Q>(ks)),
-                        wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), kstep_offset<DP, TILE>(ks)), ks);
+            if (!SKIP_PADDING || ks == 0 || 32 * ks < p.D)
+                wgmma_s8_ss(s[0], wgmma_desc<DP>(q_desc, kstep_offset<DP, CTA_Q>(ks)),
+                            wgmma_desc<DP>(wgmma_desc_lo<DP>(sK), kstep_offset<DP, TILE>(ks)), ks);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
@@ -332,6 +336,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         // 64 head-dim columns per product, one after the other: a 32-register accumulator.
 #pragma unroll
         for (int dh = 0; dh < DO / 64; ++dh) {
+            if (SKIP_PADDING && dh > 0 && 64 * dh >= p.Dv) break;
             int pv[8][4];
             wgmma_fence();
 #pragma unroll

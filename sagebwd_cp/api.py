@@ -132,7 +132,7 @@ def _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_
     q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
     if k_mean is not None:
         k_mean = value_head_dim.pad_head_dim(k_mean, q.shape[-1])
-    o, lse, saved = run_forward(q, k, v, options._replace(softmax_scale=scale), training=training,
+    o, lse, saved = run_forward(q, k, v, value_head_dim.widened_options(options, scale, dqk, dv), training=training,
                                 return_lse=return_lse, want_saved=want_saved, k_mean=k_mean, varlen=varlen)
     sliced = o[..., :dv]
     if out is not None:
@@ -149,7 +149,9 @@ def _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen, head_dims
     dqk, dv = head_dims or (q.shape[-1], v.shape[-1])
     if head_dims is None:
         q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
-        options = options._replace(softmax_scale=scale)
+    else:
+        scale = options.softmax_scale
+    options = value_head_dim.widened_options(options, scale, dqk, dv)
     d = max(dqk, dv)
     out, do = (value_head_dim.pad_head_dim(x, d) for x in (out, do))
     if k_mean is not None:

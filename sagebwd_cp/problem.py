@@ -62,6 +62,12 @@ class AttentionProblem:
         return self.options.layout
 
     @property
+    def value_dim(self) -> int:
+        """V's head dim: the arrays' head dim, or the option value_head_dim where V (and dO) come zero-padded to it
+        (value_head_dim.py), whose zero columns the kernels skip."""
+        return self.options.value_head_dim or self.head_dim
+
+    @property
     def padded_head_dim(self) -> int:
         return padded_head_dim(self.head_dim)
 
@@ -159,6 +165,7 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:
         raise ValueError(f"head_dim: expected a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dq}")
     check_wide_options(dq, options)
+    check_value_head_dim(dq, options)
     if hk < 1 or hq % hk:
         raise ValueError(f"heads: expected the query heads ({hq}) to be a multiple of the key/value heads ({hk})")
     if bq < 1 or lq < 1 or lk < 1 or hq < 1:
@@ -170,6 +177,13 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dq)
     return AttentionProblem(qd, kd, vd, options, bq, hq, hk, lq, lk, dq, qd.dtype, softmax_scale, on_gpu)
+
+
+def check_value_head_dim(head_dim: int, options: AttentionOptions) -> None:
+    """The option value_head_dim (V's columns from it on are zero padding) fits the arrays' head dim."""
+    if options.value_head_dim > head_dim:
+        raise ValueError(f"value_head_dim: expected at most the arrays' head_dim ({head_dim}), got "
+                         f"{options.value_head_dim}")
 
 
 def check_wide_options(head_dim: int, options: AttentionOptions) -> None:

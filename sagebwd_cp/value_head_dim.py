@@ -1,7 +1,8 @@
 """A value head dim that differs from the query/key one (multi-head latent attention: 192 for Q·K, 128 for V).
 
 The kernels take one head dim for Q, K and V. A call whose V head dim differs pads the narrower side with zero
-columns up to the wider one and slices the output back. Zero columns change nothing that is kept: a zero column
+columns up to the wider one and slices the output back; a narrower V is named to the kernels by the option
+value_head_dim, so that they skip the products of its zero columns (V's in the forward, dO's in the backward). Zero columns change nothing that is kept: a zero column
 of Q and K adds nothing to a score, a quantization scale is a maximum that zeros do not raise, and O's columns
 below V's head dim are the same sums; the padded output columns are zero and dropped, and so are their
 gradients (the pad and the slice are the array library's own, so autograd and ``jax.grad`` see through them).
@@ -39,6 +40,11 @@ def pad_head_dim(x, d: int):
 
         return F.pad(x, (0, d - n))
     return xp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - n)])
+
+
+def widened_options(options, softmax_scale, dqk: int, dv: int):
+    """``options`` for the widened arrays: the resolved scale, and V's head dim where it is the narrower one."""
+    return options._replace(softmax_scale=softmax_scale, value_head_dim=dv if dv < dqk else 0)
 
 
 def widen(q, k, v, softmax_scale):

@@ -803,3 +803,26 @@ def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu):
     names = {b.name: b for b in _buffers(bwd)}
     assert names["q8"].shape == (1, 2, 640, 128) and names["k8"].shape == (1, 1, 384 + 384, 128)
     assert names["stats"].shape == (1, 2, 640, 4)
+
+
+def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
+    """V's head dim below the arrays' (MLA's 192/128: value_head_dim.py pads V and sets the option): the forward
+    and the backward launches carry Dv = 128 beside D = 192, so that the kernels skip the zero columns' products;
+    without the option Dv is D."""
+    from sagebwd_cp.api import run_forward
+    from sagebwd_cp.options import AttentionOptions
+
+    def launched(entry, list_name):
+        step = [st for p in plan._plans.values() for st in p.steps if st.entry == entry][-1]
+        call = [c for c in gpu.launches() if c[1] == step.head[0]][-1]
+        values = dict(zip([n for _, n in params.lists()[list_name]], _argument_bytes(call[6], step.args.sizes)))
+        return {n: struct.unpack("<i", values[n])[0] for n in ("D", "Dv")}
+
+    for value_head_dim, dv in ((128, 128), (0, 192)):
+        plan._plans.clear()
+        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192)
+        options = AttentionOptions(causal=True, smooth_k=False, value_head_dim=value_head_dim)
+        _, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
+        assert launched("attention_forward", "ForwardParams") == {"D": 192, "Dv": dv}
+        sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+        assert launched("attention_backward", "BackwardParams") == {"D": 192, "Dv": dv}

@@ -114,10 +114,13 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     st.attention(q, k, v, smooth_q=True).sum().backward()  # the forward's μ_K goes to the backward
     st.attention(q, k, v, window_size=(8, 3)).sum().backward()
     st.attention(q, k, v, causal=True, smooth_k=False, softcap=30.0).sum().backward()
-    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, 0.0, None),
-                    (False, None, True, True, "HND", "fine", False, -1, -1, 0.0, (1, 2, 64)),
-                    (False, None, True, False, "HND", "fine", False, 8, 3, 0.0, (1, 2, 64)),
-                    (True, None, False, False, "HND", "fine", False, -1, -1, 30.0, None)]
+    # A narrower V (MLA) comes zero-padded, the option naming its own head dim (and the scale resolved from 64).
+    st.attention(q, k, v[..., :32].detach().requires_grad_(), causal=True).sum().backward()
+    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, 0.0, 0, None),
+                    (False, None, True, True, "HND", "fine", False, -1, -1, 0.0, 0, (1, 2, 64)),
+                    (False, None, True, False, "HND", "fine", False, 8, 3, 0.0, 0, (1, 2, 64)),
+                    (True, None, False, False, "HND", "fine", False, -1, -1, 30.0, 0, None),
+                    (True, 0.125, True, False, "HND", "fine", False, -1, -1, 0.0, 32, (1, 2, 64))]
 
 
 def test_matches_the_neutral_api_exactly():

@@ -91,6 +91,21 @@ def test_a_value_head_dim_out_of_range_is_refused_by_name():
         sagebwd_cp.attention(q, k, np.zeros(k.shape[:3] + (20,), np.float16))
 
 
+def test_the_value_head_dim_option_is_checked_by_name():
+    """The option that names V's head dim where V comes zero-padded (set by the library's own widening)."""
+    from sagebwd_cp.options import AttentionOptions
+
+    assert AttentionOptions().value_head_dim == 0
+    assert AttentionOptions(value_head_dim=np.int64(128)).value_head_dim == 128
+    with pytest.raises(ValueError, match=r"value_head_dim: expected 0 or a multiple of 8, got 20"):
+        AttentionOptions(value_head_dim=20)
+    with pytest.raises(TypeError, match=r"value_head_dim: expected an int"):
+        AttentionOptions(value_head_dim=128.0)
+    q, k, v, _ = _inputs(64, 64)
+    with pytest.raises(ValueError, match=r"value_head_dim: expected at most the arrays' head_dim \(64\), got 128"):
+        sagebwd_cp.api.run_forward(q, k, v, AttentionOptions(value_head_dim=128))
+
+
 @pytest.mark.parametrize("dqk,dv", DIMS)
 def test_torch_entry_points_with_autograd(dqk, dv):
     torch = pytest.importorskip("torch")

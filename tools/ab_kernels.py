@@ -11,7 +11,9 @@ machine with the run):
 With ``--base-env NAME=VALUE`` (repeatable) the base is instead these same sources run with those
 environment settings, e.g. ``--base-env SAGEBWD_BACKWARD_WS=1`` against the default choice.
 
-Every argument but ``--base`` and ``--base-env`` goes to ``bench_attention.py``. The Python side of the checkout is
+Every argument but ``--base``, ``--base-env`` and ``--bench`` goes to ``bench_attention.py``, or with
+``--bench wide_head_dims`` to ``bench_wide_head_dims.py`` (our kernels only, in calls a second, 1000 / ms,
+so that this / base stays above 1 where this is faster). The Python side of the checkout is
 shared, so the two versions must take the same kernel arguments, unless the base folder also holds
 the other version's ``sagebwd_cp/`` (``git archive <commit> kernels ptx sagebwd_cp``): then its
 Python modules are swapped in too.
@@ -42,13 +44,23 @@ def _copy_sources(src_root: str, dst_root: str, dirs: dict) -> None:
                     shutil.copy2(os.path.join(folder, name), os.path.join(dst_root, rel, name))
 
 
-def _bench(bench_args, env=None) -> dict:
-    """{(d, causal, N, pass, impl): TOPS} of our rows, from bench_attention.py's table."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), *bench_args],
+def _bench(bench_args, env=None, script="attention") -> dict:
+    """{(d, causal, N, pass, impl): TOPS} of our rows, from bench_attention.py's table; or, script
+    "wide_head_dims", {(shape, pass): calls a second} from bench_wide_head_dims.py's lines."""
+    extra = ["--peers", "ours"] if script == "wide_head_dims" else []
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"bench_{script}.py"), *bench_args, *extra],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
-        raise SystemExit(f"bench_attention.py failed:\n{out.stdout}\n{out.stderr}")
+        raise SystemExit(f"bench_{script}.py failed:\n{out.stdout}\n{out.stderr}")
     rows = {}
+    if script == "wide_head_dims":  # "<shape>: ours <fwd ms>/<fwd+bwd ms>"
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == "ours":
+                fwd, fwdbwd = map(float, parts[2].split("/"))
+                rows[(parts[0].rstrip(":"), "-", "-", "fwd", "ours")] = 1000.0 / fwd
+                rows[(parts[0].rstrip(":"), "-", "-", "fwdbwd", "ours")] = 1000.0 / fwdbwd
+        return rows
     for line in out.stdout.splitlines():
         parts = line.split()
         if len(parts) >= 7 and parts[0].isdigit() and "sagebwd" in line:
@@ -66,12 +78,15 @@ def main(argv=None) -> int:
                     help="a folder holding the other version's kernels/ and ptx/")
     ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
                     help="compare with these sources under this environment setting instead of --base")
+    ap.add_argument("--bench", choices=("attention", "wide_head_dims"), default="attention",
+                    help="the benchmark to time with (its arguments follow)")
     args, bench_args = ap.parse_known_args(argv)
+    run = lambda env=None: _bench(bench_args, env, args.bench)  # noqa: E731
     if args.base_env:
         if any("=" not in item for item in args.base_env):
             raise SystemExit(f"--base-env: expected NAME=VALUE, got {args.base_env}")
         env = dict(item.split("=", 1) for item in args.base_env)
-        first, base, again = _bench(bench_args), _bench(bench_args, env), _bench(bench_args)
+        first, base, again = run(), run(env), run()
         _print(first, base, again)
         return 0
     for d in SOURCE_DIRS:
@@ -83,13 +98,13 @@ def main(argv=None) -> int:
     saved = tempfile.mkdtemp()
     _copy_sources(ROOT, saved, dirs)
     try:
-        first = _bench(bench_args)
+        first = run()
         _copy_sources(args.base, ROOT, dirs)
-        base = _bench(bench_args)
+        base = run()
     finally:
         _copy_sources(saved, ROOT, dirs)  # the checkout's own sources back, whatever happened
         shutil.rmtree(saved, ignore_errors=True)
-    again = _bench(bench_args)
+    again = run()
     _print(first, base, again)
     return 0
 

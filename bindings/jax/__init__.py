@@ -57,23 +57,22 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     traced.
     """
     _check_arrays(q=q, k=k, v=v, **({} if sinks is None else {"sinks": sinks}))
-    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        dv = v.shape[-1]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
-        return attention(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, smooth_k=smooth_k,
-                         smooth_q=smooth_q, granularity=granularity, deterministic=deterministic,
-                         window_size=window_size, softcap=softcap, sinks=sinks)[..., :dv]
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
-                            **window_options(window_size), softcap=softcap)
+                            **window_options(window_size), softcap=softcap, value_head_dim=dv if dv < dqk else 0)
     _check(q, k, v, opts)
     if sinks is None:
-        return _attention(q, k, v, opts)
-    heads = _bhnd(q.shape, opts.layout)[1]
-    if tuple(sinks.shape) != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise ValueError(f"sinks: expected one floating logit per query head, shape ({heads},), got shape "
-                         f"{tuple(sinks.shape)} of {sinks.dtype}")
-    return _sink_attention(q, k, v, sinks, opts)
+        out = _attention(q, k, v, opts)
+    else:
+        heads = _bhnd(q.shape, opts.layout)[1]
+        if tuple(sinks.shape) != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks: expected one floating logit per query head, shape ({heads},), got shape "
+                             f"{tuple(sinks.shape)} of {sinks.dtype}")
+        out = _sink_attention(q, k, v, sinks, opts)
+    return out if dv == dqk else out[..., :dv]
 
 
 def _check_arrays(**arrays) -> None:

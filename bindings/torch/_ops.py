@@ -148,11 +148,11 @@ def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
 @torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                  smooth_q: bool, layout: str, granularity: str, deterministic: bool,
-                 window_left: int, window_right: int, softcap: float) -> Tensor:
+                 window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tensor:
     """Inference attention (see ``inference_impl``)."""
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return inference_impl(q, k, v, options)
 
 
@@ -166,11 +166,11 @@ def _attention_fake(q, k, v, *fields):
 def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
                      smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                      deterministic: bool,
-                     window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+                     window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor]:
     """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
     check_tensors("q, k, v, k_mean", q, k, v, k_mean)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return lse_impl(q, k, v, k_mean, options)
 
 
@@ -185,12 +185,12 @@ def _attention_lse_fake(q, k, v, k_mean, *fields):
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                          smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                          deterministic: bool,
-                         window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+                         window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return forward_impl(q, k, v, options)
 
 
@@ -205,11 +205,11 @@ def _attention_forward_fake(q, k, v, *fields):
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool,
-                          window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+                          window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout", q, k, v, out, lse2, k_mean, dout)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 
 

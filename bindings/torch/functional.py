@@ -170,18 +170,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``torch.compile``.
     """
     check_tensors("q, k, v", q, k, v)
-    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        dv = v.shape[-1]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
-        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, smooth_k=smooth_k,
-                         smooth_q=smooth_q, granularity=granularity, deterministic=deterministic,
-                         accuracy_guard=accuracy_guard, window_size=window_size, softcap=softcap, sinks=sinks)[..., :dv]
     # (The default window and cap leave AttentionOptions' fast path: no window_options call per step.)
     masking = {} if window_size == (-1, -1) else window_options(window_size)
     if softcap:
         masking["softcap"] = softcap
+    if dv < dqk:
+        masking["value_head_dim"] = dv
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic, **masking)
+    o = _attention(q, k, v, options, accuracy_guard, sinks)
+    return o if dv == dqk else o[..., :dv]
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, accuracy_guard, sinks) -> Tensor:
+    """``attention`` of arrays at one head dim, with its options made."""
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     # is_contiguous is the cheapest test of the usual case; it implies stride(-1) == 1 or a

@@ -72,11 +72,11 @@ def _check_packed(**arrays) -> None:
 def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
                       layout: str, granularity: str, deterministic: bool, window_left: int,
-                      window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+                      window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
 
@@ -95,12 +95,12 @@ def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tenso
                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                        softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                        deterministic: bool, window_left: int, window_right: int,
-                       softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+                       softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k", q, k, v, out, lse2, k_mean, dout,
                   cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap)
+                               window_left, window_right, softcap, value_head_dim)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          options)
 
@@ -187,22 +187,19 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k, sinks", q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
                   optional=("sinks",))
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
-    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        dv = v.shape[-1]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                      softcap=softcap, deterministic=deterministic, block_table=block_table,
-                                      smooth_k=smooth_k, granularity=granularity, sinks=sinks)[..., :dv]
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
                                layout="THD", granularity=granularity, deterministic=deterministic,
-                               **window_options(window_size), softcap=softcap)
+                               **window_options(window_size), softcap=softcap, value_head_dim=dv if dv < dqk else 0)
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     if sinks is not None:
-        return _varlen_attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            options)
-    out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
-    return out
+        out = _varlen_attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           options)
+    else:
+        out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
+    return out if dv == dqk else out[..., :dv]
