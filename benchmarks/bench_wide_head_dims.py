@@ -6,7 +6,9 @@ events, median).
     python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--peers ours cudnn]
                                               [--json PATH]
 
-A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128).
+A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128). ``--window W`` (a causal
+sliding window of W keys to the left) and ``--softcap C`` (logit soft-capping, K-smoothing off) time Gemma 2's
+layers: ours and FlexAttention (its block mask with the window, a tanh ``score_mod``); SDPA takes neither.
 """
 from __future__ import annotations
 
@@ -22,18 +24,22 @@ from bench_windows import _torch_pair  # noqa: E402
 DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192", "2x16x4x4096x192x128")
 
 
-def _ours(q, k, v, do):
+def _ours(q, k, v, do, window=-1, softcap=0.0):
     import sagebwd_cp
 
+    opts = dict(causal=True, window_size=(window, 0), softcap=softcap, smooth_k=not softcap)
+
     def fwdbwd():
-        _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
+        _, saved = sagebwd_cp.attention_forward(q, k, v, **opts)
         sagebwd_cp.attention_backward(saved, do)
 
-    return (lambda: sagebwd_cp.attention(q, k, v, causal=True)), fwdbwd
+    return (lambda: sagebwd_cp.attention(q, k, v, **opts)), fwdbwd
 
 
 def _sdpa(backend_name):
-    def make(q, k, v, do):
+    def make(q, k, v, do, window=-1, softcap=0.0):
+        if window >= 0 or softcap:
+            raise ValueError("SDPA takes no sliding window or soft cap")
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -47,14 +53,16 @@ def _sdpa(backend_name):
     return make
 
 
-def _flex(q, k, v, do):
+def _flex(q, k, v, do, window=-1, softcap=0.0):
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     n = q.shape[2]
-    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device="cuda")
+    keep = (lambda b, h, i, j: (j <= i) & (i - j <= window)) if window >= 0 else (lambda b, h, i, j: j <= i)
+    mask = create_block_mask(keep, None, None, n, n, device="cuda")
+    cap = (lambda s, b, h, i, j: softcap * torch.tanh(s / softcap)) if softcap else None
     compiled = torch.compile(flex_attention, dynamic=False)
-    return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
+    return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=cap, block_mask=mask, enable_gqa=True), q, k, v, do)
 
 
 PEERS = {"ours": _ours, "cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_ATTENTION"), "flex": _flex}
@@ -65,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD[xDv]")
     ap.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS), help="what to time (default: all)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--window", type=int, default=-1, help="a causal sliding window of this many keys (-1: none)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping's c (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -82,7 +92,7 @@ def main(argv=None) -> int:
         for name in args.peers:
             make = PEERS[name]
             try:
-                fwd, fwdbwd = make(q, k, v, do)
+                fwd, fwdbwd = make(q, k, v, do, args.window, args.softcap)
                 rec[name] = {"fwd_ms": timed(fwd, args.reps), "fwdbwd_ms": timed(fwdbwd, args.reps)}
             except Exception as exc:  # noqa: BLE001 - a peer that does not take the head dim: its reason
                 rec[name] = {"error": str(exc).splitlines()[0][:160]}
@@ -92,7 +102,8 @@ def main(argv=None) -> int:
         print(f"{text}: " + "  ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "window": args.window,
+                       "softcap": args.softcap, "records": records}, f,
                       indent=1)
     return 0
 

@@ -390,15 +390,15 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
 
 def test_wide_head_dims_pick_the_wgmma_kernels_on_sm90(monkeypatch):
     """Above head dim 128 sm_90 runs the wgmma forward with 64-key tiles and the wgmma backward as two CTAs a key
-    block (one stage, the producer, one dQ tile); a sliding window with a soft cap keeps the mma.sync backward, as
-    do SAGEBWD_WGMMA=0 and the other archs."""
+    block (one stage, the producer, one dQ tile), with a sliding window and a soft cap too; SAGEBWD_WGMMA=0 and
+    the other archs keep the mma.sync kernels."""
     limit = specs.ARCH_SHARED_LIMIT["sm_90"]
     assert specs.forward_tiles(256, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=64)
     tiles = specs.backward_tiles(256, "sm_90")
     assert tiles == specs.BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
     assert (tiles.passes(256), tiles.pass_dims(256), tiles.passes(128)) == (2, 128, 1)
     window, cap = dict(window_left=100), dict(softcap=30.0, smooth_k=False)
-    for extra, wgmma in (({}, True), (cap, True), (window, True), ({**window, **cap}, False)):
+    for extra, wgmma in (({}, True), (cap, True), (window, True), ({**window, **cap}, True)):
         chosen, spec = specs.backward_kernel(256, "bfloat16", AttentionOptions(causal=True, **extra), tiles, "sm_90",
                                              limit)
         assert chosen.wgmma == wgmma and (spec.filename == "backward_wgmma.cu") == wgmma, extra
@@ -420,10 +420,10 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
     # full and causal, dense (the deterministic ones are the default kernels, counted above). Head dim 256: per
     # dtype, full, causal, window, soft-capped causal and window x (dense, packed), a 64-key-tile forward each and a
-    # fine, not deterministic backward each but the soft-capped window's (a mma.sync kernel).
+    # fine, not deterministic backward each.
     wide = [s for s in wg if ".hd256." in s.key]
     assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2
-    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * 4 * 2
+    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * 5 * 2
     assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == 1 for s in wide
                if s.key.startswith("backward."))
     wg = [s for s in wg if s not in wide]

@@ -101,7 +101,7 @@ def test_the_wgmma_forward_is_the_mma_sync_forward_bit_for_bit(monkeypatch, shap
     torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0)])
+@pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0), ((90, 0), 20.0)])
 def test_windows_soft_caps_and_packed_batches(window, softcap):
     """A window or a soft cap at head dim 256 against the emulator; a packed batch of three sequences equals
     its dense calls (each sequence quantized alone in both)."""

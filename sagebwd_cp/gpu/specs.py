@@ -418,16 +418,12 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
                     varlen: bool = False) -> tuple:
     """(tiles, spec) of the backward: ``tiles``, with one stage instead of two for the mma.sync kernel
     where its layout compiled for ``arch`` exceeds ``shared_limit`` (e.g. sm_86/89 at head dim 128); the
-    mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128 and for a
-    window with a soft cap above head dim 128.
+    mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128.
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
     if tiles.wgmma and options.windowed and options.deterministic and dp == 128:
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
-        tiles = BackwardTiles(stages=2)
-    if tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and options.windowed and options.softcap:
-        # The wide wgmma kernel with both a window and a soft cap spilled 8 bytes at its 232 registers (NVRTC 13.5).
         tiles = BackwardTiles(stages=2)
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
