@@ -1,10 +1,10 @@
 """The attention options, validated once: ``AttentionOptions``.
 
 One frozen, hashable value holds every option of a call (causal, softmax_scale, smooth_k,
-smooth_q, layout, granularity, deterministic, window_left, window_right, softcap, value_head_dim).  It is checked when it is made, with one TypeError
-or ValueError naming the option; everything below the public functions takes it as it is: the
-plan and kernel caches key on it, torch's autograd context saves it, JAX takes it as a static
-argument, and the torch operators take its fields in order (``op(q, k, v, *options)``).
+smooth_q, layout, granularity, deterministic, window_left, window_right, softcap, value_head_dim).  It is
+checked when it is made, with one TypeError or ValueError naming the option; everything below the public
+functions takes it as it is: the plan and kernel caches key on it, torch's autograd context saves it, JAX
+takes it as a static argument, and the torch operators take its fields in order (``op(q, k, v, *options)``).
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def check_value_head_dim(value) -> int:
     """V's head dim where V and O come zero-padded to Q·K's (value_head_dim.py sets it; the kernels skip the zero
     columns' products): a multiple of 8, or 0 for the arrays' own head dim."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"value_head_dim: expected an int (0 for the arrays' head dim), got {type(value).__name__} {value!r}")
+        raise TypeError(f"value_head_dim: expected an int (0 for the arrays' head dim), got {type(value).__name__} "
+                        f"{value!r}")
     value = int(value)
     if value < 0 or value % 8:
         raise ValueError(f"value_head_dim: expected 0 or a multiple of 8, got {value}")

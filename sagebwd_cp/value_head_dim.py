@@ -1,11 +1,12 @@
 """A value head dim that differs from the query/key one (multi-head latent attention: 192 for Q·K, 128 for V).
 
 The kernels take one head dim for Q, K and V. A call whose V head dim differs pads the narrower side with zero
-columns up to the wider one and slices the output back; a narrower V is named to the kernels by the option
-value_head_dim, so that they skip the products of its zero columns (V's in the forward, dO's in the backward). Zero columns change nothing that is kept: a zero column
-of Q and K adds nothing to a score, a quantization scale is a maximum that zeros do not raise, and O's columns
-below V's head dim are the same sums; the padded output columns are zero and dropped, and so are their
-gradients (the pad and the slice are the array library's own, so autograd and ``jax.grad`` see through them).
+columns up to the wider one and slices the output back; a narrower V's head dim goes to the kernels as the option
+value_head_dim, so that they skip the products of its zero columns (V's in the forward, dO's in the backward).
+Zero columns change nothing that is kept: a zero column of Q and K adds nothing to a score, a quantization scale
+is a maximum that zeros do not raise, and O's columns below V's head dim are the same sums; the padded output
+columns are zero and dropped, and so are their gradients (the pad and the slice are the array library's own, so
+autograd and ``jax.grad`` see through them).
 The softmax scale's default stays 1/sqrt(query/key head dim).
 """
 from __future__ import annotations

@@ -185,7 +185,8 @@ def _attention_lse_fake(q, k, v, k_mean, *fields):
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                          smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                          deterministic: bool,
-                         window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                         window_left: int, window_right: int, softcap: float,
+                         value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
     check_tensors("q, k, v", q, k, v)
@@ -205,7 +206,8 @@ def _attention_forward_fake(q, k, v, *fields):
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool,
-                          window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                          window_left: int, window_right: int, softcap: float,
+                          value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout", q, k, v, out, lse2, k_mean, dout)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,

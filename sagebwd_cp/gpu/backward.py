@@ -169,7 +169,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
                                dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
-                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Dv=prob.value_dim, Nq_pad=nq, Nk_pad=nk, grid_order=grid_order,
+                               wn=wn, Hq=Hq, Hkv=Hk, D=D, Dv=prob.value_dim, Nq_pad=nq, Nk_pad=nk,
+                               grid_order=grid_order,
                                **prob.kernel_band(), **prob.kernel_softcap(), **lengths) + maps,
                 shared=KERNEL_LAYOUT)
     # Only dQ's conversion is left: the quantized tensors, row statistics and packed rows go back to
