@@ -93,7 +93,7 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(i64, vb) F(i64, vh) F(i64, vn) F(i64, db) F(i64, dh) F(i64, dn) \
     F(i64, kb) F(i64, kh) F(i64, kn) F(i64, wb) F(i64, wh) F(i64, wn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
-    F(int, Dv)                                /* V's head dim (<= D): V's and dO's columns from it on are zeros */      \
+    F(int, Dv)                                /* V's head dim (<= D): V's and dO's columns from it on are zeros */ \
     F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
     F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
