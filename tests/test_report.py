@@ -313,6 +313,35 @@ def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp
     assert (root / "ptx" / "k.cu").read_text() == "root ptx"
 
 
+def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch):
+    """tools/ab_kernels.py --bench wide_head_dims: bench_wide_head_dims.py run for our kernels alone, its
+    "<shape>: ours <fwd ms>/<fwd+bwd ms>" lines read as calls a second (1000 / ms), so that this / base stays
+    above 1 where this is faster."""
+    sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tools"))
+    import ab_kernels
+
+    out = ("device: Test GPU  torch 2.11  (bf16, causal; ms fwd / fwd+bwd)\n"
+           "2x16x4x4096x256: ours 0.500/2.000\n"
+           "2x16x4x4096x192x128: ours 0.250/4.000\n")
+    seen = []
+
+    class Result:
+        returncode, stdout, stderr = 0, out, ""
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return Result()
+
+    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    rows = ab_kernels._bench(["--shapes", "2x16x4x4096x256", "--window", "4096"], script="wide_head_dims")
+    assert rows == {("2x16x4x4096x256", "-", "-", "fwd", "ours"): 2000.0,
+                    ("2x16x4x4096x256", "-", "-", "fwdbwd", "ours"): 500.0,
+                    ("2x16x4x4096x192x128", "-", "-", "fwd", "ours"): 4000.0,
+                    ("2x16x4x4096x192x128", "-", "-", "fwdbwd", "ours"): 250.0}
+    assert seen[0][1].endswith("bench_wide_head_dims.py") and seen[0][-2:] == ["--peers", "ours"]
+    assert "--window" in seen[0]
+
+
 def test_json_text_writes_a_record_a_line_and_loads_back_the_same():
     data = {"metadata": {"device": "Test GPU", "versions": {"torch": "2.4", "cupy": None}, 1024: {"reps": 3}},
             "records": [dict(impl="sagebwd", seqlen=n, ms=1.0 / 3, tflops=float(n), curve=list(range(50)),
