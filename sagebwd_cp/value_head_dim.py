@@ -43,9 +43,15 @@ def pad_head_dim(x, d: int):
     return xp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - n)])
 
 
+def option(dqk: int, dv: int) -> int:
+    """The option value_head_dim of arrays widened from Q·K's head dim ``dqk`` and V's ``dv``: V's where it is the
+    narrower (its padded columns are zeros), else 0."""
+    return dv if dv < dqk else 0
+
+
 def widened_options(options, softmax_scale, dqk: int, dv: int):
-    """``options`` for the widened arrays: the resolved scale, and V's head dim where it is the narrower one."""
-    return options._replace(softmax_scale=softmax_scale, value_head_dim=dv if dv < dqk else 0)
+    """``options`` for the widened arrays: the resolved scale, and ``option``'s value_head_dim."""
+    return options._replace(softmax_scale=softmax_scale, value_head_dim=option(dqk, dv))
 
 
 def widen(q, k, v, softmax_scale):

@@ -62,7 +62,8 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
-                            **window_options(window_size), softcap=softcap, value_head_dim=dv if dv < dqk else 0)
+                            **window_options(window_size), softcap=softcap,
+                            value_head_dim=value_head_dim.option(dqk, dv))
     _check(q, k, v, opts)
     if sinks is None:
         out = _attention(q, k, v, opts)

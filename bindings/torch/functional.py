@@ -177,10 +177,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     masking = {} if window_size == (-1, -1) else window_options(window_size)
     if softcap:
         masking["softcap"] = softcap
-    if dv < dqk:
-        masking["value_head_dim"] = dv
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, granularity=granularity, deterministic=deterministic, **masking)
+                               layout=layout, granularity=granularity, deterministic=deterministic,
+                               value_head_dim=value_head_dim.option(dqk, dv), **masking)
     o = _attention(q, k, v, options, accuracy_guard, sinks)
     return o if dv == dqk else o[..., :dv]
 

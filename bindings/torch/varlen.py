@@ -192,7 +192,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
                                layout="THD", granularity=granularity, deterministic=deterministic,
-                               **window_options(window_size), softcap=softcap, value_head_dim=dv if dv < dqk else 0)
+                               **window_options(window_size), softcap=softcap,
+                               value_head_dim=value_head_dim.option(dqk, dv))
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):

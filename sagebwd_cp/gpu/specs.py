@@ -504,9 +504,7 @@ def all_specs(arch: str | None = None) -> list:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
                             specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
-                            spec = backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1]
-                            if spec not in specs:  # (a window with a soft cap keeps the mma.sync kernel)
-                                specs.append(spec)
+                            specs.append(backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1])
                         continue
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
