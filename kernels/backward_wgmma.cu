@@ -58,8 +58,10 @@ static_assert(PASSES == 1 || (WS && SB_FINE && !SB_DETERMINISTIC && !SB_BIAS),
 constexpr int DQ_TILES = SB_DQ_TILES;
 static_assert(DQ_TILES == 1 || (WS && DQ_TILES == 2), "a second dQ tile needs the producer's reductions");
 // setmaxnreg moves registers inside the CTA's launch allocation (168 a thread at 384 threads), so the split must fit
-// it; at 24 the producer's loops spilled (causal).
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+// it. The soft-capped wide kernels' computing warps take 240 (at 232 the split stage spilled 24 bytes); at 24 the
+// dense causal kernels' producer loops spilled, so those keep 40.
+constexpr bool ROOMY_CONSUMERS = SB_SOFTCAP && PASSES > 1;
+constexpr int PRODUCER_REGS = ROOMY_CONSUMERS ? 24 : 40, CONSUMER_REGS = ROOMY_CONSUMERS ? 240 : 232;
 static_assert(!WS || 128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (65536 / CTA_THREADS) / 8 * 8 * CTA_THREADS,
               "setmaxnreg.inc waits forever for registers the CTA was not given");
 // The computing warpgroups' barrier (bar.sync ids 1..GROUPS are each warpgroup's own); the whole CTA's without a
@@ -79,8 +81,8 @@ constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 constexpr int DQ_COLS = DH / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
-// of DQ_CHUNK_NT n-tiles in flight): 32 columns.
-constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : 4, DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
+// of DQ_CHUNK_NT n-tiles in flight): 32 columns; 16 in the soft-capped wide kernels (32 spilled there).
+constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : ROOMY_CONSUMERS ? 2 : 4, DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
 static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
 SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
 // Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows, the CTA's 128 keys (one 128-byte swizzle block).
@@ -158,8 +160,9 @@ constexpr u32 STAGE_LOAD_BYTES = STAGE_BYTES + SBAR;  // a stage's tiles and row
 // One stage (SB_STAGES 1, with the producer): in two parts, each loaded once the computing warps are done with its
 // last contents, so that both loads run under computation: part 0, Q̂, dO and the rows' statistics (Sᵀ, dPᵀ, the
 // softmax and dS), is free once dS is formed; part 1, Q̂ᵀ and dÔᵀ (dV, dK), once the dK products are done.
-// (Soft-capped kernels keep the whole stage: split, the causal one spilled 24 bytes under NVRTC 13.5.)
-constexpr bool SPLIT = WS && SB_STAGES == 1 && !SB_SOFTCAP;
+// (Soft-capped kernels split it too, their computing warps with 240 registers, dPᵀ issued once Pᵀ is formed and dQ's
+// products in chunks of 16 columns: short of any of these, they spilled 8-32 bytes.)
+constexpr bool SPLIT = WS && SB_STAGES == 1;
 constexpr u32 PART0_BYTES = sizeof(BackwardStage::q) + sizeof(BackwardStage::dout) + SBAR;
 constexpr u32 PART1_BYTES = sizeof(BackwardStage::qt) + sizeof(BackwardStage::dot) + 16;  // and stats[0] again (s_Qᵀ)
 static_assert(PART0_BYTES + PART1_BYTES == STAGE_LOAD_BYTES + 16, "the parts are the stage");
@@ -373,7 +376,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // This thread's first key; in the loop it is rebuilt from loop_tid(), as are the other
     // warpgroup-dependent values there.
     const int key_lo = j * CTA_KEYS + wg * BKV + krow;
-    const float s_k[2] = {a.k_scale[seq.k_row0(hk) + key_lo], a.k_scale[seq.k_row0(hk) + key_lo + 8]};
+    // The keys' scales (the soft-capped wide kernels read them once their registers are in: read here, they spilled).
+    float s_k[2];
+    if (!ROOMY_CONSUMERS) s_k[0] = a.k_scale[seq.k_row0(hk) + key_lo], s_k[1] = a.k_scale[seq.k_row0(hk) + key_lo + 8];
     // Descriptor low words of K̂ᵀ and of Ŷ (the warpgroup's K̂ and V rows: per iteration, below).
     const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
     // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
@@ -460,6 +465,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         return;
     }
     if (WS) setmaxnreg_inc<CONSUMER_REGS>();
+    if (ROOMY_CONSUMERS) s_k[0] = a.k_scale[seq.k_row0(hk) + key_lo], s_k[1] = a.k_scale[seq.k_row0(hk) + key_lo + 8];
 
     // Keys krow, krow+8 x the pass's head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
     float dk[CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
@@ -500,8 +506,20 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                                (SB_CAUSAL && key0 + BKV - 1 > q0 + hi) ||
                                (SB_WINDOW && key0 + a.win_width < q0 + BQ - 1 + hi);  // a window's left edge
 
-        // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax.
+        // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax. (The
+        // soft-capped wide kernels issue dPᵀ once Pᵀ is formed: its registers in flight beside the softmax's spilled.)
+        constexpr bool DP_AFTER_P = ROOMY_CONSUMERS;
         float p[NT_Q][4], ds[NT_Q][4];
+        // dPᵀ from the descriptors' low words of the warpgroup's V rows and of dO.
+        auto issue_dp = [&](u32 v_desc, u32 do_desc) {
+            if (DP_AFTER_P) wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < KS16; ++ks)
+                if (!SKIP_PADDING || ks == 0 || 16 * ks < a.Dv)
+                    wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
+                                          wgmma_desc<128>(do_desc, kstep_offset<2 * DP, BQ>(ks)), ks);
+            wgmma_commit();
+        };
         {
             int s[NT_Q][4];
             wgmma_fence();
@@ -514,14 +532,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 if (!SKIP_PADDING || ks == 0 || 32 * ks < a.D)
                     wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, CTA_KEYS>(ks)), wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
             wgmma_commit();
-#pragma unroll
-            for (int ks = 0; ks < KS16; ++ks)
-                if (!SKIP_PADDING || ks == 0 || 16 * ks < a.Dv)
-                    wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, (ks >> 2) * CTA_KEYS * 128 + 32 * (ks & 3)),
-                                          wgmma_desc<128>(do_desc, (ks >> 2) * BQ * 128 + 32 * (ks & 3)), ks);
-            wgmma_commit();
+            if (!DP_AFTER_P) issue_dp(v_desc, do_desc);
             if (!WS && tid == REDUCER && it > 0) reduce_dq(it - 1);  // the previous query block's partial is in its tile
-            wgmma_wait<1>();
+            if (DP_AFTER_P) wgmma_wait<0>(); else wgmma_wait<1>();
             wgmma_hold_all(s);
 
             // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), masked past the ends and above the diagonal.
@@ -533,6 +546,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
             probabilities(p, s, s_k, bias_row, stats_s, 0, t, fkey_lo, q0, need_mask, seq, hi);
         }
+        if (DP_AFTER_P) issue_dp(wgmma_desc_lo<128>(sV) + loop_wg() * BKV * 128 / 16, wgmma_desc_lo<128>(st + SDO));
 
         // P̂ᵀ per key (fine: inside the warp) or per 64x64 block (paper: over the warpgroup).
         u32 pf[2][4];

@@ -68,8 +68,13 @@ SB_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta
 #define SB_WG_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
     "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 24, 32, 64 or 128 (the
+// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 16, 24, 32, 64 or 128 (the
 // accumulator's n-tiles); accumulate = 0 overwrites.
+SB_DEVICE void wgmma_s8_ss(int (&d)[2][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p;\n}\n"
+                 : SB_WG_ACC4("+r", d, 0), SB_WG_ACC4("+r", d, 1) : "l"(a), "l"(b), "r"(accumulate));
+}
 SB_DEVICE void wgmma_s8_ss(int (&d)[3][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n24k32.s32.s8.s8 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, %12, %13, p;\n}\n"
