@@ -23,7 +23,8 @@
 // SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2, or 1 at SB_DP 256 (with SB_WS); SB_WS: a
 // producer warpgroup after the computing ones, whose first warp issues the stage loads (a "full" and an "empty"
 // mbarrier a stage) and whose second issues dQ's bulk reductions (the tile's "full" and "empty" mbarriers), while
-// the computing warpgroups take 232 registers (setmaxnreg) and never issue a load or wait for a reduction;
+// the computing warpgroups take 232 registers (setmaxnreg; 240 in the soft-capped wide kernels) and never issue a
+// load or wait for a reduction;
 // SB_DQ_TILES (WS only: 1 or 2) dQ partial tiles, written and reduced in turn. From specs.BackwardTiles.implied:
 // SB_THREADS, SB_CTA_KEYS (a warpgroup per 64 keys), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER (-1: the
 // launch's), and the query-side tensor maps' boxes (specs.BackwardTiles.query_maps): SB_TMA_QROWS
@@ -82,7 +83,8 @@ constexpr int DQ_COLS = DH / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
 // of DQ_CHUNK_NT n-tiles in flight): 32 columns; 16 in the soft-capped wide kernels (32 spilled there).
-constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : ROOMY_CONSUMERS ? 2 : 4, DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
+constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : ROOMY_CONSUMERS ? 2 : 4;
+constexpr int DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
 static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
 SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
 // Tiles with a key axis (K̂ᵀ, Ŷ) hold it in 128-byte rows, the CTA's 128 keys (one 128-byte swizzle block).
