@@ -66,6 +66,46 @@ def test_synthetic_loop_paths():
     assert e["issue"] == i["issue"] + 2 + 2 - 1 and e["fma"] == 3
 
 
+# A wgmma loop whose mbarrier wait retries out of line: the stub after the last EXIT branches back into the
+# loop and spans more of it than the loop's own back edge.
+WGMMA_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0030*/              @!P0 BRA `(.L_x_5) ;
+.L_x_1:
+        /*0040*/                   WARPGROUP.ARRIVE ;
+        /*0050*/                   IGMMA.64x64x32.S8.S8 R24, gdesc[UR8], RZ, !UPT ;
+        /*0060*/                   HGMMA.64x64x16.F32.BF16 R56, gdesc[UR12], RZ, !UPT, gsb0 ;
+        /*0070*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0080*/                   I2FP.F32.S32 R3, R24 ;
+        /*0090*/                   MUFU.EX2 R3, R3 ;
+        /*00a0*/               @P1 BRA `(.L_x_0) ;
+        /*00b0*/                   EXIT ;
+.L_x_5:
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*00d0*/              @!P0 BRA `(.L_x_5) ;
+        /*00e0*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_wgmma_loop_is_found_past_out_of_line_stubs():
+    c = sass.count_function(WGMMA_SASS)
+    assert c["loop"] == [1, 10]  # BAR.SYNC .. the back edge, not the stub's branch into the loop
+    i = c["interior"]
+    assert i["tensor"] == 2 and i["xu"] == 1 and i["alu"] == 1 and i["issue"] == 10
+
+
+def test_functions_split_a_cubins_text_by_kernel():
+    text = ("\t.section\t.text.first,\"ax\",@progbits\n.text.first:\n" + SYNTHETIC_SASS +
+            "\t.section\t.text.second,\"ax\",@progbits\n.text.second:\n" + WGMMA_SASS)
+    parts = sass.functions(text)
+    assert list(parts) == ["first", "second"]
+    assert sass.count_function(parts["second"])["loop"] == [1, 10]
+    assert sass.count_function(parts["first"])["interior"]["issue"] == 15
+
+
 def test_pad_cubin_reaches_the_header_tables():
     head = bytearray(64)
     head[:5] = b"\x7fELF\x02"

@@ -1,7 +1,9 @@
-"""python -m tools.perf_model {sass,fit} (from the repository root).
+"""python -m tools.perf_model {sass,count,fit} (from the repository root).
 
-    sass  count the SASS of every mma.sync kernel the model uses (nvdisasm needed) into a JSON file
-    fit   read a calibration run's JSON (tools/perf_model/calibrate.py), fit, write the tables
+    sass   count the SASS of every mma.sync kernel the model uses (nvdisasm needed) into a JSON file
+    count  any specs' SASS (mma.sync or wgmma) by key pattern: instructions a warp per main-loop iteration,
+           by pipe and by opcode (nvdisasm needed), e.g. --arch sm_90 'backward.hd128.bfloat16.causal.fine.s2.wgmma'
+    fit    read a calibration run's JSON (tools/perf_model/calibrate.py), fit, write the tables
 """
 from __future__ import annotations
 
@@ -38,6 +40,33 @@ def cmd_sass(args) -> int:
     return 0
 
 
+def cmd_count(args) -> int:
+    import fnmatch
+    import re
+
+    from . import library, sass
+
+    if sass.nvdisasm_path() is None:
+        print("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set SAGEBWD_NVDISASM)", file=sys.stderr)
+        return 2
+    specs = [s for s in library.specs().all_specs(args.arch) if any(fnmatch.fnmatch(s.key, p) for p in args.patterns)]
+    if not specs:
+        print(f"no spec of {args.arch} matches {args.patterns}", file=sys.stderr)
+        return 2
+    for spec in specs:
+        cubin, log = sass.compile_cubin(spec, args.arch)
+        for name, text in sass.functions(sass.disassemble(cubin)).items():
+            c = sass.count_function(text)
+            i, e = c["interior"], c["edge"]
+            regs = re.search(r"Used (\d+) registers", log)
+            print(f"{spec.key} {name}: registers {regs.group(1) if regs else '?'}, loop instructions {c['loop']}; a warp "
+                  f"an iteration: interior {i.get('issue', 0)} (edge {e.get('issue', 0)}): " +
+                  ", ".join(f"{k} {i.get(k, 0)}" for k in sass.CLASSES))
+            top = list(c["interior_opcodes"].items())[:args.top]
+            print("  " + ", ".join(f"{op} {n}" for op, n in top))
+    return 0
+
+
 def cmd_fit(args) -> int:
     from . import library
 
@@ -67,12 +96,16 @@ def main(argv=None) -> int:
     s = sub.add_parser("sass", help="count the mma.sync kernels' SASS")
     s.add_argument("--archs", nargs="+", default=list(ARCHS))
     s.add_argument("--out", default=COUNTS)
+    c = sub.add_parser("count", help="any specs' SASS per main-loop iteration (mma.sync or wgmma)")
+    c.add_argument("patterns", nargs="+", help="spec key globs (specs.all_specs)")
+    c.add_argument("--arch", default="sm_90")
+    c.add_argument("--top", type=int, default=25, help="opcodes listed (default 25)")
     f = sub.add_parser("fit", help="fit on a calibration run, predict the RTX 4090 and 5090")
     f.add_argument("--calibration", required=True, help="calibration.json written by tools/perf_model/calibrate.py")
     f.add_argument("--counts", default=COUNTS, help="SASS counts (missing archs are counted now)")
     f.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    return {"sass": cmd_sass, "fit": cmd_fit}[args.cmd](args)
+    return {"sass": cmd_sass, "count": cmd_count, "fit": cmd_fit}[args.cmd](args)
 
 
 if __name__ == "__main__":

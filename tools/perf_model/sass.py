@@ -146,14 +146,20 @@ def _is_branch(ins: Instr) -> bool:
     return ins.base in ("BRA", "CALL", "JMP", "BRX") and ins.target is not None
 
 
+TENSOR_OPS = ("IMMA", "HMMA", "IGMMA", "HGMMA", "QGMMA")  # mma.sync and wgmma
+
+
 def find_main_loop(instrs, labels) -> tuple:
     """(first, last) instruction index of the loop whose body holds the most tensor instructions
-    (``last`` is its backward branch)."""
+    (``last`` is its backward branch). Branches after the function's last unconditional EXIT are out-of-line
+    stubs (the wgmma kernels' mbarrier retries jump back into the loop from there), not loops."""
+    exits = [x.index for x in instrs if x.base == "EXIT" and x.pred is None]
+    end = exits[-1] if exits else len(instrs)
     best = None
-    for ins in instrs:
+    for ins in instrs[:end]:
         if ins.base == "BRA" and ins.target in labels and labels[ins.target] <= ins.index:
             lo, hi = labels[ins.target], ins.index
-            mma = sum(1 for x in instrs[lo:hi + 1] if x.base in ("IMMA", "HMMA"))
+            mma = sum(1 for x in instrs[lo:hi + 1] if x.base in TENSOR_OPS)
             if best is None or mma > best[0] or (mma == best[0] and hi - lo > best[2] - best[1]):
                 best = (mma, lo, hi)
     if best is None or best[0] == 0:
@@ -234,6 +240,16 @@ def loop_paths(instrs, labels, lo, hi) -> dict:
             opcodes[instrs[k].opcode] += 1
     return {"interior": interior, "edge": edge, "interior_opcodes": opcodes,
             "blocks": len(starts), "interior_blocks": len(ipath), "edge_blocks": len(epath)}
+
+
+_FUNCTION = re.compile(r"^\.text\.(\w+):\s*$", re.MULTILINE)
+
+
+def functions(text: str) -> dict:
+    """{kernel name: its disassembly} of a cubin's nvdisasm text (one ``.text.<name>:`` section a kernel)."""
+    heads = list(_FUNCTION.finditer(text))
+    return {m.group(1): text[m.end():heads[k + 1].start() if k + 1 < len(heads) else len(text)]
+            for k, m in enumerate(heads)}
 
 
 def count_function(text: str) -> dict:
