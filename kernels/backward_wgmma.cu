@@ -61,8 +61,8 @@ static_assert(DQ_TILES == 1 || (WS && DQ_TILES == 2), "a second dQ tile needs th
 // setmaxnreg moves registers inside the CTA's launch allocation (168 a thread at 384 threads), so the split must fit
 // it. The soft-capped wide kernels' computing warps take 240 (at 232 the split stage spilled 24 bytes); at 24 the
 // dense causal kernels' producer loops spilled, so those keep 40.
-constexpr bool ROOMY_CONSUMERS = SB_SOFTCAP && PASSES > 1;
-constexpr int PRODUCER_REGS = ROOMY_CONSUMERS ? 24 : 40, CONSUMER_REGS = ROOMY_CONSUMERS ? 240 : 232;
+constexpr bool WIDE_SOFTCAP = SB_SOFTCAP && PASSES > 1;
+constexpr int PRODUCER_REGS = WIDE_SOFTCAP ? 24 : 40, CONSUMER_REGS = WIDE_SOFTCAP ? 240 : 232;
 static_assert(!WS || 128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= (65536 / CTA_THREADS) / 8 * 8 * CTA_THREADS,
               "setmaxnreg.inc waits forever for registers the CTA was not given");
 // The computing warpgroups' barrier (bar.sync ids 1..GROUPS are each warpgroup's own); the whole CTA's without a
@@ -83,7 +83,7 @@ constexpr int DQ_COLS = DH / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
 // of DQ_CHUNK_NT n-tiles in flight): 32 columns; 16 in the soft-capped wide kernels (32 spilled there).
-constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : ROOMY_CONSUMERS ? 2 : 4;
+constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : WIDE_SOFTCAP ? 2 : 4;
 constexpr int DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
 static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
 SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
@@ -378,9 +378,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // This thread's first key; in the loop it is rebuilt from loop_tid(), as are the other
     // warpgroup-dependent values there.
     const int key_lo = j * CTA_KEYS + wg * BKV + krow;
-    // The keys' scales (the soft-capped wide kernels read them once their registers are in: read here, they spilled).
+    // The keys' scales, read here (the soft-capped wide kernels read them once their registers are in: here, they
+    // spilled).
     float s_k[2];
-    if (!ROOMY_CONSUMERS) s_k[0] = a.k_scale[seq.k_row0(hk) + key_lo], s_k[1] = a.k_scale[seq.k_row0(hk) + key_lo + 8];
+    auto read_key_scales = [&] {
+        s_k[0] = a.k_scale[seq.k_row0(hk) + key_lo];
+        s_k[1] = a.k_scale[seq.k_row0(hk) + key_lo + 8];
+    };
+    if (!WIDE_SOFTCAP) read_key_scales();
     // Descriptor low words of K̂ᵀ and of Ŷ (the warpgroup's K̂ and V rows: per iteration, below).
     const u32 kt_desc = wgmma_desc_lo<128>(sKt), ds_desc = wgmma_desc_lo<128>(smem_u32(ds_tile));
     // Y maxima: lane (g, t) takes query columns ycol and ycol + 32 (spread_max8's order).
@@ -467,7 +472,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         return;
     }
     if (WS) setmaxnreg_inc<CONSUMER_REGS>();
-    if (ROOMY_CONSUMERS) s_k[0] = a.k_scale[seq.k_row0(hk) + key_lo], s_k[1] = a.k_scale[seq.k_row0(hk) + key_lo + 8];
+    if (WIDE_SOFTCAP) read_key_scales();
 
     // Keys krow, krow+8 x the pass's head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
     float dk[CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
@@ -510,7 +515,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 
         // Sᵀ and dPᵀ of the warpgroup's 64 keys x the 64 queries, issued together; dPᵀ runs during the softmax. (The
         // soft-capped wide kernels issue dPᵀ once Pᵀ is formed: its registers in flight beside the softmax's spilled.)
-        constexpr bool DP_AFTER_P = ROOMY_CONSUMERS;
+        constexpr bool DP_AFTER_P = WIDE_SOFTCAP;
         float p[NT_Q][4], ds[NT_Q][4];
         // dPᵀ from the descriptors' low words of the warpgroup's V rows and of dO.
         auto issue_dp = [&](u32 v_desc, u32 do_desc) {

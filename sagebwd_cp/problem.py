@@ -165,7 +165,7 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:
         raise ValueError(f"head_dim: expected a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dq}")
     check_wide_options(dq, options)
-    check_value_head_dim(dq, options)
+    check_value_head_dim_fits(dq, options)
     if hk < 1 or hq % hk:
         raise ValueError(f"heads: expected the query heads ({hq}) to be a multiple of the key/value heads ({hk})")
     if bq < 1 or lq < 1 or lk < 1 or hq < 1:
@@ -179,7 +179,7 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     return AttentionProblem(qd, kd, vd, options, bq, hq, hk, lq, lk, dq, qd.dtype, softmax_scale, on_gpu)
 
 
-def check_value_head_dim(head_dim: int, options: AttentionOptions) -> None:
+def check_value_head_dim_fits(head_dim: int, options: AttentionOptions) -> None:
     """The option value_head_dim (V's columns from it on are zero padding) fits the arrays' head dim."""
     if options.value_head_dim > head_dim:
         raise ValueError(f"value_head_dim: expected at most the arrays' head_dim ({head_dim}), got "
