@@ -274,8 +274,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     float* yscale_s = reinterpret_cast<float*>(smem + YSCALE_OFF);
 
     const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
+    // K̂ and V in one cp.async group, K̂ᵀ in a second, waited for only before the first dQ products (in the loop).
     if (!WS || tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
+    load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
+    cp_async_commit();
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {  // K̂ᵀ's rows of the pass
         constexpr int LAST = CTA_KEYS - 128 * (KEY_BLOCKS - 1);  // keys of the last block
@@ -285,7 +288,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         else
             load_tile<128, DH, THREADS, true, LAST>(sKt + kb2 * DH * 128, src, seq.nk_pad());
     }
-    load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
     }
 
     // Query-side tiles of (query head h, query block i) into stage `slot` (Q̂ᵀ's and dÔᵀ's rows of the pass):
@@ -361,8 +363,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
         for (int c = 0; c < DQ_TILE_PITCH - DH; ++c) pad[c] = 0.f;
     }
-    cp_async_wait<0>();
-    fence_proxy_async();  // cp.async wrote K̂, K̂ᵀ and V, which wgmma reads
+    cp_async_wait<1>();
+    fence_proxy_async();  // cp.async wrote K̂ and V, which wgmma reads
     __syncthreads();      // and the mbarriers are initialized
 
     const int krow = wv * 16 + g;            // this thread's key rows in the warpgroup's block: krow, krow + 8
@@ -456,7 +458,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 bulk_wait_read<0>();
                 mbarrier_arrive(base + dq_empty_bar(b));
             }
-            bulk_wait<0>();
         } else if ((tid & 31) == 0 && pwarp == 1) {
             for (int it = 0; it < n_it; ++it, advance(ph, pi)) {
                 const i64 row = seq.q_row0(ph) + pi * BQ;
@@ -467,7 +468,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 bulk_wait_read<0>();
                 mbarrier_arrive(base + dq_empty_bar(b));
             }
-            bulk_wait<0>();
         }
         return;
     }
@@ -700,7 +700,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 
         dv_step(4);
         rows_issue<false>(pr, zf, sqt_lo, 0);  // dK, chunk 0
-        fence_proxy_async();  // Ŷ's stores are read by wgmma
+        cp_async_wait<0>();   // K̂ᵀ is in (a no-op after the first iteration)
+        fence_proxy_async();  // Ŷ's stores, and K̂ᵀ's copies, are read by wgmma
         if (!WS && tid == REDUCER) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
         if (WS && it >= DQ_TILES)  // the partial this tile held last has been read
             mbarrier_wait(base + dq_empty_bar(it % DQ_TILES), (it / DQ_TILES - 1) & 1);
@@ -814,11 +815,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
     }
 
+    cp_async_wait<0>();  // (no iteration waited for K̂ᵀ where there was none)
     if (!WS && pending_row >= 0) {  // (n_it > 0, as a value the loop holds anyway: a predicate held across it spilled)
         __syncthreads();       // the last query block's dQ partial is in shared memory
         if (tid == REDUCER) {
             reduce_dq(n_it - 1);
-            bulk_wait<0>();
+            bulk_wait_read<0>();  // the tile is read; the writes land before the kernel ends
         }
     }
 
