@@ -120,6 +120,19 @@ SB_DEVICE void wgmma_rs(int (&d)[8][4], const u32 (&a)[4], u64 b, int accumulate
                      : SB_WG_ACC32("+r", d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
+// D (64x32 f32) += A (64x16 fp16 or bf16, descriptor) · B (32 x 16, descriptor), both K-major.
+template <bool BF16>
+SB_DEVICE void wgmma_f16_ss(float (&d)[4][4], u64 a, u64 b, int accumulate) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // D (64x64 f32) += A (64x16 fp16 or bf16, descriptor) · B (64 x 16, descriptor), both K-major
 // (no transpose), unit input scales.
 template <bool BF16>

@@ -26,18 +26,6 @@ constexpr int DH = DP / 2;   // dK and dV columns of a warpgroup
 constexpr int CH = 2;        // 32-column chunks of them
 constexpr int DQ_PITCH = DP + 8;
 
-// dPᵀ: D (64x32 f32) += A (64x16 16-bit, descriptor) · B (32x16, descriptor).
-SB_DEVICE void wgmma_f16_ss_n32(float (&d)[4][4], u64 a, u64 b, int accumulate) {
-    if (SB_BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
-    else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " SB_WG_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-                     : SB_WG_ACC16("+f", d) : "l"(a), "l"(b), "r"(accumulate));
-}
-
 struct Stage {
     i8 q[BQ * DP];
     i8 qt[DP * BQ];
@@ -160,7 +148,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const u32 do_desc = wgmma_desc_lo<128>(st + BQ * DP + 2 * DP * BQ) + qh * 32 * 128 / 16;
 #pragma unroll
         for (int ks = 0; ks < DP / 16; ++ks)
-            wgmma_f16_ss_n32(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
+            wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
                              wgmma_desc<128>(do_desc, kstep_offset<2 * DP, BQ>(ks)), ks);
         wgmma_commit();
         wgmma_wait<1>();
@@ -253,54 +241,35 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         named_barrier<256>(1 + kb);  // both halves' P̂ᵀ and Ẑᵀ are in
 
         // dV and dK of the warpgroup's 64 keys x head-dim half qh: A (the codes) and B from shared memory.
-        auto rows_product = [&](float (&acc)[4][4], const i8* a_tile, u32 b_lo, int chunk, const float (&fac)[2]) {
-            int pr[4][4];
-            wgmma_fence();
+        // dV or dK: its 32-column chunks FLIGHT at a time in flight, each folded as it completes.
+        auto rows_products = [&](float (&acc)[CH][4][4], const i8* a_tile, u32 b_lo, const float (&fac)[2]) {
+            constexpr int FLIGHT = EXP_PIPE ? CH : 1;
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk)
-                wgmma_s8_ss(pr, wgmma_desc<64>(wgmma_desc_lo<64>(smem_u32(a_tile)), 32 * kk),
-                            wgmma_desc<64>(b_lo, (qh * DH + chunk * 32) * BQ + 32 * kk), kk);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_hold_all(pr);
+            for (int c0 = 0; c0 < CH; c0 += FLIGHT) {
+                int pr[FLIGHT][4][4];
+                wgmma_fence();
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+                for (int f = 0; f < FLIGHT; ++f) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c) acc[n][c] = fmaf(static_cast<float>(pr[n][c]), fac[c >> 1], acc[n][c]);
-        };
-
-        // Both chunks of a product in flight, each folded as it completes (the real kernel's overlap).
-        auto rows_product2 = [&](float (&acc)[CH][4][4], const i8* a_tile, u32 b_lo, const float (&fac)[2]) {
-            int pr[CH][4][4];
-            wgmma_fence();
+                    for (int kk = 0; kk < 2; ++kk)
+                        wgmma_s8_ss(pr[f], wgmma_desc<64>(wgmma_desc_lo<64>(smem_u32(a_tile)), 32 * kk),
+                                    wgmma_desc<64>(b_lo, (qh * DH + (c0 + f) * 32) * BQ + 32 * kk), kk);
+                    wgmma_commit();
+                }
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
+                for (int f = 0; f < FLIGHT; ++f) {
+                    if (f + 1 < FLIGHT) wgmma_wait<1>(); else wgmma_wait<0>();
+                    wgmma_hold_all(pr[f]);
 #pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
-                    wgmma_s8_ss(pr[c], wgmma_desc<64>(wgmma_desc_lo<64>(smem_u32(a_tile)), 32 * kk),
-                                wgmma_desc<64>(b_lo, (qh * DH + c * 32) * BQ + 32 * kk), kk);
-                wgmma_commit();
-            }
+                    for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                if (c == 0) wgmma_wait<1>(); else wgmma_wait<0>();
-                wgmma_hold_all(pr[c]);
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[c][n][e] = fmaf(static_cast<float>(pr[c][n][e]), fac[e >> 1], acc[c][n][e]);
+                        for (int e = 0; e < 4; ++e) acc[c0 + f][n][e] = fmaf(static_cast<float>(pr[f][n][e]), fac[e >> 1], acc[c0 + f][n][e]);
+                }
             }
         };
         const u32 dot_lo = wgmma_desc_lo<64>(st + BQ * DP + DP * BQ), qt_lo = wgmma_desc_lo<64>(st + BQ * DP);
-        if (EXP_PIPE) {
-            rows_product2(dv, sh.pt[kb], dot_lo, fac_v);
-            rows_product2(dk, sh.zt[kb], qt_lo, fac_k);
-        } else {
-#pragma unroll
-            for (int c = 0; c < CH; ++c) rows_product(dv[c], sh.pt[kb], dot_lo, c, fac_v);
-#pragma unroll
-            for (int c = 0; c < CH; ++c) rows_product(dk[c], sh.zt[kb], qt_lo, c, fac_k);
-        }
+        rows_products(dv, sh.pt[kb], dot_lo, fac_v);
+        rows_products(dk, sh.zt[kb], qt_lo, fac_k);
 
         __syncthreads();  // every warpgroup's Ŷ and scales are in; the last dQ reduction has read its tile
         if (tid == 0) bulk_wait_read<0>();
