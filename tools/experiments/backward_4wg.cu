@@ -20,6 +20,9 @@
 #ifndef EXP_PIPE
 #define EXP_PIPE 0
 #endif
+#ifndef EXP_DP_LATE  // 1: dPᵀ issued once P̂ᵀ's codes are stored (its accumulator not in flight beside the softmax)
+#define EXP_DP_LATE 0
+#endif
 constexpr int DP = 128, BQ = 64, BKV = 64, CTA_KEYS = 128, THREADS = 512;
 constexpr int NT = 4;        // n-tiles of a warp's 32 query columns
 constexpr int DH = DP / 2;   // dK and dV columns of a warpgroup
@@ -144,14 +147,19 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         for (int ks = 0; ks < DP / 32; ++ks)
             wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, CTA_KEYS>(ks)), wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
         wgmma_commit();
-        const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v)) + kb * BKV * 128 / 16;
-        const u32 do_desc = wgmma_desc_lo<128>(st + BQ * DP + 2 * DP * BQ) + qh * 32 * 128 / 16;
+        // dPᵀ: issued beside Sᵀ, or (EXP_DP_LATE) once P̂ᵀ's codes are stored.
+        auto issue_dp = [&] {
+            const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v)) + kb * BKV * 128 / 16;
+            const u32 do_desc = wgmma_desc_lo<128>(st + BQ * DP + 2 * DP * BQ) + qh * 32 * 128 / 16;
+            if (EXP_DP_LATE) wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < DP / 16; ++ks)
-            wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
-                             wgmma_desc<128>(do_desc, kstep_offset<2 * DP, BQ>(ks)), ks);
-        wgmma_commit();
-        wgmma_wait<1>();
+            for (int ks = 0; ks < DP / 16; ++ks)
+                wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
+                                      wgmma_desc<128>(do_desc, kstep_offset<2 * DP, BQ>(ks)), ks);
+            wgmma_commit();
+        };
+        if (!EXP_DP_LATE) issue_dp();
+        if (EXP_DP_LATE) wgmma_wait<0>(); else wgmma_wait<1>();
         wgmma_hold_all(s);
         float p[NT][4];
         const float bias_row[2] = {0.f, 0.f};
@@ -195,6 +203,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             fac_v[1] = p1.scale * s_do;
             store_codes(sh.pt[kb], p, inv);
         }
+        if (EXP_DP_LATE) issue_dp();
         wgmma_wait<0>();
         wgmma_hold_all(ds);
         ds_from_dp(ds, p, stats_s, 0, t, a);
