@@ -21,6 +21,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import ab_kernels  # noqa: E402  (its source copier)
+
 BASE_DIR = os.path.join(ROOT, "tools", "ab_base")
 BACKWARD = "kernels/backward_wgmma.cu"
 
@@ -71,18 +75,10 @@ def probe_sources(name: str, root: str = ROOT) -> dict:
 def build(name: str) -> str:
     """tools/ab_base/<name>: this checkout's kernels/ and ptx/ with the probe's edits."""
     out = os.path.join(BASE_DIR, name)
-    edited = probe_sources(name)
-    for folder in ("kernels", "ptx"):
-        for dirpath, _, names in os.walk(os.path.join(ROOT, folder)):
-            rel_dir = os.path.relpath(dirpath, ROOT)
-            os.makedirs(os.path.join(out, rel_dir), exist_ok=True)
-            for n in names:
-                if n.endswith((".cu", ".cuh")):
-                    rel = os.path.join(rel_dir, n)
-                    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
-                        text = edited.get(rel, f.read())
-                    with open(os.path.join(out, rel), "w", encoding="utf-8") as f:
-                        f.write(text)
+    ab_kernels._copy_sources(ROOT, out, ab_kernels.SOURCE_DIRS)
+    for rel, text in probe_sources(name).items():
+        with open(os.path.join(out, rel), "w", encoding="utf-8") as f:
+            f.write(text)
     return out
 
 

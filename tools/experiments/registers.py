@@ -11,6 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from sagebwd_cp.gpu import compiler, specs  # noqa: E402
+from tools.perf_model import sass  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,8 +25,7 @@ def main(argv=None) -> int:
     defines = dict(spec.defines)
     defines.update(dict(d.split("=", 1) for d in args.D))
     spec = dataclasses.replace(spec, filename=args.source, defines=tuple(sorted(defines.items())), layout=False)
-    source = compiler.flatten_source(args.source, (HERE, *compiler.source_dirs()))
-    _, log = compiler._nvrtc_compile(source, spec, compiler.compile_target(args.arch))
+    _, log = sass.compile_cubin(spec, args.arch, (HERE, *compiler.source_dirs()))
     for entry, report in compiler.parse_ptxas_report(log).items():
         print(f"{args.source} ({args.spec} defines, {args.arch}): {entry} {report}")
     return 0

@@ -42,7 +42,6 @@ def cmd_sass(args) -> int:
 
 def cmd_count(args) -> int:
     import fnmatch
-    import re
 
     from . import library, sass
 
@@ -55,11 +54,12 @@ def cmd_count(args) -> int:
         return 2
     for spec in specs:
         cubin, log = sass.compile_cubin(spec, args.arch)
+        reports = library.compiler().parse_ptxas_report(log)
         for name, text in sass.functions(sass.disassemble(cubin)).items():
             c = sass.count_function(text)
             i, e = c["interior"], c["edge"]
-            regs = re.search(r"Used (\d+) registers", log)
-            print(f"{spec.key} {name}: registers {regs.group(1) if regs else '?'}, loop instructions {c['loop']}; a warp "
+            regs = reports[name].registers if name in reports else "?"
+            print(f"{spec.key} {name}: registers {regs}, loop instructions {c['loop']}; a warp "
                   f"an iteration: interior {i.get('issue', 0)} (edge {e.get('issue', 0)}): " +
                   ", ".join(f"{k} {i.get(k, 0)}" for k in sass.CLASSES))
             top = list(c["interior_opcodes"].items())[:args.top]
