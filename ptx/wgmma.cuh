@@ -96,6 +96,13 @@ SB_DEVICE void wgmma_s8_ss(int (&d)[16][4], u64 a, u64 b, int accumulate) {
                  : SB_WG_ACC64("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// D (64x32 s32) += A (64x32 u8, descriptor) · B (32 x 32 s8, descriptor): unsigned codes from shared memory.
+SB_DEVICE void wgmma_u8s8_ss(int (&d)[4][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.s8 " SB_WG_REGS16 ", %16, %17, p;\n}\n"
+                 : SB_WG_ACC16("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // D (64xN s32) += A (64x32, registers: u8 if UNSIGNED_A, else s8) · B (N x 32 s8, descriptor).
 template <bool UNSIGNED_A>
 SB_DEVICE void wgmma_rs(int (&d)[4][4], const u32 (&a)[4], u64 b, int accumulate) {

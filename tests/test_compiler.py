@@ -360,13 +360,28 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     assert specs.backward_tiles(64, "sm_90", True) == specs.BackwardTiles(stages=2, wgmma=True, ws=True, dq_tiles=2)
     # The overrides: a listed value is taken, another is refused by name.
     for name, value, chosen in (("SAGEBWD_FORWARD_KEY_TILE", 64, lambda: specs.forward_tiles(64, "sm_90").key_tile),
-                                ("SAGEBWD_BACKWARD_WS", 1, lambda: int(specs.backward_tiles(64, "sm_90").ws))):
+                                ("SAGEBWD_BACKWARD_WS", 1, lambda: int(specs.backward_tiles(64, "sm_90").ws)),
+                                ("SAGEBWD_BACKWARD_QUAD", 1, lambda: int(specs.backward_tiles(128, "sm_90").quad))):
         monkeypatch.setenv(name, str(value))
         assert chosen() == value
         monkeypatch.setenv(name, "96")
         with pytest.raises(ValueError, match=name):
             chosen()
         monkeypatch.delenv(name)
+    # The four-warpgroup backward (opt-in) at head dim 128 where it applies; elsewhere backward_wgmma.cu.
+    monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "1")
+    limit = specs.ARCH_SHARED_LIMIT["sm_90"]
+    quad = specs.backward_tiles(128, "sm_90")
+    assert quad.quad and quad.threads == 512 and not specs.backward_tiles(64, "sm_90").quad
+    assert not specs.backward_tiles(128, "sm_90", True).quad and not specs.backward_tiles(128, "sm_80").quad
+    for extra, varlen, expected in (({}, False, "backward_quad.cu"), (dict(window_left=100), False, "backward_quad.cu"),
+                                    ({}, True, "backward_wgmma.cu"), (dict(granularity="paper"), False, "backward_wgmma.cu"),
+                                    (dict(softcap=30.0, smooth_k=False), False, "backward_wgmma.cu"),
+                                    (dict(smooth_q=True), False, "backward_wgmma.cu")):
+        tiles, spec = specs.backward_kernel(128, "bfloat16", AttentionOptions(causal=True, **extra), quad, "sm_90", limit,
+                                            varlen)
+        assert spec.filename == expected and tiles.quad == (expected == "backward_quad.cu"), extra
+    monkeypatch.delenv("SAGEBWD_BACKWARD_QUAD")
     for arch in ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120", "sm_121", None):
         assert not specs.use_wgmma(arch)
         assert specs.forward_tiles(128, arch).key_tile == 64
@@ -418,7 +433,9 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
-    # full and causal, dense (the deterministic ones are the default kernels, counted above). Head dim 256: per
+    # full and causal, dense (the deterministic ones are the default kernels, counted above); and at head dim 128
+    # SAGEBWD_BACKWARD_QUAD=1's four-warpgroup kernels: full, causal and window, dense, fine, not deterministic.
+    # Head dim 256: per
     # dtype, full, causal, window, soft-capped causal and window x (dense, packed), a 64-key-tile forward each and a
     # fine, not deterministic backward each.
     wide = [s for s in wg if ".hd256." in s.key]
@@ -430,10 +447,13 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
     per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
     backward = [s for s in wg if s.key.startswith("backward.")]
-    assert len(backward) == 2 * sum(per_dtype.values()) + 2 * 2 * 2
+    quad = [s for s in backward if s.filename == "backward_quad.cu"]
+    assert len(quad) == 2 * 3 and all(".hd128." in s.key and ".quad" in s.key and dict(s.defines)["SB_THREADS"] == 512
+                                      and ".varlen" not in s.key for s in quad)
+    assert len(backward) == 2 * sum(per_dtype.values()) + 2 * 2 * 2 + len(quad)
     assert len({s.key for s in backward}) == len(backward)
     assert all(".causal.window." in s.key for s in wg if dict(s.defines).get("SB_WINDOW"))
-    assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu"}
+    assert {s.filename for s in wg if s.key.startswith("backward.")} == {"backward_wgmma.cu", "backward_quad.cu"}
     assert "--gpu-architecture=sm_90a" in wg[0].options("sm_90")
     assert "--gpu-architecture=sm_90" in specs.forward_spec(64, "float16", AttentionOptions(),
                                                             specs.ForwardTiles(4, 1)).options("sm_90")

@@ -363,3 +363,56 @@ def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, sha
                 assert torch.equal(a, r), (name, packed)
     monkeypatch.delenv("SAGEBWD_BACKWARD_WS", raising=False)
     plan.clear_plans()
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 1100, 1100, 128), (2, 4, 4, 129, 700, 128), (2, 4, 1, 1, 300, 128),
+                                   (1, 4, 4, 2048, 2048, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(200, 0))],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, shape, dtype, options):
+    """SAGEBWD_BACKWARD_QUAD=1 (kernels/backward_quad.cu: four warpgroups a CTA, split by queries) computes what
+    backward_wgmma.cu computes: dK and dV bit for bit, dQ within its accumulation order's rounding (packed batches
+    keep backward_wgmma.cu: the same gradients). Hopper only."""
+    import torch
+
+    import sagebwd_cp.torch as st
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the four-warpgroup backward is an sm_90 kernel")
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, "NHD", seed=lq + lk + d)
+    g = torch.Generator(device="cuda").manual_seed(lq)
+    do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
+
+    def grads(packed: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if packed:
+            cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
+            cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
+            flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
+            out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
+        else:
+            out = st.flash_attn_func(*leaves, **options)
+        out.backward(do)
+        torch.cuda.synchronize()
+        return [x.grad for x in leaves]
+
+    for packed in (False, True):  # (packed: both runs are backward_wgmma.cu's, the choice's fallback)
+        monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "0")
+        plan.clear_plans()
+        ref = grads(packed)
+        monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "1")
+        plan.clear_plans()
+        with poisoned_workspaces():
+            got = grads(packed)
+        for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.isfinite(a).all(), (name, packed)
+            if name == "dq":
+                assert rel_l2(a.float().cpu().numpy(), r.float().cpu().numpy()) < 1e-3, (name, packed)
+            else:
+                assert torch.equal(a, r), (name, packed, (a.float() - r.float()).abs().max().item())
+    monkeypatch.delenv("SAGEBWD_BACKWARD_QUAD", raising=False)
+    plan.clear_plans()

@@ -51,6 +51,7 @@ KEY_TEXT = {
     "SB_WGMMA": lambda v: ".wgmma" if v else "",
     "SB_WS": lambda v: ".ws" if v else "",
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
+    "SB_QUAD": lambda v: ".quad" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
     "SB_CONSUMERS": lambda v: f".c{v}",
     "SB_KV_STAGES": lambda v: f"s{v}",
@@ -315,15 +316,18 @@ class BackwardTiles:
     wgmma: bool = False  # sm_90a: kernels/backward_wgmma.cu (a warpgroup per 64 keys)
     ws: bool = False  # wgmma: a producer warpgroup beside the two computing ones (SB_WS; backward_tiles says where)
     dq_tiles: int = 1  # wgmma: dQ partial tiles in shared memory (SB_DQ_TILES; 2 needs ws: dq_tiles_for)
+    quad: bool = False  # wgmma at head dim 128: kernels/backward_quad.cu (four warpgroups split by queries)
 
     @property
     def filename(self) -> str:
-        return "backward_wgmma.cu" if self.wgmma else "backward.cu"
+        return "backward_quad.cu" if self.quad else "backward_wgmma.cu" if self.wgmma else "backward.cu"
 
     @property
     def threads(self) -> int:
         """The launch's: mma.sync 4 key groups x 2 query halves of a 64x64 tile; wgmma 128 per warpgroup, and
-        the producer's 128 (ws)."""
+        the producer's 128 (ws); quad four warpgroups."""
+        if self.quad:
+            return 4 * 128
         return 128 * (WGMMA_GROUPS + self.ws) if self.wgmma else 256
 
     @property
@@ -362,7 +366,8 @@ class BackwardTiles:
 
     def choices(self) -> dict:
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
-                **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {})}
+                **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {}),
+                **({"SB_QUAD": 1} if self.quad else {})}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -403,6 +408,9 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     wg = use_wgmma(arch)
     if wg and dp > numerics.WIDE_HEAD_DIM:
         return BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
+    if wg and dp == 128 and not deterministic and _env_choice("SAGEBWD_BACKWARD_QUAD", (0, 1)) == 1:
+        # kernels/backward_quad.cu, opt-in: 0.84-0.88x this kernel's speed (docs/PERFORMANCE.md)
+        return BackwardTiles(stages=2, wgmma=True, quad=True)
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
     return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(ws))
@@ -425,6 +433,10 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
         tiles = BackwardTiles(stages=2)
+    if tiles.quad and (varlen or not options.fine or options.smooth_q or options.softcap or options.deterministic):
+        # The four-warpgroup kernel takes dense batches, fine granularity, no Q-smoothing or soft cap (packed, it
+        # spilled 4-8 bytes under NVRTC 13.0): elsewhere what backward_tiles picks without it (not deterministic).
+        tiles = BackwardTiles(stages=2, wgmma=True)
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
         # Q-smoothing 8 bytes (NVRTC 13.0).
@@ -525,6 +537,10 @@ def all_specs(arch: str | None = None) -> list:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
                                     ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(True))
                                     specs.append(backward_kernel(dp, dt, bwd, ws, arch, limit, varlen)[1])
+                                if dp == 128 and granularity == "fine" and not det and not bias and not cap and not varlen:
+                                    # SAGEBWD_BACKWARD_QUAD=1: four warpgroups (opt-in)
+                                    quad = BackwardTiles(stages=2, wgmma=True, quad=True)
+                                    specs.append(backward_kernel(dp, dt, bwd, quad, arch, limit, varlen)[1])
     return specs
 
 
