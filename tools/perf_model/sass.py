@@ -308,11 +308,10 @@ def disassemble(cubin: bytes, tool: str | None = None) -> str:
     return out.stdout
 
 
-def compile_cubin(spec, arch: str, dirs=None) -> tuple:
-    """(cubin bytes, NVRTC log) of ``spec`` for ``arch``, compiled now (no cache, no GPU); its source from ``dirs``
-    (default: the library's kernels/ and ptx/)."""
+def compile_cubin(spec, arch: str) -> tuple:
+    """(cubin bytes, NVRTC log) of ``spec`` for ``arch``, compiled now (no cache, no GPU)."""
     compiler = library.compiler()
-    return compiler._nvrtc_compile(compiler.flatten_source(spec.filename, dirs), spec, arch)
+    return compiler._nvrtc_compile(compiler.flatten_source(spec.filename), spec, arch)
 
 
 def kernel_spec(kind: str, head_dim: int, causal: bool, arch: str, shared_limit: int, dtype: str = "float16"):
