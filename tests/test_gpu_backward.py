@@ -309,6 +309,27 @@ def test_cached_plans_follow_each_calls_arrays():
         assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
 
 
+def _flash_attn_gradients(q, k, v, do, options: dict, packed: bool) -> list:
+    """dq, dk, dv of ``sagebwd_cp.torch.flash_attn_func`` (NHD [B][L][H][D] leaves) under ``options``, or with
+    ``packed`` of ``flash_attn_varlen_func`` over the batch's sequences as one packed batch; synchronized."""
+    import torch
+
+    import sagebwd_cp.torch as st
+
+    b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    if packed:
+        cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
+        cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
+        flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
+        out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
+    else:
+        out = st.flash_attn_func(*leaves, **options)
+    out.backward(do)
+    torch.cuda.synchronize()
+    return [x.grad for x in leaves]
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 64), (1, 8, 2, 1100, 1100, 128), (2, 4, 4, 129, 700, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
@@ -323,7 +344,6 @@ def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, sha
     within its accumulation order's rounding; packed batches too. Hopper only."""
     import torch
 
-    import sagebwd_cp.torch as st
     from sagebwd_cp.gpu import device, plan
 
     if device.device_arch(torch.cuda.current_device()) != "sm_90":
@@ -333,29 +353,17 @@ def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, sha
     g = torch.Generator(device="cuda").manual_seed(lq)
     do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
 
-    def grads(packed: bool):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        if packed:  # the batch's sequences as one packed batch
-            cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
-            cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
-            flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
-            out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
-        else:
-            out = st.flash_attn_func(*leaves, **options)
-        out.backward(do)
-        torch.cuda.synchronize()
-        return [x.grad for x in leaves]
 
     for packed in (False, True):
         if packed and options.get("granularity") == "paper":
             continue
         monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
         plan.clear_plans()
-        ref = grads(packed)
+        ref = _flash_attn_gradients(q, k, v, do, options, packed)
         monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
         plan.clear_plans()
         with poisoned_workspaces():
-            got = grads(packed)
+            got = _flash_attn_gradients(q, k, v, do, options, packed)
         for name, a, r in zip(("dq", "dk", "dv"), got, ref):
             if name == "dq" and not options.get("deterministic"):
                 assert rel_l2(a.float().cpu().numpy(), r.float().cpu().numpy()) < 1e-3, name
@@ -377,7 +385,6 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
     keep backward_wgmma.cu: the same gradients). Hopper only."""
     import torch
 
-    import sagebwd_cp.torch as st
     from sagebwd_cp.gpu import device, plan
 
     if device.device_arch(torch.cuda.current_device()) != "sm_90":
@@ -387,27 +394,15 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
     g = torch.Generator(device="cuda").manual_seed(lq)
     do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
 
-    def grads(packed: bool):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        if packed:
-            cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
-            cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
-            flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
-            out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
-        else:
-            out = st.flash_attn_func(*leaves, **options)
-        out.backward(do)
-        torch.cuda.synchronize()
-        return [x.grad for x in leaves]
 
     for packed in (False, True):  # (packed: both runs are backward_wgmma.cu's, the choice's fallback)
         monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "0")
         plan.clear_plans()
-        ref = grads(packed)
+        ref = _flash_attn_gradients(q, k, v, do, options, packed)
         monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "1")
         plan.clear_plans()
         with poisoned_workspaces():
-            got = grads(packed)
+            got = _flash_attn_gradients(q, k, v, do, options, packed)
         for name, a, r in zip(("dq", "dk", "dv"), got, ref):
             assert torch.isfinite(a).all(), (name, packed)
             if name == "dq":
