@@ -9,11 +9,13 @@
 //   shared memory as [64 keys][64 queries] A tiles; Ŷ per query over the 64 keys (inside the warpgroup).
 //   dV and dK of the 64 keys of kb x head-dim columns 64·qh.. (two 32-column chunks each), A (P̂ᵀ, Ẑᵀ) from
 //   shared memory over both halves' queries; dQ's columns 32w.. over both key blocks (Ŷ K̂ᵀ).
-// Barriers an iteration: two CTA-wide (the iteration's start; Ŷ of both key blocks before dQ), three of a
-// pair (each maxima exchange, and the codes of both halves before dV and dK), one of a warpgroup (Ŷ's
+// Barriers an iteration: two CTA-wide (the iteration's start; Ŷ of both key blocks before dQ), two of a
+// pair (the maxima exchange, and the codes of both halves before dV and dK), one of a warpgroup (Ŷ's
 // maxima). The dQ partial goes through a shared [64][DP+8] f32 tile to one bulk reduction, as there.
+// Measured slower than backward_wgmma.cu (docs/PERFORMANCE.md): opt-in, SAGEBWD_BACKWARD_QUAD=1.
 //
-// Compile-time parameters: SB_DP 128, SB_BF16, SB_CAUSAL (and the window's SB_WINDOW), SB_FINE 1, SB_VARLEN;
+// Compile-time parameters: SB_DP 128, SB_BF16, SB_CAUSAL (and the window's SB_WINDOW), SB_FINE 1 (dense batches:
+// packed ones spilled under NVRTC 13.0);
 // no Q-smoothing, soft cap or deterministic order (specs.backward_kernel keeps those on backward_wgmma.cu).
 // From specs.BackwardTiles.implied: SB_THREADS (512), SB_CTA_KEYS (128), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER
 // and the query-side tensor maps' boxes (the same as backward_wgmma.cu's at head dim 128).
