@@ -411,3 +411,37 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
                 assert torch.equal(a, r), (name, packed, (a.float() - r.float()).abs().max().item())
     monkeypatch.delenv("SAGEBWD_BACKWARD_QUAD", raising=False)
     plan.clear_plans()
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 16, 2048, 64), (2, 16, 4, 2000, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_the_backward_grid_orders_give_the_same_gradients(monkeypatch, shape):
+    """The wgmma backward computes the same cells whichever grid order the launch picks (backward.backward_grid;
+    a many-wave causal grid of short chains goes heads first): dK and dV bit for bit, dQ within its accumulation
+    order's rounding. Hopper only."""
+    import torch
+
+    from sagebwd_cp.gpu import backward, device, launch, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the grid order is a launch argument of the sm_90 backward")
+    b, hq, hk, n, d = shape
+    q, k, v = make_qkv(b, hq, hk, n, n, d, "bfloat16", "NHD", seed=n + d)
+    do = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(n), device="cuda").to(q.dtype)
+    chosen = backward.backward_grid
+
+    def forced(order):
+        def grid(prob, block_keys, deterministic, wgmma, sms, passes=1):
+            return (launch.attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k", passes), order)
+        return grid
+
+    results = []
+    for order in (None, launch.BLOCKS_FIRST, launch.HEADS_FIRST, launch.HEADS_BATCH_FIRST):
+        monkeypatch.setattr(backward, "backward_grid", chosen if order is None else forced(order))
+        plan.clear_plans()
+        with poisoned_workspaces():
+            results.append(_flash_attn_gradients(q, k, v, do, dict(causal=True), packed=False))
+    plan.clear_plans()
+    ref = results[0]
+    for got in results[1:]:
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+        assert rel_l2(got[0].float().cpu().numpy(), ref[0].float().cpu().numpy()) < 1e-3

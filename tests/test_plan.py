@@ -733,11 +733,11 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
 
 
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
-    """The wgmma backward's causal grid starts heads first for grids of at most FEW_WAVES CTAs an SM
-    (a GQA model's 2K and 8K steps) whose heads' chains of blocks are shorter than a wave, with the
-    batch beside the heads where one entry fills at most half the SMs; the deterministic kernels go
-    heads and batch first; a long many-head grid, every non-causal grid and the mma.sync kernel's
-    default grid keep key blocks in x."""
+    """The wgmma backward's causal grid starts heads first where the heads' chains of blocks are shorter
+    than a wave, with the batch beside the heads in grids of at most FEW_WAVES CTAs an SM (a GQA model's
+    2K step) where one entry fills at most half the SMs; the deterministic kernels go heads and batch
+    first; chains of a wave or more, the two-pass wide kernels' many-wave grids, every non-causal grid
+    and the mma.sync kernel's default grid keep key blocks in x."""
     from sagebwd_cp.gpu.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.gpu.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
     from sagebwd_cp.options import AttentionOptions
@@ -749,9 +749,14 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
 
     assert grid(8, 8, 2, 2048, True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # 256 CTAs, 32 an entry
     assert grid(2, 8, 2, 8192, True) == ((2, 64, 2), HEADS_FIRST)  # 128 CTAs an entry
-    assert grid(1, 16, 16, 16384, True) == ((128, 16, 1), BLOCKS_FIRST)  # more than FEW_WAVES x 132
+    assert grid(1, 16, 16, 16384, True) == ((16, 128, 1), HEADS_FIRST)  # many waves, chains of 128 blocks
+    assert grid(2, 16, 16, 8192, True) == ((16, 64, 2), HEADS_FIRST)  # many waves, one entry over half the SMs
+    assert grid(64, 8, 2, 2048, True) == ((2, 16, 64), HEADS_FIRST)  # many waves: the batch stays in z
     assert grid(1, 8, 2, 32768, True) == ((256, 2, 1), BLOCKS_FIRST)  # 512 CTAs, but chains of 256 blocks
     assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), HEADS_BATCH_FIRST)
+    q, k = np.zeros((16, 16, 4096, 8), np.float16), np.zeros((16, 16, 4096, 8), np.float16)
+    wide = make_problem(q, k, k, AttentionOptions(causal=True))  # two-pass: chains of 64 CTAs, many waves
+    assert backward_grid(wide, 128, False, True, 132, passes=2) == ((64, 16, 16), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, wgmma=False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, det=True, wgmma=False) == ((2, 8, 16), HEADS_BATCH_FIRST)

@@ -73,7 +73,7 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
                 tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
 
 
-# A causal backward grid of at most this many CTAs an SM starts heads first (backward_grid).
+# A causal backward grid of at most this many CTAs an SM may start heads and batch first (backward_grid).
 FEW_WAVES = 4
 
 
@@ -87,23 +87,26 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     goes beside the heads, HEADS_BATCH_FIRST, where one batch entry's CTAs fill at most half the SMs (a
     GQA 4:1 model's 2K backward, 256 CTAs on 132 SMs, list schedule: 61% busy blocks first, 63% heads
     first, 97% heads and batch first); else in z, HEADS_FIRST, so that the CTAs running together share
-    one batch entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Chains of a
-    wave or more (32K) and grids of many waves keep a head's CTAs together, BLOCKS_FIRST, for L2 (heads
-    first cost the d=128 32K model shape 9%). The deterministic kernels go heads and batch first (their
+    one batch entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Grids of many
+    waves whose chains are shorter than a wave go heads first too, HEADS_FIRST (one CTA a key block: H200,
+    MHA d=128 causal 2K-8K and GQA 4:1 8K, 3-9% faster than blocks first; 16K even). Chains of a wave or
+    more (32K), and many-wave grids of the two-pass wide kernels, keep a head's CTAs together, BLOCKS_FIRST,
+    for L2 (heads first cost the d=128 32K model shape 9%). The deterministic kernels go heads and batch first (their
     turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
     costs it a register it does not have at d=64 (specs.backward_fixed_grid_order). ``passes`` CTAs a key
     block (specs.BackwardTiles.passes) lie next to one another on the blocks' axis, so that they read the
     same tiles at about the same time (L2)."""
     blocks = -(-prob.len_k // block_keys)
-    few = blocks * passes * prob.heads_kv * prob.batch <= FEW_WAVES * sms and blocks * passes < sms
+    short = blocks * passes < sms  # a (head, batch entry)'s chain of key blocks is shorter than a wave
+    few = blocks * passes * prob.heads_kv * prob.batch <= FEW_WAVES * sms and short
     banded = prob.options.banded
     fixed = specs.backward_fixed_grid_order(wgmma, banded, deterministic)
     if fixed is not None:
         order = fixed
-    elif not banded or not (deterministic or few):
+    elif not banded or not (deterministic or few or (short and passes == 1)):
         order = BLOCKS_FIRST
-    elif deterministic or 2 * blocks * prob.heads_kv <= sms:
+    elif deterministic or (few and 2 * blocks * prob.heads_kv <= sms):
         order = HEADS_BATCH_FIRST
     else:
         order = HEADS_FIRST
