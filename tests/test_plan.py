@@ -735,9 +735,9 @@ def test_causal_grids_start_every_heads_heaviest_block_first():
 def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     """The wgmma backward's causal grid starts heads first where the heads' chains of blocks are shorter
     than a wave, with the batch beside the heads in grids of at most FEW_WAVES CTAs an SM (a GQA model's
-    2K step) where one entry fills at most half the SMs; the deterministic kernels go heads and batch
-    first; chains of a wave or more, the two-pass wide kernels' many-wave grids, every non-causal grid
-    and the mma.sync kernel's default grid keep key blocks in x."""
+    2K step) where one entry fills at most half the SMs (deterministic: in every grid of few waves); chains
+    of a wave or more (deterministic: heads and batch first), the two-pass wide kernels' many-wave grids,
+    every non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
     from sagebwd_cp.gpu.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.gpu.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
     from sagebwd_cp.options import AttentionOptions
@@ -753,7 +753,9 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     assert grid(2, 16, 16, 8192, True) == ((16, 64, 2), HEADS_FIRST)  # many waves, one entry over half the SMs
     assert grid(64, 8, 2, 2048, True) == ((2, 16, 64), HEADS_FIRST)  # many waves: the batch stays in z
     assert grid(1, 8, 2, 32768, True) == ((256, 2, 1), BLOCKS_FIRST)  # 512 CTAs, but chains of 256 blocks
-    assert grid(1, 16, 16, 16384, True, det=True) == ((16, 1, 128), HEADS_BATCH_FIRST)
+    assert grid(1, 16, 16, 16384, True, det=True) == ((16, 128, 1), HEADS_FIRST)  # many waves, short chains
+    assert grid(1, 8, 2, 32768, True, det=True) == ((2, 1, 256), HEADS_BATCH_FIRST)  # chains of 256 blocks
+    assert grid(8, 8, 2, 2048, True, det=True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # few waves
     q, k = np.zeros((16, 16, 4096, 8), np.float16), np.zeros((16, 16, 4096, 8), np.float16)
     wide = make_problem(q, k, k, AttentionOptions(causal=True))  # two-pass: chains of 64 CTAs, many waves
     assert backward_grid(wide, 128, False, True, 132, passes=2) == ((64, 16, 16), BLOCKS_FIRST)

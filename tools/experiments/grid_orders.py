@@ -1,7 +1,9 @@
 """The wgmma backward pass's time (pre- and post-kernels included) under each causal grid order, forced by patching
 backward.backward_grid; bf16; rounds interleave the orders; prints ms a round and heads-first / blocks-first.
 
-    python tools/experiments/grid_orders.py BxHqxHkvxNxD ...     # e.g. 8x16x16x2048x128 2x32x8x8192x128"""
+    [DET=1] python tools/experiments/grid_orders.py BxHqxHkvxNxD ...  # e.g. 8x16x16x2048x128 2x32x8x8192x128
+(DET=1: the deterministic backward)."""
+import os
 import sys
 
 import torch
@@ -28,11 +30,12 @@ def run(shape, reps=20, rounds=5):
     do = torch.randn(b, n, hq, d, generator=g, device="cuda").bfloat16()
     res = {}
     for r in range(rounds):
-        for name, order in (("blocks", launch.BLOCKS_FIRST), ("heads", launch.HEADS_FIRST)):
+        for name, order in (("blocks", launch.BLOCKS_FIRST), ("heads", launch.HEADS_FIRST),
+                            ("heads_batch", launch.HEADS_BATCH_FIRST)):
             backward.backward_grid = forced(order)
             plan.clear_plans()
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            out = st.flash_attn_func(*leaves, causal=True)
+            out = st.flash_attn_func(*leaves, causal=True, deterministic=os.environ.get("DET") == "1")
             out.backward(do, retain_graph=True)
             torch.cuda.synchronize()
             ts = []
