@@ -736,8 +736,7 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     """The wgmma backward's causal grid starts heads first where the heads' chains of blocks are shorter
     than a wave, with the batch beside the heads in grids of at most FEW_WAVES CTAs an SM (a GQA model's
     2K step) where one entry fills at most half the SMs (deterministic: in every grid of few waves); chains
-    of a wave or more (deterministic: heads and batch first), the two-pass wide kernels' many-wave grids,
-    every non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
+    of a wave or more (deterministic: heads and batch first), every non-causal grid and the mma.sync kernel's default grid keep key blocks in x."""
     from sagebwd_cp.gpu.backward import FEW_WAVES, backward_grid
     from sagebwd_cp.gpu.launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST
     from sagebwd_cp.options import AttentionOptions
@@ -758,7 +757,7 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     assert grid(8, 8, 2, 2048, True, det=True) == ((2, 8, 16), HEADS_BATCH_FIRST)  # few waves
     q, k = np.zeros((16, 16, 4096, 8), np.float16), np.zeros((16, 16, 4096, 8), np.float16)
     wide = make_problem(q, k, k, AttentionOptions(causal=True))  # two-pass: chains of 64 CTAs, many waves
-    assert backward_grid(wide, 128, False, True, 132, passes=2) == ((64, 16, 16), BLOCKS_FIRST)
+    assert backward_grid(wide, 128, False, True, 132, passes=2) == ((16, 64, 16), HEADS_FIRST)
     assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, wgmma=False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, det=True, wgmma=False) == ((2, 8, 16), HEADS_BATCH_FIRST)

@@ -88,12 +88,12 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     GQA 4:1 model's 2K backward, 256 CTAs on 132 SMs, list schedule: 61% busy blocks first, 63% heads
     first, 97% heads and batch first); else in z, HEADS_FIRST, so that the CTAs running together share
     one batch entry's query-side tiles in L2 (at 8K two entries' tiles overflow it: -8%). Grids of many
-    waves whose chains are shorter than a wave go heads first too, HEADS_FIRST, deterministic or not (one CTA
-    a key block; H200, causal, against blocks first: MHA d=128 2K-8K and GQA 4:1 8K 1.03-1.12x; deterministic,
+    waves whose chains are shorter than a wave go heads first too, HEADS_FIRST, deterministic or not (H200,
+    causal, against blocks first: MHA d=128 2K-8K and GQA 4:1 8K 1.03-1.12x, d=256 4K 1.07x; deterministic,
     against heads and batch first, MHA 2K 1.22x at d=128 and 1.13x at d=64, 8K even; 16K even). Chains of a
-    wave or more (32K), and many-wave grids of the two-pass wide kernels, keep a head's CTAs together,
-    BLOCKS_FIRST, for L2 (heads first cost the d=128 32K model shape 9%), or when deterministic go heads and
-    batch first (their turns pass along CTAs that started together). The mma.sync kernel (64-key CTAs, several an SM) does
+    wave or more (32K) keep a head's CTAs together, BLOCKS_FIRST, for L2 (heads first cost the d=128 32K model
+    shape 9%), or when deterministic go heads and batch first (their turns pass along CTAs that started
+    together). The mma.sync kernel (64-key CTAs, several an SM) does
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
     costs it a register it does not have at d=64 (specs.backward_fixed_grid_order). ``passes`` CTAs a key
     block (specs.BackwardTiles.passes) lie next to one another on the blocks' axis, so that they read the
@@ -109,7 +109,7 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
         order = BLOCKS_FIRST
     elif few:
         order = HEADS_BATCH_FIRST if deterministic or 2 * blocks * prob.heads_kv <= sms else HEADS_FIRST
-    elif short and passes == 1:
+    elif short:
         order = HEADS_FIRST
     else:
         order = HEADS_BATCH_FIRST if deterministic else BLOCKS_FIRST
