@@ -30,8 +30,8 @@ constexpr int DP = SB_DP;
 constexpr int BQ = SB_BLOCK_Q, BKV = SB_BLOCK_KV;
 constexpr int CTA_KEYS = SB_CTA_KEYS, THREADS = SB_THREADS;
 static_assert(DP == 128 && BQ == 64 && BKV == 64 && CTA_KEYS == 128 && THREADS == 512, "four warpgroups at head dim 128");
-static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC,
-              "fine granularity, no Q-smoothing, no soft cap, not deterministic");
+static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC && !SB_VARLEN,
+              "fine granularity, no Q-smoothing, no soft cap, not deterministic, dense batches");
 constexpr int QH = BQ / 2;          // queries of a warpgroup
 constexpr int NT = QH / 8;          // n-tiles of its Sᵀ and dPᵀ
 constexpr int DH = DP / 2;          // dK and dV columns of a warpgroup
@@ -87,14 +87,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
     QuadShared& sh = *reinterpret_cast<QuadShared*>(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int wv = warp & 3, kb = warp >> 3;
+    const int wv = warp & 3;
     const GridCell cell = backward_cell(a.grid_order);
     const int j = cell.j, hk = cell.hk, b = cell.b;
     const int group = a.Hq / a.Hkv;
     const BackwardSeq seq(a, b);
     const int hi = seq.band_hi();
     static_assert(CTA_KEYS == BACKWARD_CTA_KEYS, "backward_common.cuh's key count");
-    if (SB_VARLEN && j * CTA_KEYS >= seq.len_k()) return;
     const QueryBlocks qb = query_blocks(j * CTA_KEYS, CTA_KEYS, seq);
     const int i0 = qb.i0, n_i = qb.n_i, n_it = group * n_i;
     const u32 base = smem_u32(smem);
@@ -128,7 +127,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
         for (int cb = 0; cb < 2; ++cb)
             tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, seq.q_start() + i * BQ, h,
-                        SB_VARLEN ? 0 : seq.b, bar);
+                        seq.b, bar);
         bulk_load(smem_u32(&sh.stats[slot][0]), a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     const int h_first = hk * group, i_last = i0 + n_i - 1;
@@ -158,7 +157,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int wgu = warpgroup_uniform();
     float s_k[2];
     {
-        const i64 k0 = seq.k_row0(hk) + j * CTA_KEYS + kb * BKV + krow;
+        const i64 k0 = seq.k_row0(hk) + j * CTA_KEYS + (wgu >> 1) * BKV + krow;
         s_k[0] = a.k_scale[k0];
         s_k[1] = a.k_scale[k0 + 8];
     }
@@ -191,9 +190,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const float4* stats_s = sh.stats[slot];
         mbarrier_wait(smem_u32(&sh.bar[slot]), (it >> 1) & 1);
         const int q0 = i * BQ;
-        const int fw = wgu, fkb = fw >> 1, fqh = fw & 1;
-        const int key0 = j * CTA_KEYS + fkb * BKV, qc0 = q0 + QH * fqh;  // the warpgroup's first key and query
-        const bool need_mask = qc0 + QH > (SB_VARLEN ? seq.len_q() : a.Lq) || key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) ||
+        const int kb = wgu >> 1, qh = wgu & 1;
+        const int key0 = j * CTA_KEYS + kb * BKV, qc0 = q0 + QH * qh;  // the warpgroup's first key and query
+        const bool need_mask = qc0 + QH > a.Lq || key0 + BKV > a.Lk ||
                                (SB_CAUSAL && key0 + BKV - 1 > qc0 + hi) ||
                                (SB_WINDOW && key0 + a.win_width < qc0 + QH - 1 + hi);
 
@@ -202,14 +201,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         {
             int s[NT][4];
             wgmma_fence();
-            const u32 k_desc = wgmma_desc_lo<DP>(smem_u32(sh.k)) + fkb * BKV * DP / 16;
-            const u32 q_desc = wgmma_desc_lo<DP>(st) + fqh * QH * DP / 16;
+            const u32 k_desc = wgmma_desc_lo<DP>(smem_u32(sh.k)) + kb * BKV * DP / 16;
+            const u32 q_desc = wgmma_desc_lo<DP>(st) + qh * QH * DP / 16;
 #pragma unroll
             for (int ks = 0; ks < DP / 32; ++ks)
                 wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, 32 * ks), wgmma_desc<DP>(q_desc, 32 * ks), ks);
             wgmma_commit();
-            const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v)) + fkb * BKV * 128 / 16;
-            const u32 do_desc = wgmma_desc_lo<128>(st + SDO) + fqh * QH * 128 / 16;
+            const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v)) + kb * BKV * 128 / 16;
+            const u32 do_desc = wgmma_desc_lo<128>(st + SDO) + qh * QH * 128 / 16;
 #pragma unroll
             for (int ks = 0; ks < DP / 16; ++ks)
                 wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
@@ -219,7 +218,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             wgmma_wait<1>();
             wgmma_hold_all(s);
             const float no_bias[2] = {0.f, 0.f};
-            probabilities(p, s, s_k, no_bias, stats_s, QH * fqh, t, key0 + krow, q0, need_mask, seq, hi);
+            probabilities(p, s, s_k, no_bias, stats_s, QH * qh, t, key0 + krow, q0, need_mask, seq, hi);
         }
 
         // Per key (rows krow, krow + 8): the maxima of Pᵀ and |dSᵀ| over the block's 64 queries, this half's and
@@ -234,7 +233,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         // dSᵀ = Pᵀ ∘ (dPᵀ - δ), in dPᵀ's registers.
         wgmma_wait<0>();
         wgmma_hold_all(ds);
-        ds_from_dp(ds, p, stats_s, QH * fqh, t, a);
+        ds_from_dp(ds, p, stats_s, QH * qh, t, a);
         {
             float mz[2];
             row_max<true>(mz, ds);
@@ -248,7 +247,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 sh.red_key[x][wgu][krow + 8] = m[2 * x + 1];
             }
         }
-        named_barrier<256>(BAR_PAIR + (wgu >> 1));
+        named_barrier<256>(BAR_PAIR + kb);
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
             m[2 * x] = max_nan(m[2 * x], sh.red_key[x][wgu ^ 1][krow]);
@@ -259,12 +258,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         auto store_codes = [&](i8* tile, const float (&x)[NT][4], const float (&inv)[2]) {
             u32 w4[4];
             pack_a(w4, x, inv, 0);
-            const int fq = wgu & 1;
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-                    *reinterpret_cast<u32*>(tile + swizzled_offset<64, true>(krow + 8 * half, 2 * fq + r) + 4 * t) =
+                    *reinterpret_cast<u32*>(tile + swizzled_offset<64, true>(krow + 8 * half, 2 * qh + r) + 4 * t) =
                         w4[2 * r + half];
         };
         // P̂ᵀ (unsigned codes) and Ẑᵀ per key.
@@ -274,34 +272,33 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const float inv[2] = {p0.inv, p1.inv};
             fac_v[0] = p0.scale * s_do;
             fac_v[1] = p1.scale * s_do;
-            store_codes(sh.pt[fkb], p, inv);
+            store_codes(sh.pt[kb], p, inv);
         }
         {
             const Psi z0 = psi(m[2]), z1 = psi(m[3]);
             const float inv[2] = {z0.inv, z1.inv};
             fac_k[0] = z0.scale;
             fac_k[1] = z1.scale;
-            store_codes(sh.zt[fkb], ds, inv);
+            store_codes(sh.zt[kb], ds, inv);
         }
         // Ŷ per query over the key block's 64 keys: the warp's 16 (spread_max8: lane (g, t) holds column yc), then
         // the warpgroup's four warps; stored [query][key of the CTA].
         {
-            const int w = wgu;
             float colmax[8];
 #pragma unroll
             for (int y = 0; y < 8; ++y) colmax[y] = max_nan(fabsf(ds[y / 2][y % 2]), fabsf(ds[y / 2][2 + y % 2]));
             const int yc = (g >> 1) * 8 + 2 * t + (g & 1);
-            sh.red_y[w][wv][yc] = spread_max8(colmax, g);
-            named_barrier<128>(BAR_WG + w);
-            float my = sh.red_y[w][0][yc];
+            sh.red_y[wgu][wv][yc] = spread_max8(colmax, g);
+            named_barrier<128>(BAR_WG + wgu);
+            float my = sh.red_y[wgu][0][yc];
 #pragma unroll
-            for (int x = 1; x < 4; ++x) my = max_nan(my, sh.red_y[w][x][yc]);
+            for (int x = 1; x < 4; ++x) my = max_nan(my, sh.red_y[wgu][x][yc]);
             const Psi ys = psi(my);
-            if (wv == 0) sh.yscale[w >> 1][QH * (w & 1) + yc] = ys.scale * sh.kt_scale[w >> 1];
+            if (wv == 0) sh.yscale[kb][QH * qh + yc] = ys.scale * sh.kt_scale[kb];
             // Query row 8n + 2t + c has swizzle key 2t + c whatever n: two offsets address every byte.
-            const int ychunk = 4 * (w >> 1) + wv;
-            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + g + QH * (w & 1) * 128,
-                                  swizzled_offset<128, true>(2 * t + 1, ychunk) + g + QH * (w & 1) * 128};
+            const int ychunk = 4 * kb + wv;
+            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + g + QH * qh * 128,
+                                  swizzled_offset<128, true>(2 * t + 1, ychunk) + g + QH * qh * 128};
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -313,15 +310,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 }
         }
         fence_proxy_async();  // the codes and Ŷ are read by wgmma
-        named_barrier<256>(BAR_PAIR + (wgu >> 1));  // both halves' P̂ᵀ and Ẑᵀ are in
+        named_barrier<256>(BAR_PAIR + kb);  // both halves' P̂ᵀ and Ẑᵀ are in
 
         // dV += P̂ᵀ dÔ and dK += Ẑᵀ Q̂ᵀ over the block's 64 queries, for the warpgroup's 64 columns, a 32-column
         // chunk at a time (each folded while the next runs).
         {
-            const int w = wgu;
-            const u32 pt_lo = wgmma_desc_lo<64>(smem_u32(sh.pt[w >> 1])), zt_lo = wgmma_desc_lo<64>(smem_u32(sh.zt[w >> 1]));
-            const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT) + (w & 1) * DH * BQ / 16;
-            const u32 qt_lo = wgmma_desc_lo<64>(st + SQT) + (w & 1) * DH * BQ / 16;
+            const u32 pt_lo = wgmma_desc_lo<64>(smem_u32(sh.pt[kb])), zt_lo = wgmma_desc_lo<64>(smem_u32(sh.zt[kb]));
+            const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT) + qh * DH * BQ / 16;
+            const u32 qt_lo = wgmma_desc_lo<64>(st + SQT) + qh * DH * BQ / 16;
             int pr[2][4][4];
             auto issue = [&](int x) {  // product x: dV chunk x (x < CH), else dK chunk x - CH
                 const bool is_v = x < CH;
@@ -359,9 +355,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 
         // dQ's columns 32w.. of the 64 queries: Σ over the key blocks of ŷ[kb][query]·(Ŷ_kb K̂ᵀ_kb).
         {
-            const int ft = static_cast<int>(fresh_tid()), w = wgu, rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
+            const int ft = static_cast<int>(fresh_tid()), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const u32 ds_lo = wgmma_desc_lo<128>(smem_u32(sh.ds));
-            const u32 kt_lo = wgmma_desc_lo<128>(smem_u32(sh.kt)) + DQ_COLS * w * 128 / 16;
+            const u32 kt_lo = wgmma_desc_lo<128>(smem_u32(sh.kt)) + DQ_COLS * wgu * 128 / 16;
             int pq[2][4][4];
             wgmma_fence();
 #pragma unroll
@@ -373,7 +369,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             wgmma_wait<0>();
             wgmma_hold_all(pq[0]);
             wgmma_hold_all(pq[1]);
-            float* dq_row = sh.dq + rows * DQ_PITCH + DQ_COLS * w + 2 * (ft & 3);
+            float* dq_row = sh.dq + rows * DQ_PITCH + DQ_COLS * wgu + 2 * (ft & 3);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float f0 = sh.yscale[0][rows + 8 * half], f1 = sh.yscale[1][rows + 8 * half];

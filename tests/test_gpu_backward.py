@@ -330,6 +330,21 @@ def _flash_attn_gradients(q, k, v, do, options: dict, packed: bool) -> list:
     return [x.grad for x in leaves]
 
 
+def _gradients_off_and_on(monkeypatch, variable: str, q, k, v, do, options: dict, packed: bool) -> tuple:
+    """(ref, got): ``_flash_attn_gradients`` with the setting ``variable`` at 0, then at 1 on poisoned workspaces,
+    each from fresh plans."""
+    from sagebwd_cp.gpu import plan
+
+    monkeypatch.setenv(variable, "0")
+    plan.clear_plans()
+    ref = _flash_attn_gradients(q, k, v, do, options, packed)
+    monkeypatch.setenv(variable, "1")
+    plan.clear_plans()
+    with poisoned_workspaces():
+        got = _flash_attn_gradients(q, k, v, do, options, packed)
+    return ref, got
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 64), (1, 8, 2, 1100, 1100, 128), (2, 4, 4, 129, 700, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
@@ -353,17 +368,10 @@ def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, sha
     g = torch.Generator(device="cuda").manual_seed(lq)
     do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
 
-
     for packed in (False, True):
         if packed and options.get("granularity") == "paper":
             continue
-        monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "0")
-        plan.clear_plans()
-        ref = _flash_attn_gradients(q, k, v, do, options, packed)
-        monkeypatch.setenv("SAGEBWD_BACKWARD_WS", "1")
-        plan.clear_plans()
-        with poisoned_workspaces():
-            got = _flash_attn_gradients(q, k, v, do, options, packed)
+        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_WS", q, k, v, do, options, packed)
         for name, a, r in zip(("dq", "dk", "dv"), got, ref):
             if name == "dq" and not options.get("deterministic"):
                 assert rel_l2(a.float().cpu().numpy(), r.float().cpu().numpy()) < 1e-3, name
@@ -394,15 +402,8 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
     g = torch.Generator(device="cuda").manual_seed(lq)
     do = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
 
-
     for packed in (False, True):  # (packed: both runs are backward_wgmma.cu's, the choice's fallback)
-        monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "0")
-        plan.clear_plans()
-        ref = _flash_attn_gradients(q, k, v, do, options, packed)
-        monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "1")
-        plan.clear_plans()
-        with poisoned_workspaces():
-            got = _flash_attn_gradients(q, k, v, do, options, packed)
+        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_QUAD", q, k, v, do, options, packed)
         for name, a, r in zip(("dq", "dk", "dv"), got, ref):
             assert torch.isfinite(a).all(), (name, packed)
             if name == "dq":

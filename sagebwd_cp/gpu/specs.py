@@ -435,8 +435,8 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         tiles = BackwardTiles(stages=2)
     if tiles.quad and (varlen or not options.fine or options.smooth_q or options.softcap or options.deterministic):
         # The four-warpgroup kernel takes dense batches, fine granularity, no Q-smoothing or soft cap (packed, it
-        # spilled 4-8 bytes under NVRTC 13.0): elsewhere what backward_tiles picks without it (not deterministic).
-        tiles = BackwardTiles(stages=2, wgmma=True)
+        # spilled 4-8 bytes under NVRTC 13.0): elsewhere the two-warpgroup kernel of the same tiles.
+        tiles = dataclasses.replace(tiles, quad=False)
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
         # Q-smoothing 8 bytes (NVRTC 13.0).
