@@ -1,4 +1,5 @@
-// Row-wise work around the backward's main kernel: LSE2 and δ = rowsum(dO ∘ O) per query before it, dQ's conversion
+// Row-wise work around the backward's main kernel: LSE2 and δ = rowsum(dO ∘ O) per query before it (clearing the
+// rows of dQ's FP32 accumulator that the main kernel adds into, in the same pass), dQ's conversion
 // to the input dtype after it, and a packed copy of a 16-bit array whose rows are not 16-byte
 // aligned (the main kernel reads V and dO with cp.async).
 //
@@ -16,6 +17,9 @@ constexpr int THREADS = SB_THREADS;
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0; one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
+// Every row of the grid (each head's Nq_pad rows, or a packed sequence's padded rows: all the main kernel's query
+// blocks add into) also gets its dq_acc row zeroed and, deterministic, its query block's turn counter: these stores
+// ride along with the loads here, where a memset of its own was a pass over the accumulator.
 template <int LANES>
 SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     static_assert(SB_TOKEN_PAD % (THREADS / LANES) == 0, "a packed sequence's padded rows are whole CTAs");
@@ -24,6 +28,10 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     const SeqInfo<RowStatsParams> seq(p, blockIdx.z);
     // Packed: rows up to the sequence's padded end (whole CTAs, SB_TOKEN_PAD a multiple of their 16 or 32 rows).
     if (SB_VARLEN && row >= (seq.len_q() + SB_TOKEN_PAD - 1) / SB_TOKEN_PAD * SB_TOKEN_PAD) return;
+    const int lane = threadIdx.x % LANES;
+    float4* acc = reinterpret_cast<float4*>(p.dq_acc + (seq.q_row0(h) + row) * p.dq_row);
+    for (int i = lane; i < p.dq_row / 4; i += LANES) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p.dq_lock && lane == 0 && row % SB_BLOCK_Q == 0) p.dq_lock[seq.q_block0(h) + row / SB_BLOCK_Q] = 0;
     float s = 0.f;
     if (row < seq.len_q() && c0 < p.D) {
         const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
@@ -41,7 +49,7 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     }
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x % LANES == 0)
+    if (lane == 0)
         p.stats[seq.q_row0(h) + row] = make_float4(row < seq.len_q() ? p.lse2[seq.lse_row0(h) + row] : __int_as_float(0x7f800000),
                                                    p.q_scale[seq.q_row0(h) + row], s,
                                                    p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);

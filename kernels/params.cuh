@@ -147,6 +147,8 @@ SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
     F(const float*, lse2) F(const float*, q_scale) F(const float*, qt_scale) \
     F(int, Hq) F(int, Lq) F(int, D) F(int, Nq_pad) \
     F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ) */ \
+    F(float*, dq_acc) F(int, dq_row)          /* zeroed here for the main kernel's dQ: [B][Hq][Nq_pad][dq_row] */ \
+    F(int*, dq_lock)                          /* [B][Hq][Nq_pad / 64], zeroed here; null unless deterministic */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(RowStatsParams, SB_ROW_STATS_FIELDS)
 

@@ -201,7 +201,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     float own_max[OWN], thread_max = 0.f;
 #pragma unroll
     for (int x = 0; x < OWN; ++x) own_max[x] = 0.f;
-#pragma unroll 1
+#pragma unroll 2
     for (int i = 0; i < GROUP; ++i) {
         float m = 0.f;
         if (SHIFT) {
@@ -255,7 +255,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     // not read again. A rolled loop: every warp runs this code once, at its own pace, and 16 unrolled rows
     // were more code than the instruction cache kept for the CTAs of an SM ("no instruction" stalls).
     const int group_lane0 = lane - lane % L;
-#pragma unroll 1
+#pragma unroll 2
     for (int i = 0; i < GROUP; ++i) {
         float row_inv = i < rows_in ? block_inv : 0.f;  // rows past N code 0 (per token: amax 0)
         if (per_token) row_inv = __shfl_sync(0xffffffffu, OWN == 1 || i % 2 == 0 ? own_inv[0] : own_inv[OWN - 1], group_lane0 + i / OWN);

@@ -394,7 +394,7 @@ def test_device_is_switched_only_when_needed(gpu):
     assert "launch" in kinds[1:-1]
 
 
-def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
+def test_forward_and_backward_plans_have_no_memset(gpu):
     q, k, v = qkv(lq=64, lk=64)
     out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
     assert not [c for c in gpu.calls if c[0] == "memset"]  # one token-sum CTA stores its sums
@@ -403,11 +403,11 @@ def test_forward_and_backward_plans_have_no_memset_for_short_keys(gpu):
     gpu.calls.clear()
     do = cuda_desc(q.shape, base=7 << 44)
     sagebwd_cp.attention_backward(saved, do, deterministic=True)
-    memsets = [c for c in gpu.calls if c[0] == "memset"]
-    assert len(memsets) == 1  # dQ accumulator and the locks, in one memset
+    # dQ's accumulator and the turn counters are cleared by row_stats (backward_rows.cu), not by a memset.
+    assert not [c for c in gpu.calls if c[0] == "memset"]
     bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
-    zeroed = sorted(b.name for b in _buffers(bwd) if b.zeroed)
-    assert zeroed == ["dq_acc", "lock"] and memsets[0][3] == bwd.zero_bytes
+    assert bwd.zero_bytes == 0 and not [b.name for b in _buffers(bwd) if b.zeroed]
+    assert {"dq_acc", "lock"} <= {b.name for b in _buffers(bwd)}
 
 
 def test_backward_reuses_the_forwards_key_mean(gpu):

@@ -1,7 +1,9 @@
 """GPU time of each kernel SDPA launches for one forward and one backward (the peer's side of
-``probe_steps.py``): which backend torch picked, by kernel name, and where its time goes.
+``probe_steps.py``): which backend torch picked, by kernel name, and where its time goes. With ``--ours``
+the same for sagebwd_cp's forward and backward at each shape, by the same profiler (kernel durations, so
+short kernels are not inflated by the host's launch time as CUDA events around them are).
 
-    python tools/probe_sdpa_kernels.py --seqlens 2048 8192 --head-dims 64 128 --hidden 1024 --gqa 4 --causal
+    python tools/probe_sdpa_kernels.py --seqlens 2048 8192 --head-dims 64 128 --hidden 1024 --gqa 4 --causal --ours
 """
 from __future__ import annotations
 
@@ -45,9 +47,12 @@ def main():
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ours", action="store_true", help="also sagebwd_cp's kernels at each shape")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
+
+    import sagebwd_cp
     dtype = getattr(torch, args.dtype)
     print(torch.cuda.get_device_name(0), args.dtype, "causal" if args.causal else "non-causal")
     for d in args.head_dims:
@@ -62,6 +67,12 @@ def main():
                 torch.autograd.grad(out, (q, k, v), do)
 
             print_kernel_times(f"d={d} N={n} B={b} H={h}/{h // args.gqa}", kernel_times(step, args.reps))
+            if args.ours:
+                def ours():
+                    _, saved = sagebwd_cp.attention_forward(q.detach(), k.detach(), v.detach(), causal=args.causal)
+                    sagebwd_cp.attention_backward(saved, do)
+
+                print_kernel_times("    sagebwd_cp", kernel_times(ours, args.reps))
 
 
 if __name__ == "__main__":

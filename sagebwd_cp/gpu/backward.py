@@ -144,6 +144,10 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     nq, nk = qz.nq_pad, qz.nk_pad
 
     stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
+    # dQ's accumulator and the deterministic turn counters start at zero: row_stats clears them (no memset).
+    dq_row = tiles.dq_row(dp)
+    dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32")
+    lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32") if deterministic else None
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
     # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
@@ -152,11 +156,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
-                               **q_lengths))
-
-    dq_row = tiles.dq_row(dp)
-    dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32", zeroed=True)
-    lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32", zeroed=True) if deterministic else None
+                               dq_acc=dq_acc, dq_row=dq_row, dq_lock=lock, **q_lengths))
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
     do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq, tma=tiles.wgmma)
