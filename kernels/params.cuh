@@ -86,8 +86,8 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(const float*, do_scale)                 /* [B][Hq][Nq_pad/64] */ \
     F(const float4*, stats)                   /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ): s_Q the per-token Q̂ scale, s_Qᵀ q8t's */ \
                                /* of the row's block; LSE2 = +inf, δ = 0 on padded rows */ \
-    F(float*, dq_acc)                         /* [B][Hq][Nq_pad][dq_row], zeroed (specs.BackwardTiles.dq_row) */ \
-    F(int*, dq_lock)                          /* [B][Hq][Nq_pad/64], zeroed (SB_DETERMINISTIC) */ \
+    F(float*, dq_acc)                         /* [B][Hq][Nq_pad][dq_row], zeroed by row_stats (specs.BackwardTiles.dq_row) */ \
+    F(int*, dq_lock)                          /* [B][Hq][Nq_pad/64], zeroed by row_stats (SB_DETERMINISTIC) */ \
     F(u16*, dk)                               /* 16-bit outputs, strides kb, kh, kn and wb, wh, wn */ \
     F(u16*, dv) \
     F(i64, vb) F(i64, vh) F(i64, vn) F(i64, db) F(i64, dh) F(i64, dn) \
