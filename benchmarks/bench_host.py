@@ -1,10 +1,10 @@
 """Host cost per call of the pure-Python parts, on a machine without a GPU.
 
-Every call into the GPU (stream query, device query, memset, kernel launch, module load) is replaced
+Every call into the GPU (stream query, device query, kernel launch, module load) is replaced
 by a stub, and device allocations go through the library's own allocation code to CPU
 ``torch.empty`` calls of the same shapes; CPU tensors are described as CUDA ones.  What is left is what the library itself spends in Python: finding the
 launch plan, allocating, packing the pointers, and the adapter's bookkeeping.  On a GPU, add the
-driver's own time per launch and memset (a few µs each) and the real allocator.
+driver's own time per launch (a few µs each) and the real allocator.
 
     python benchmarks/bench_host.py                 # B=1, H=1, N=64, D=64, float16, causal
 """
@@ -41,7 +41,6 @@ def mock_the_gpu():
     device._device_archs[0] = "sm_90"
     device._device_sms[0] = 132  # an H100's or H200's multiprocessors
     runtime.getDevice = lambda: 0
-    runtime.memsetAsync = lambda ptr, value, nbytes, stream: None
     driver.ctxGetCurrent = lambda: 1
     driver.launchKernel = lambda f, gx, gy, gz, bx, by, bz, shared, stream, params, extra: None
     # The backward's tensor maps (sm_90): the driver's encoder is not there; its calls are not timed.
@@ -98,7 +97,7 @@ def main(argv=None):
         ("signatures of q, k, v + plan lookup", lookup),
         (f"pack the pointers of one forward ({sum(len(s.slots) for s in fwd.steps)} slots, "
          f"{len(fwd.steps)} launches)", pack_pointers),
-        ("plan.run: forward (allocations, memset, launches)", lambda: fwd.run(ptrs)),
+        ("plan.run: forward (allocations, launches)", lambda: fwd.run(ptrs)),
         ("sagebwd_cp.attention (inference)", lambda: sagebwd_cp.attention(q, k, v, causal=True)),
         ("sagebwd_cp.attention_forward (training, saved state)",
          lambda: sagebwd_cp.attention_forward(q, k, v, causal=True)),

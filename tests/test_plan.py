@@ -20,32 +20,21 @@ H200_SHARED = 232448
 
 # ------------------------------------------------------------------------------ workspace carving
 
-def test_carve_aligns_zeroed_first_and_never_overlaps():
-    sizes = [(1, False), (1000, True), (256, False), (3, True), (513, False), (4096, False)]
-    bufs = [plan.Buffer(f"b{i}", (n,), "int8", z) for i, (n, z) in enumerate(sizes)]
-    total, zero_bytes = plan.carve(bufs)
-    spans = sorted((b.offset, b.offset + b.nbytes, b.zeroed) for b in bufs)
-    assert all(start % plan.WORKSPACE_ALIGN == 0 for start, _, _ in spans)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+def test_carve_aligns_in_order_and_never_overlaps():
+    sizes = [1, 1000, 256, 3, 513, 4096]
+    bufs = [plan.Buffer(f"b{i}", (n,), "int8") for i, n in enumerate(sizes)]
+    total = plan.carve(bufs)
+    spans = [(b.offset, b.offset + b.nbytes) for b in bufs]
+    assert all(start % plan.WORKSPACE_ALIGN == 0 for start, _ in spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in the order given
     assert spans[-1][1] <= total and total % plan.WORKSPACE_ALIGN == 0
-    # The zeroed buffers come first and one memset of zero_bytes covers them and nothing after them.
-    assert [z for _, _, z in spans] == [True, True, False, False, False, False]
-    assert zero_bytes == max(end for _, end, z in spans if z)
-    assert zero_bytes <= min(start for start, _, z in spans if not z)
 
 
-def test_carve_keeps_the_order_of_the_others_and_sizes_by_dtype():
-    bufs = [plan.Buffer("a", (3, 5), "float32", False), plan.Buffer("b", (7,), "float64", True),
-            plan.Buffer("c", (2, 2), "int8", False)]
-    total, zero_bytes = plan.carve(bufs)
-    assert [b.offset for b in bufs] == [256, 0, 512]
+def test_carve_sizes_by_dtype():
+    bufs = [plan.Buffer("a", (3, 5), "float32"), plan.Buffer("b", (7,), "float64"), plan.Buffer("c", (2, 2), "int8")]
+    assert plan.carve(bufs) == 768
+    assert [b.offset for b in bufs] == [0, 256, 512]
     assert [b.nbytes for b in bufs] == [60, 56, 4]
-    assert (total, zero_bytes) == (768, 56)
-
-
-def test_carve_without_zeroed_buffers():
-    bufs = [plan.Buffer("a", (10,), "int8", False)]
-    assert plan.carve(bufs) == (256, 0) and bufs[0].offset == 0
 
 
 # ------------------------------------------------------------------------------ argument packing
@@ -336,7 +325,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert [a[1:] for a in gpu.allocations[start:]] == [((1, 2, 100, 64), "float16"), ((1, 2, 100), "float32"),
                                                              ((1, 1, 64), "float32"),
                                                              ((built.workspace_bytes + 256,), "uint8")]
-        assert [c for c in gpu.calls if c[0] == "memset"] == [] and built.zero_bytes == 0
+        assert [c for c in gpu.calls if c[0] == "memset"] == []
         assert names["k_sum"].shape == (1, 1, 2, 64)
         launches = gpu.launches()
         assert [c[1] for c in launches] == [s.head[0] for s in built.steps]
@@ -406,7 +395,6 @@ def test_forward_and_backward_plans_have_no_memset(gpu):
     # dQ's accumulator and the turn counters are cleared by row_stats (backward_rows.cu), not by a memset.
     assert not [c for c in gpu.calls if c[0] == "memset"]
     bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
-    assert bwd.zero_bytes == 0 and not [b.name for b in _buffers(bwd) if b.zeroed]
     assert {"dq_acc", "lock"} <= {b.name for b in _buffers(bwd)}
 
 

@@ -1,9 +1,9 @@
 """Time of each launch inside one forward and one backward call (fp16, fine backward), at the
-benchmark's shapes: where the pre- and post-kernels (memset, token_sum, quantize, row_stats,
+benchmark's shapes: where the pre- and post-kernels (token_sum, quantize, row_stats,
 dq_convert) stand against the attention kernels.  The backward runs on the saved state (with the
 forward's μ_K) and, for comparison, from plain arrays without it (μ_K summed again).
 
-Every kernel launch and memset of a plan gets a CUDA event before and after it (the plan's own
+Every kernel launch of a plan gets a CUDA event before and after it (the plan's own
 launch path, wrapped), so each step's time is its own, with the steps queued back to back as in a
 real call; the median over --reps calls is printed, and the call's time without the events.
 
@@ -23,8 +23,8 @@ from bench_attention import timed  # noqa: E402
 
 
 class _EventedCuda:
-    """Stands in for (runtime, driver) in sagebwd_cp.gpu.launch: each launch or memset is bracketed by
-    events, recorded as (name, start, end) in ``marks``."""
+    """Stands in for (runtime, driver) in sagebwd_cp.gpu.launch: each launch is bracketed by events,
+    recorded as (name, start, end) in ``marks``."""
 
     def __init__(self, runtime, driver, name_of):
         self._runtime, self._driver, self._name_of = runtime, driver, name_of
@@ -47,9 +47,6 @@ class _EventedCuda:
         class Runtime:
             def __getattr__(self, attr):
                 return getattr(outer._runtime, attr)
-
-            def memsetAsync(self, ptr, value, nbytes, stream):
-                outer._bracketed("memset", stream, lambda: outer._runtime.memsetAsync(ptr, value, nbytes, stream))
 
         class Driver:
             def __getattr__(self, attr):

@@ -9,8 +9,8 @@ specs, no per-argument conversion.
 
 Pointers a plan fills in per call come from a table: the caller's arrays (``inputs``, in order),
 then the outputs it allocates, then the workspace bases.  The workspace is carved into sub-buffers
-at ``WORKSPACE_ALIGN``-byte offsets, the ones that must start zeroed first, so one memset covers
-them all.  A plan may release part of its workspace midway (``PlanBuilder.release_workspace``):
+at ``WORKSPACE_ALIGN``-byte offsets; none needs to start zeroed (what must start at zero, the
+backward's dQ accumulator, a kernel clears as it passes: backward_rows.cu row_stats).  A plan may release part of its workspace midway (``PlanBuilder.release_workspace``):
 those buffers live in a second allocation, dropped before the later launches, and the outputs that
 only later launches write are allocated after it, so they can reuse its memory.
 """
@@ -40,8 +40,8 @@ def _round_up(x: int, m: int) -> int:
 class Buffer:
     """A sub-buffer of the call's workspace (``offset`` is set when the plan is built)."""
 
-    def __init__(self, name: str, shape: tuple, dtype: str, zeroed: bool):
-        self.name, self.shape, self.dtype, self.zeroed = name, tuple(int(s) for s in shape), dtype, zeroed
+    def __init__(self, name: str, shape: tuple, dtype: str):
+        self.name, self.shape, self.dtype = name, tuple(int(s) for s in shape), dtype
         self.strides = contiguous_strides(self.shape)
         self.nbytes = math.prod(self.shape) * _ITEMSIZE[dtype]
         self.offset = None
@@ -62,16 +62,14 @@ class Output:
         return f"Output({self.name!r}, {self.shape}, {self.dtype})"
 
 
-def carve(buffers) -> tuple:
-    """Assign each Buffer its offset: zeroed buffers first, every offset a multiple of
-    WORKSPACE_ALIGN.  Returns (total bytes, bytes to zero from offset 0)."""
-    pos = zero_bytes = 0
-    for buf in sorted(buffers, key=lambda b: not b.zeroed):  # stable: zeroed first, else in order
+def carve(buffers) -> int:
+    """Assign each Buffer its offset, in order, every offset a multiple of WORKSPACE_ALIGN.
+    Returns the total bytes."""
+    pos = 0
+    for buf in buffers:
         buf.offset = pos
         pos = _round_up(pos + buf.nbytes, WORKSPACE_ALIGN)
-        if buf.zeroed:
-            zero_bytes = buf.offset + buf.nbytes
-    return pos, zero_bytes
+    return pos
 
 
 class Step:
@@ -89,26 +87,25 @@ class Step:
 
 
 class Release:
-    """The workspace released midway: from launch ``step`` on, its ``nbytes`` (the first
-    ``zero_bytes`` zeroed) are dropped and the outputs numbered ``late`` are allocated."""
+    """The workspace released midway: from launch ``step`` on, its ``nbytes`` are dropped and the
+    outputs numbered ``late`` are allocated."""
 
-    __slots__ = ("step", "nbytes", "zero_bytes", "late")
+    __slots__ = ("step", "nbytes", "late")
 
-    def __init__(self, step: int, nbytes: int, zero_bytes: int, late: tuple):
-        self.step, self.nbytes, self.zero_bytes, self.late = step, nbytes, zero_bytes, late
+    def __init__(self, step: int, nbytes: int, late: tuple):
+        self.step, self.nbytes, self.late = step, nbytes, late
 
 
 class LaunchPlan:
     """Everything one call launches; ``run`` replays it with the call's pointers."""
 
     def __init__(self, device_id: int, framework: str, inputs: tuple, outputs: list, workspace_bytes: int,
-                 zero_bytes: int, steps: list, problem=None, release: Release | None = None):
+                 steps: list, problem=None, release: Release | None = None):
         self.device_id = device_id
         self.framework = framework  # whose allocator and current stream a call uses
         self.inputs = inputs  # names of the caller's arrays, in the order ``run`` takes their pointers
         self.outputs = outputs  # Output objects, returned in this order
         self.workspace_bytes = workspace_bytes  # the workspace that lives through the call
-        self.zero_bytes = zero_bytes
         self.steps = steps
         self.release = release
         late = release.late if release else ()
@@ -134,7 +131,7 @@ class LaunchPlan:
         for n in self._early:
             out = outputs[n]
             objs[n], table[n_in + n] = allocate(out.shape, out.dtype, fw, dev)
-        workspace, table_ws = self._allocate_workspace(self.workspace_bytes, table)
+        workspace, _ = self._allocate_workspace(self.workspace_bytes, table)
         released = None
         if release is not None:
             released, _ = self._allocate_workspace(release.nbytes, table)
@@ -146,10 +143,6 @@ class LaunchPlan:
             if previous != dev or not driver.ctxGetCurrent():
                 runtime.setDevice(dev)  # also binds the device's primary context to this thread
             try:
-                if self.zero_bytes:
-                    runtime.memsetAsync(table[table_ws], 0, self.zero_bytes, stream)
-                if release is not None and release.zero_bytes:
-                    runtime.memsetAsync(table[table_ws + 1], 0, release.zero_bytes, stream)
                 for late, steps in self._phases:
                     if late is not None:
                         # Dropped while the queued launches still read it: the allocators are
@@ -217,8 +210,8 @@ class PlanBuilder:
         self.buffers, self.outputs, self.launches = [], [], []
         self.release_at = None  # launches recorded before the workspace release, if there is one
 
-    def workspace(self, name: str, shape, dtype: str, zeroed: bool = False) -> Buffer:
-        buf = Buffer(name, shape, dtype, zeroed)
+    def workspace(self, name: str, shape, dtype: str) -> Buffer:
+        buf = Buffer(name, shape, dtype)
         self.buffers.append(buf)
         return buf
 
@@ -262,7 +255,7 @@ class PlanBuilder:
         """The plan; ``resolve(spec, entry, device_id, shared) -> function handle`` loads the kernels
         (default: compiler.get_function_pointer, which needs the device)."""
         resolve = resolve or compiler.get_function_pointer
-        total, zero_bytes = carve([b for b in self.buffers if not b.released])
+        total = carve([b for b in self.buffers if not b.released])
         released = carve([b for b in self.buffers if b.released])
         input_ids = {id(desc): i for i, (_, desc) in enumerate(self.inputs)}
         steps, first_use = [], {}
@@ -290,9 +283,9 @@ class PlanBuilder:
         release = None
         if self.release_at is not None:
             late = tuple(n for n, step in sorted(first_use.items()) if step >= self.release_at)
-            release = Release(self.release_at, *released, late)
+            release = Release(self.release_at, released, late)
         return LaunchPlan(self.device_id, self.framework, tuple(name for name, _ in self.inputs), list(self.outputs),
-                          total, zero_bytes, steps, problem, release)
+                          total, steps, problem, release)
 
 
 class _Input:

@@ -147,7 +147,7 @@ def inputs(d, n):
 
 def plan_steps() -> list:
     """Every launch of the plans built so far: entry, spec key, grid, block, dynamic shared bytes
-    (plan.Step.head is cuLaunchKernel's (function, grid, block, shared)); and each plan's zeroed bytes."""
+    (plan.Step.head is cuLaunchKernel's (function, grid, block, shared)); and each plan's workspace bytes."""
     from sagebwd_cp.gpu import plan
 
     rows = []
@@ -156,8 +156,7 @@ def plan_steps() -> list:
             head = tuple(getattr(step, "head", ()))
             rows.append({"entry": getattr(step, "entry", None), "spec": getattr(getattr(step, "spec", None), "key", None),
                          "grid": list(head[1:4]), "block": list(head[4:7]), "shared": head[7] if len(head) > 7 else None})
-        rows.append({"plan_zero_bytes": getattr(built, "zero_bytes", None),
-                     "plan_workspace_bytes": getattr(built, "workspace_bytes", None)})
+        rows.append({"plan_workspace_bytes": getattr(built, "workspace_bytes", None)})
     return rows
 
 
