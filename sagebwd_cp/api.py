@@ -231,6 +231,19 @@ def _guard(q, k, accuracy_guard, options: AttentionOptions) -> None:
                            layout=options.layout)
 
 
+def _forward_call(q, k, v, out, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout, window_size, softcap,
+                  return_lse, accuracy_guard) -> tuple:
+    """(options, return_lse) of a forward call (``attention``, ``attention_forward``), its arrays and flag
+    checked, and the accuracy guard run where it is on."""
+    check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
+                               layout=layout, **window_options(window_size), softcap=softcap)
+    return_lse = check_flag(return_lse, "return_lse")
+    if accuracy_guard is not None or guard._threshold is not None:
+        _guard(q, k, accuracy_guard, options)
+    return options, return_lse
+
+
 @jax_boundary
 def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
               out=None, return_lse=False, k_mean=None, accuracy_guard=None, window_size=(-1, -1), softcap=0.0,
@@ -256,12 +269,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     a logit per query head that joins each row's softmax normalizer and attends to nothing (sinks.py;
     the LSE then includes them).
     """
-    check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, **window_options(window_size), softcap=softcap)
-    return_lse = check_flag(return_lse, "return_lse")
-    if accuracy_guard is not None or guard._threshold is not None:
-        _guard(q, k, accuracy_guard, options)
+    options, return_lse = _forward_call(q, k, v, out, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout,
+                                        window_size, softcap, return_lse, accuracy_guard)
     if sinks is not None:
         return _attention_with_sinks(q, k, v, options, out, return_lse, k_mean, sinks)
     o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=return_lse, k_mean=k_mean)
@@ -289,12 +298,8 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
     """Training forward: returns ``(out, saved)`` (or ``(out, lse, saved)`` with return_lse);
     ``k_mean``, ``accuracy_guard``, ``window_size`` and ``sinks`` as in ``attention`` (with sinks, the
     backward also returns their gradient)."""
-    check_arrays("q, k, v, out, k_mean", q, k, v, out, k_mean, optional=("out", "k_mean"))
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
-                               layout=layout, **window_options(window_size), softcap=softcap)
-    return_lse = check_flag(return_lse, "return_lse")
-    if accuracy_guard is not None or guard._threshold is not None:
-        _guard(q, k, accuracy_guard, options)
+    options, return_lse = _forward_call(q, k, v, out, k_mean, causal, softmax_scale, smooth_k, smooth_q, layout,
+                                        window_size, softcap, return_lse, accuracy_guard)
     if sinks is not None:
         check_sinks(sinks, _query_heads(q, options.layout), q)
         o, lse, saved = run_forward(q, k, v, options, training=True, return_lse=True, want_saved=True, k_mean=k_mean)
