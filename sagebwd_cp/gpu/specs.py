@@ -537,10 +537,13 @@ def all_specs(arch: str | None = None) -> list:
                                     # SAGEBWD_BACKWARD_WS=1: the producer warpgroup's variant (opt-in), its plain masks
                                     ws = dataclasses.replace(wg, ws=True, dq_tiles=dq_tiles_for(True))
                                     specs.append(backward_kernel(dp, dt, bwd, ws, arch, limit, varlen)[1])
-                                if dp == 128 and granularity == "fine" and not det and not bias and not cap and not varlen:
-                                    # SAGEBWD_BACKWARD_QUAD=1: four warpgroups (opt-in)
+                                if dp == 128 and not det:
+                                    # SAGEBWD_BACKWARD_QUAD=1: four warpgroups (opt-in); backward_kernel says which
+                                    # options take them (the others fall back to the spec listed above)
                                     quad = BackwardTiles(stages=2, wgmma=True, quad=True)
-                                    specs.append(backward_kernel(dp, dt, bwd, quad, arch, limit, varlen)[1])
+                                    spec = backward_kernel(dp, dt, bwd, quad, arch, limit, varlen)[1]
+                                    if spec not in specs:
+                                        specs.append(spec)
     return specs
 
 
