@@ -11,6 +11,9 @@
 //   SB_TILE_KEYS keys per tile: 64 (the V scale block), or 128 with SB_WGMMA. A 128-key tile takes
 //               its row maxima, P̂'s scale and the O update once for two V blocks; P̂ then folds the
 //               ratio of the blocks' V scales in (numerics.py, forward P quantization).
+//   SB_DPV      wgmma above d=128: V's padded head dim (a multiple of 64 below SB_DP, else SB_DP), the V̂ᵀ rows
+//               a stage holds and O's columns: MLA's 192/128 holds O for 128 columns, d=192 for 192, and
+//               so takes three CTAs an SM instead of two; O's columns from it up to D are stored as zeros
 //   SB_THREADS, SB_CTA_Q  the CTA's threads and query rows (specs.ForwardTiles)
 //   SB_GRID_ORDER         the grid's order (specs.forward_grid_order): BLOCKS_FIRST, or HEADS_BATCH_FIRST,
 //                         whose query blocks start last to first
@@ -48,7 +51,12 @@ constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key 
 // wgmma: one pass, O's 128 registers a thread at d=256 beside 64-key tiles' S, two CTAs an SM.
 constexpr bool WG = SB_WGMMA;
 constexpr int O_PASSES = DP > 128 && !WG ? 2 : 1;
-constexpr int DO = DP / O_PASSES;             // O's columns a pass
+#ifndef SB_DPV
+#define SB_DPV SB_DP
+#endif
+constexpr int DPV = SB_DPV;                   // V's padded head dim (wgmma: O's columns)
+static_assert(DPV == DP || (WG && DP > 128 && DPV % 64 == 0 && DPV < DP), "a narrower V: wgmma above d=128");
+constexpr int DO = WG ? DPV : DP / O_PASSES;  // O's columns a pass
 constexpr int NT_D = DO / 8;                  // n-tiles of O over a pass's columns
 // wgmma above d=128: the k-steps of S past the head dim D and the 64-column P̂V̂ products past V's Dv read only
 // zero padding (192 as 256, or MLA's 192/128), and are skipped; a skipped product's O columns stay zero.
@@ -110,8 +118,9 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
 // more and take one CTA fewer.
 // Packed batches' 128-key d=64 kernels hold the sequence's bounds too and take three CTAs (168 registers;
 // the dense kernel measured the same at three and four).
-// d=256: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each).
-constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? 2 : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
+// d=256: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each); a V head dim of 128
+// or 192 (SB_DPV) leaves three (64 or 96 registers of O; 67 or 77 KB).
+constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? (DPV < DP ? 3 : 2) : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
@@ -397,7 +406,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
-            store_row<SB_BF16>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D - pass * DO, t,
+            store_row<SB_BF16, DPV < DP>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D - pass * DO, t,
                                [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row) + pass * DO; },
                                pass == O_PASSES - 1 ? p.lse2 : nullptr, [&] {
                                    return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;

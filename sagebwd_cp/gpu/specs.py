@@ -53,6 +53,7 @@ KEY_TEXT = {
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_QUAD": lambda v: ".quad" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
+    "SB_DPV": lambda v: f".v{v}",
     "SB_CONSUMERS": lambda v: f".c{v}",
     "SB_KV_STAGES": lambda v: f"s{v}",
     "SB_PINGPONG": lambda v: ".pp" if v else "",
@@ -112,6 +113,7 @@ class ForwardTiles:
     m_tiles: int  # 16-row m-tiles per warp
     wgmma: bool = False  # sm_90a warpgroup products (one warpgroup: 4 warps x 1 m-tile)
     key_tile: int = numerics.BLOCK_KV  # keys per tile: 64, or 128 with wgmma (kernels/forward.cu SB_TILE_KEYS)
+    value_cols: int = 0  # wgmma above d=128: V's padded head dim where narrower than the padded one (SB_DPV), else 0
 
     @property
     def cta_q(self) -> int:
@@ -122,7 +124,9 @@ class ForwardTiles:
         return self.warps * 32
 
     def choices(self) -> dict:
-        return {"SB_WARPS": self.warps, "SB_MT": self.m_tiles, "SB_WGMMA": int(self.wgmma), "SB_TILE_KEYS": self.key_tile}
+        narrow = {"SB_DPV": self.value_cols} if self.value_cols else {}
+        return {"SB_WARPS": self.warps, "SB_MT": self.m_tiles, "SB_WGMMA": int(self.wgmma), "SB_TILE_KEYS": self.key_tile,
+                **narrow}
 
     def implied(self) -> dict:
         """kernels/forward.cu's CTA: SB_THREADS threads, SB_CTA_Q query rows."""
@@ -198,13 +202,25 @@ def forward_key_tile() -> int:
 
 # The wgmma forward above head dim 128: 64-key tiles (O takes 128 registers a thread; kernels/forward.cu).
 WIDE_WGMMA_FORWARD_TILES = ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=numerics.BLOCK_KV)
+# V head dims that the wide wgmma forward holds O for when V is narrower than the padded head dim (SB_DPV: MLA's 128
+# under a Q·K head dim of 192, and d=192 itself): three CTAs an SM instead of two.
+NARROW_VALUE_COLS = (128, 192)
 
 
-def forward_tiles(dp: int, arch: str | None = None) -> ForwardTiles:
-    """Tiles for the forward (the plan checks that the kernel's shared layout fits the device)."""
+def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
+    """The wide wgmma forward's tiles for V's head dim ``value_dim`` (None: the padded head dim's)."""
+    cols = None if value_dim is None else -(-value_dim // 64) * 64
+    if cols in NARROW_VALUE_COLS:
+        return dataclasses.replace(WIDE_WGMMA_FORWARD_TILES, value_cols=cols)
+    return WIDE_WGMMA_FORWARD_TILES
+
+
+def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None) -> ForwardTiles:
+    """Tiles for the forward (the plan checks that the kernel's shared layout fits the device); ``value_dim``: V's
+    head dim, which the wide wgmma forward holds O for."""
     if use_wgmma(arch):
         if dp > numerics.WIDE_HEAD_DIM:
-            return WIDE_WGMMA_FORWARD_TILES
+            return wide_forward_tiles(value_dim)
         return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
     return FORWARD_TILES[dp]
 
@@ -515,7 +531,8 @@ def all_specs(arch: str | None = None) -> list:
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
-                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
+                            for value_dim in (None, *NARROW_VALUE_COLS):
+                                specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(value_dim), varlen))
                             specs.append(backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1])
                         continue
                     if arch in WGMMA_ARCHS:
