@@ -184,11 +184,14 @@ def _train(d: Dist, mode: str, attn: str, head_dim: int, context: int, steps: in
 
         model = DistributedDataParallel(model, device_ids=[d.device.index] if d.cuda else None)
     elif mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The run's device type named (without a mesh FSDP2 takes the GPU when there is one, also for --smoke).
+        mesh = init_device_mesh(d.device.type, (d.world,))
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     shard = slice(None) if mode == "single" else slice(d.rank * rows // d.world, (d.rank + 1) * rows // d.world)
     data = _batches(context, rows, warmup + steps, seed, d.device)  # every mode: the same global batches
