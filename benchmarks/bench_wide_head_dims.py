@@ -68,6 +68,18 @@ def _flex(q, k, v, do, window=-1, softcap=0.0):
 PEERS = {"ours": _ours, "cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_ATTENTION"), "flex": _flex}
 
 
+def shape_inputs(text: str):
+    """q, k, v and dO (bf16, (B, H, N, D), seeded) of a shape ``BxHqxHkvxNxD[xDv]``."""
+    import torch
+
+    b, hq, hk, n, d, *dv = map(int, text.split("x"))
+    dv = dv[0] if dv else d
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn((b, h, n, e), generator=g, device="cuda", dtype=torch.bfloat16)
+               for h, e in ((hq, d), (hk, d), (hk, dv)))
+    return q, k, v, torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD[xDv]")
@@ -82,12 +94,7 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  (bf16, causal; ms fwd / fwd+bwd)")
     records = []
     for text in args.shapes:
-        b, hq, hk, n, d, *dv = map(int, text.split("x"))
-        dv = dv[0] if dv else d
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn((b, h, n, e), generator=g, device="cuda", dtype=torch.bfloat16)
-                   for h, e in ((hq, d), (hk, d), (hk, dv)))
-        do = torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = shape_inputs(text)
         rec = {"shape": text}
         for name in args.peers:
             make = PEERS[name]

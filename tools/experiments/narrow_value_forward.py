@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from bench_attention import timed  # noqa: E402
-from bench_wide_head_dims import PEERS  # noqa: E402
+from bench_wide_head_dims import PEERS, shape_inputs  # noqa: E402
 
 # (B, Hq, Hkv, Lq, Lk, Dqk, Dv, options)
 CASES = [(1, 2, 2, 1, 1, 192, 128, {}), (2, 4, 2, 300, 257, 192, 128, {"causal": True}),
@@ -89,12 +89,7 @@ def time_shapes(shapes, rounds: int, reps: int) -> int:
 
     print(f"device: {torch.cuda.get_device_name()}  (bf16, causal; ms fwd / fwd+bwd, median of {rounds} rounds)")
     for text in shapes:
-        b, hq, hk, n, d, *dv = map(int, text.split("x"))
-        dv = dv[0] if dv else d
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn((b, h, n, e), generator=g, device="cuda", dtype=torch.bfloat16)
-                   for h, e in ((hq, d), (hk, d), (hk, dv)))
-        do = torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = shape_inputs(text)
         res = {"old": ([], []), "new": ([], []), "cudnn": ([], [])}
         for _ in range(rounds):
             for name in res:
