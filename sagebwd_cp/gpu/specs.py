@@ -203,8 +203,14 @@ def forward_key_tile() -> int:
 # The wgmma forward above head dim 128: 64-key tiles (O takes 128 registers a thread; kernels/forward.cu).
 WIDE_WGMMA_FORWARD_TILES = ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=numerics.BLOCK_KV)
 # V head dims that the wide wgmma forward holds O for when V is narrower than the padded head dim (SB_DPV: MLA's 128
-# under a Q·K head dim of 192, and d=192 itself): three CTAs an SM instead of two.
+# under a Q·K head dim of 192, and d=192 itself): three CTAs an SM instead of two. Built for the plain masks (none,
+# causal; dense and packed); windowed and soft-capped calls keep the 256-column kernel (fewer specs for CI to compile).
 NARROW_VALUE_COLS = (128, 192)
+
+
+def narrow_value_dim(options: AttentionOptions, value_dim: int) -> int | None:
+    """V's head dim where a narrow-V wide forward is built for ``options``' mask (wide_forward_tiles), else None."""
+    return None if options.windowed or options.softcap else value_dim
 
 
 def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
@@ -532,7 +538,9 @@ def all_specs(arch: str | None = None) -> list:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
                             for value_dim in (None, *NARROW_VALUE_COLS):
-                                specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(value_dim), varlen))
+                                tiles = wide_forward_tiles(value_dim and narrow_value_dim(fwd, value_dim))
+                                if value_dim is None or tiles.value_cols:
+                                    specs.append(forward_spec(dp, dt, fwd, tiles, varlen))
                             specs.append(backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1])
                         continue
                     if arch in WGMMA_ARCHS:
