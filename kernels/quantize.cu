@@ -250,7 +250,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + row0 / QBLOCK + blk : nullptr);
     }
 
-    // Codes, a row an iteration: the rows are stored as they are coded, and with t_out the codes t_out takes
+    // Codes, row by row: the rows are stored as they are coded, and with t_out the codes t_out takes
     // (the same, or with t_scale_out the block's, from the same values) replace the row's raw chunk, which is
     // not read again. Two rows an iteration, so that their shuffles and stores overlap (1.00-1.02x over one); 16
     // unrolled rows were more code than the instruction cache kept for the CTAs of an SM ("no instruction" stalls).

@@ -10,9 +10,10 @@ specs, no per-argument conversion.
 Pointers a plan fills in per call come from a table: the caller's arrays (``inputs``, in order),
 then the outputs it allocates, then the workspace bases.  The workspace is carved into sub-buffers
 at ``WORKSPACE_ALIGN``-byte offsets; none needs to start zeroed (what must start at zero, the
-backward's dQ accumulator, a kernel clears as it passes: backward_rows.cu row_stats).  A plan may release part of its workspace midway (``PlanBuilder.release_workspace``):
-those buffers live in a second allocation, dropped before the later launches, and the outputs that
-only later launches write are allocated after it, so they can reuse its memory.
+backward's dQ accumulator, a kernel clears as it passes: backward_rows.cu row_stats).  A plan may
+release part of its workspace midway (``PlanBuilder.release_workspace``): those buffers live in a
+second allocation, dropped before the later launches, and the outputs that only later launches
+write are allocated after it, so they can reuse its memory.
 """
 from __future__ import annotations
 
@@ -131,10 +132,10 @@ class LaunchPlan:
         for n in self._early:
             out = outputs[n]
             objs[n], table[n_in + n] = allocate(out.shape, out.dtype, fw, dev)
-        workspace, _ = self._allocate_workspace(self.workspace_bytes, table)
+        workspace = self._allocate_workspace(self.workspace_bytes, table)
         released = None
         if release is not None:
-            released, _ = self._allocate_workspace(release.nbytes, table)
+            released = self._allocate_workspace(release.nbytes, table)
         runtime, driver = cuda()
         launch_kernel = driver.launchKernel
         with self._lock:
@@ -168,7 +169,7 @@ class LaunchPlan:
         return objs, workspace
 
     def _allocate_workspace(self, nbytes: int, table: list):
-        """(array or None, its index in ``table``): appends the 256-byte aligned base (0 if none)."""
+        """The array (None for no bytes); appends its 256-byte aligned base (0 if none) to ``table``."""
         array, base = None, 0
         if nbytes:
             # Room to align the base: a user allocator need not return 256-byte aligned memory.
@@ -179,7 +180,7 @@ class LaunchPlan:
                 raise
             base = _round_up(p, WORKSPACE_ALIGN)
         table.append(base)
-        return array, len(table) - 1
+        return array
 
     def workspace_base_offset(self, workspace) -> int:
         """Where the aligned base lies in a workspace array that ``run`` returned."""

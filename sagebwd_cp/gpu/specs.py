@@ -537,10 +537,10 @@ def all_specs(arch: str | None = None) -> list:
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
-                            for value_dim in (None, *NARROW_VALUE_COLS):
-                                tiles = wide_forward_tiles(value_dim and narrow_value_dim(fwd, value_dim))
-                                if value_dim is None or tiles.value_cols:
-                                    specs.append(forward_spec(dp, dt, fwd, tiles, varlen))
+                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
+                            for cols in NARROW_VALUE_COLS:  # (the plain masks only: narrow_value_dim)
+                                if narrow_value_dim(fwd, cols):
+                                    specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
                             specs.append(backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1])
                         continue
                     if arch in WGMMA_ARCHS:

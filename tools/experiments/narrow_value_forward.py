@@ -4,9 +4,12 @@ same kernel holding all 256 padded columns, in one process (GPU).
 ``check``: forward outputs and LSE bit for bit equal between the two, over ragged, GQA, causal, windowed,
 soft-capped and packed cases in both dtypes (outputs poisoned with NaN first).
 ``time``: ms of the forward and of forward+backward, the two kernels interleaved over rounds, beside cuDNN's SDPA.
+``one``: three forwards of one shape by one variant (old, new or cudnn), for ncu to profile the third.
 
     python tools/experiments/narrow_value_forward.py check
     python tools/experiments/narrow_value_forward.py time [--shapes 2x16x4x4096x192x128 2x16x4x4096x192]
+    ncu --kernel-name regex:'^attention_forward$|fprop' --launch-skip 2 --launch-count 1 \
+        python tools/experiments/narrow_value_forward.py one --variant new --shapes 2x16x4x4096x192x128
 """
 from __future__ import annotations
 
@@ -106,14 +109,30 @@ def time_shapes(shapes, rounds: int, reps: int) -> int:
     return 0
 
 
+def one(shape: str, variant: str) -> int:
+    import torch
+
+    q, k, v, do = shape_inputs(shape)
+    if variant != "cudnn":
+        _narrow(variant == "new")
+    fwd, _ = PEERS["cudnn" if variant == "cudnn" else "ours"](q, k, v, do)
+    for _ in range(3):
+        fwd()
+    torch.cuda.synchronize()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("check", "time"))
+    ap.add_argument("mode", choices=("check", "time", "one"))
+    ap.add_argument("--variant", choices=("old", "new", "cudnn"), default="new", help="one: whose forward")
     ap.add_argument("--shapes", nargs="+", default=["2x16x4x4096x192x128", "1x16x4x8192x192x128", "2x16x4x4096x192",
                                                     "2x16x4x4096x256"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.mode == "one":
+        return one(args.shapes[0], args.variant)
     return check() if args.mode == "check" else time_shapes(args.shapes, args.rounds, args.reps)
 
 
