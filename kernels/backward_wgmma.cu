@@ -50,7 +50,20 @@ static_assert(CTA_KEYS == GROUPS * BKV && THREADS == GROUPS * 128, "a warpgroup 
 constexpr bool WS = SB_WS;
 constexpr int CTA_THREADS = THREADS + (WS ? 128 : 0);  // the launch's: the computing warpgroups, then the producer
 constexpr int PASSES = SB_PASSES;  // CTAs a key block, dK, dV and dQ for DH head-dim columns each
-constexpr int DH = DP / PASSES;
+// The head dims the passes split: Q·K's (SB_DQK) and V's (SB_DPV), each DP unless narrower (head dims up to 192 at a
+// padded DP of 256: the passes then take 96 columns of dK and dQ each, and dV's half of V's, not 128 of each, the
+// rest padding; V's and dO's tiles hold V's columns alone).
+#ifndef SB_DQK
+#define SB_DQK SB_DP
+#endif
+#ifndef SB_DPV
+#define SB_DPV SB_DP
+#endif
+constexpr int DQK = SB_DQK, DPV = SB_DPV;
+static_assert((DQK == DP && DPV == DP) || (PASSES > 1 && DQK <= DP && DPV <= DQK && DPV % 128 % 64 == 0),
+              "narrower dims only in the wide kernels; V's tiles in whole 64-column blocks");
+constexpr int DH = DQK / PASSES;    // dK's and dQ's columns (K̂ᵀ's and Q̂ᵀ's rows) a pass
+constexpr int DHV = DPV / PASSES;   // dV's columns (dÔᵀ's rows) a pass
 constexpr int KROW = DP > 128 ? 128 : DP;  // bytes from a row of K̂ or Q̂ to the next (swizzle.cuh wgmma_tile_offset)
 static_assert(PASSES == 1 || (WS && SB_FINE && !SB_DETERMINISTIC && !SB_BIAS),
               "head dims above 128: the producer's loads, fine granularity, not deterministic, no Q-smoothing");
@@ -75,7 +88,8 @@ constexpr bool ROOMY = DP == 64;
 // dK and dV in chunks of CHUNK_COLS columns, one m64nCHUNK_COLS product each (a chunk's int32 registers
 // are in flight beside dK, dV and dS: 16 for 32 columns; at head dim 64 one 64-column chunk fits).
 constexpr int CHUNK_COLS = ROOMY ? 64 : 32;
-constexpr int CHUNKS = DH / CHUNK_COLS;
+constexpr int CHUNKS = DH / CHUNK_COLS, CHUNKS_V = DHV / CHUNK_COLS;  // dK's, dV's
+static_assert(CHUNKS_V <= CHUNKS && CHUNKS <= 4, "dV's chunks fold in four steps (dv_step), dK's follow");
 constexpr int NT_CH = CHUNK_COLS / 8;  // n-tiles of a chunk
 // dQ: warpgroup w computes DQ_COLS head-dim columns from DQ_COL0(w) over every key block of the CTA,
 // and stores them.
@@ -83,7 +97,7 @@ constexpr int DQ_COLS = DH / GROUPS;
 constexpr int NT_DQ = DQ_COLS / 8;   // n-tiles of a warpgroup's dQ columns
 // dQ's products go DQ_CHUNK_COLS columns at a time, every key block's at once (GROUPS int32 accumulators
 // of DQ_CHUNK_NT n-tiles in flight): 32 columns; 16 in the soft-capped wide kernels (32 spilled there).
-constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : WIDE_SOFTCAP ? 2 : 4;
+constexpr int DQ_CHUNK_NT = NT_DQ < 4 ? NT_DQ : WIDE_SOFTCAP || NT_DQ % 4 ? 2 : 4;  // (6 n-tiles: 3 x 16 columns)
 constexpr int DQ_CHUNK_COLS = 8 * DQ_CHUNK_NT, DQ_CHUNKS = NT_DQ / DQ_CHUNK_NT;
 static_assert(NT_DQ % DQ_CHUNK_NT == 0, "whole chunks");
 SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
@@ -91,7 +105,7 @@ SB_DEVICE int dq_col0(int w) { return w * DQ_COLS; }
 constexpr int KEY_BLOCKS = CTA_KEYS / 128;
 static_assert(CTA_KEYS == 128 && DQ_COLS % 8 == 0, "two warpgroups of 64 keys");
 constexpr int KS8 = DP / 32;         // INT8 k-steps over the head dim
-constexpr int KS16 = DP / 16;        // 16-bit k-steps over the head dim
+constexpr int KS16 = DPV / 16;       // 16-bit k-steps over V's head dim
 // Above d=128 the k-steps that read only zero padding are skipped: Sᵀ's past the head dim D and dPᵀ's past V's Dv
 // (192 runs as 256, MLA's 192/128 with V's columns 128-255 zero). The first k-step is always issued (one that starts
 // the accumulator conditionally spilled). (Skipping dV's chunks past Dv, by a branch or a guard predicate, spilled
@@ -109,14 +123,18 @@ static_assert(DQ_PITCH >= DP && DQ_PITCH % 4 == 0, "rows hold the head dim, 16-b
 static_assert(PASSES > 1 || DQ_TILE_PITCH == DQ_PITCH, "one pass: the tile is dq_acc's rows");
 static_assert(SB_TMA_DQ_COLS == DQ_TILE_PITCH, "tm_dq's box is a dQ tile");
 // The TMA boxes: Q̂ one query block of DP-byte rows; Q̂ᵀ, dÔᵀ DP rows of a query block's bytes; dO
-// DP / DO_COLS boxes of the query block's rows x DO_COLS 16-bit columns (128 bytes: tile16_offset's
+// DPV / DO_COLS boxes of the query block's rows x DO_COLS 16-bit columns (128 bytes: tile16_offset's
 // column blocks); each box in the swizzle of its row's bytes, which the wgmma descriptors and
 // tile16_offset read.
 constexpr int DO_COLS = SB_TMA_DO_COLS;
 constexpr int Q_COLS = SB_TMA_Q_COLS;
 static_assert(SB_TMA_QROWS == BQ, "a box spans one query block");
-static_assert(Q_COLS == KROW && SB_TMA_QT_ROWS == DH, "Q̂ boxes are its column blocks, Q̂ᵀ and dÔᵀ boxes a pass's rows");
-static_assert(2 * DO_COLS == 128 && DP % DO_COLS == 0, "dO boxes are 128-byte column blocks");
+#ifndef SB_TMA_DOT_ROWS
+#define SB_TMA_DOT_ROWS SB_TMA_QT_ROWS
+#endif
+static_assert(Q_COLS == KROW && SB_TMA_QT_ROWS == DH && SB_TMA_DOT_ROWS == DHV,
+              "Q̂ boxes are its column blocks, Q̂ᵀ and dÔᵀ boxes a pass's rows");
+static_assert(2 * DO_COLS == 128 && DPV % DO_COLS == 0, "dO boxes are 128-byte column blocks");
 static_assert(SB_TMA_SWIZZLE_Q == Q_COLS && SB_TMA_SWIZZLE_QT == BQ && SB_TMA_SWIZZLE_DO == 2 * DO_COLS,
               "each box in the swizzle of its rows");
 // Shared memory: per-CTA tiles, then SB_STAGES query-side stages' tiles, then Ŷ, the reductions, the stages'
@@ -126,8 +144,8 @@ constexpr int TILE_ALIGN = 1024;
 struct BackwardStage {      // a whole number of swizzle atoms
     i8 q[BQ * DP];          // Q̂   [64 q][DP] int8, 128-byte column blocks
     i8 qt[DH * BQ];         // Q̂ᵀ  [DH][64 q] int8, fragment token order: the pass's rows
-    i8 dot[DH * BQ];        // dÔᵀ [DH][64 q] int8, fragment token order: the pass's rows
-    u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit, 128-byte column blocks
+    i8 dot[DHV * BQ];       // dÔᵀ [DHV][64 q] int8, fragment token order: the pass's rows
+    u16 dout[BQ * DPV];     // dO  [64 q][DPV] 16-bit, 128-byte column blocks
 };
 struct StageRows {          // a stage's rows and mbarriers (kept out of the tiles: their atoms stay unpadded)
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ)
@@ -139,7 +157,7 @@ struct StageRows {          // a stage's rows and mbarriers (kept out of the til
 struct BackwardShared {
     i8 k[CTA_KEYS * DP];             // K̂  [keys][DP] int8, 128-byte column blocks
     i8 kt[KEY_BLOCKS][DH * 128];     // K̂ᵀ [key block][DH][128 keys] int8: the pass's rows
-    u16 v[CTA_KEYS * DP];            // V  [keys][DP] 16-bit, 128-byte column blocks
+    u16 v[CTA_KEYS * DPV];           // V  [keys][DPV] 16-bit, 128-byte column blocks
     BackwardStage stage[SB_STAGES];
     i8 ds[KEY_BLOCKS][BQ * 128];     // Ŷ [key block][64 q][128 keys] int8
     float dq[DQ_TILES][BQ * DQ_TILE_PITCH];  // the dQ partials' tiles (iteration it: it % DQ_TILES), on 1024 bytes
@@ -172,7 +190,7 @@ constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), DQ_OFF = DS_OFF +
 constexpr int RED_OFF = DQ_OFF + sizeof(BackwardShared::dq);
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
 constexpr int ROWS0 = TURN_OFF + sizeof(BackwardShared::turn);
-static_assert(STAGE_BYTES == 3 * BQ * DP + 2 * DH * BQ && sizeof(BackwardShared) == ROWS0 + sizeof(BackwardShared::rows),
+static_assert(STAGE_BYTES == BQ * DP + (DH + DHV) * BQ + 2 * BQ * DPV && sizeof(BackwardShared) == ROWS0 + sizeof(BackwardShared::rows),
               "no padding in the layout");
 static_assert(STAGE0 % TILE_ALIGN == 0 && STAGE_BYTES % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0,
               "wgmma tiles need aligned bases");
@@ -198,25 +216,36 @@ SB_DEVICE void compute_sync() {
     else __syncthreads();
 }
 
-// Offset of 16-byte chunk c of row r in a [ROWS][DP] 16-bit tile stored as 128-byte column blocks.
+// Offset of 16-byte chunk c of row r in a [ROWS][DPV] 16-bit tile stored as 128-byte column blocks.
 template <int ROWS>
-SB_DEVICE int tile16_offset(int r, int c) { return wgmma_tile_offset<2 * DP, ROWS>(r, c); }
+SB_DEVICE int tile16_offset(int r, int c) { return wgmma_tile_offset<2 * DPV, ROWS>(r, c); }
 
-// ROWS rows of a strided 16-bit array into a [ROWS][DP] tile; rows >= n_valid and columns >= D are
+// ROWS rows of a strided 16-bit array into a [ROWS][DPV] tile; rows >= n_valid and columns >= D are
 // zero-filled (D is a multiple of 8, so a 16-byte chunk is either all in or all out).
 template <int ROWS>
 SB_DEVICE void load_tile16(u32 smem, const u16* g, i64 row_stride, int n_valid, int D) {
-    constexpr int CH = 2 * DP / 16, ROWS_PER_PASS = THREADS / CH;
-    static_assert(THREADS % CH == 0 && ROWS % ROWS_PER_PASS == 0, "passes must cover whole rows");
+    constexpr int CH = 2 * DPV / 16;
     const u32 tid = threadIdx.x;
-    const int r0 = tid / CH, c = tid % CH;
-    const u16* src = g + r0 * row_stride + c * 8;
-    const bool col_ok = c * 8 < D;
+    if constexpr (THREADS % CH != 0) {  // (V's head dim 192: 24 chunks a row) chunk by chunk
+        static_assert(ROWS * CH % THREADS == 0, "passes must cover whole tiles");
 #pragma unroll
-    for (int k = 0; k < ROWS / ROWS_PER_PASS; ++k) {
-        const int r = r0 + k * ROWS_PER_PASS;
-        const bool ok = col_ok && r < n_valid;
-        cp_async_16(smem + tile16_offset<ROWS>(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
+        for (int k = 0; k < ROWS * CH / THREADS; ++k) {
+            const int x = tid + k * THREADS, r = x / CH, c = x % CH;
+            const bool ok = c * 8 < D && r < n_valid;
+            cp_async_16(smem + tile16_offset<ROWS>(r, c), ok ? g + r * row_stride + c * 8 : g, ok ? 16 : 0);
+        }
+    } else {
+        constexpr int ROWS_PER_PASS = THREADS / CH;
+        static_assert(ROWS % ROWS_PER_PASS == 0, "passes must cover whole rows");
+        const int r0 = tid / CH, c = tid % CH;
+        const u16* src = g + r0 * row_stride + c * 8;
+        const bool col_ok = c * 8 < D;
+#pragma unroll
+        for (int k = 0; k < ROWS / ROWS_PER_PASS; ++k) {
+            const int r = r0 + k * ROWS_PER_PASS;
+            const bool ok = col_ok && r < n_valid;
+            cp_async_16(smem + tile16_offset<ROWS>(r, c), ok ? src + k * ROWS_PER_PASS * row_stride : g, ok ? 16 : 0);
+        }
     }
 }
 
@@ -303,9 +332,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
         if (parts & 2) {
             if (SPLIT) mbarrier_arrive_expect_tx(bar1, PART1_BYTES);
-            const int qt_row = static_cast<int>(seq.qt_row0(h, DP)) + fresh_pass() * DH;
-            tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar1);
-            tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar1);
+            const int qt_row = static_cast<int>(seq.qt_row0(h, DP)), pass = fresh_pass();  // the head's first row
+            tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row + pass * DH, bar1);
+            tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row + pass * DHV, bar1);
             if (SPLIT) bulk_load(rows + SBAR_STATS1, a.stats + seq.q_row0(h) + i * BQ, 16, bar1);
         }
         if (!(parts & 1)) return;
@@ -317,10 +346,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         };
         if constexpr (PASSES > 1) {
 #pragma unroll 1  // (unrolled, the producer's 40 registers spilled)
-            for (int cb = 0; cb < DP / DO_COLS; ++cb) load_do(cb);
+            for (int cb = 0; cb < DPV / DO_COLS; ++cb) load_do(cb);
         } else {
 #pragma unroll
-            for (int cb = 0; cb < DP / DO_COLS; ++cb) load_do(cb);
+            for (int cb = 0; cb < DPV / DO_COLS; ++cb) load_do(cb);
         }
         bulk_load(rows, a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
@@ -475,13 +504,16 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (WIDE_SOFTCAP) read_key_scales();
 
     // Keys krow, krow+8 x the pass's head-dim columns CHUNK_COLS·chunk + 8n + 2t, +1.
-    float dk[CHUNKS][NT_CH][4], dv[CHUNKS][NT_CH][4];
+    float dk[CHUNKS][NT_CH][4], dv[CHUNKS_V][NT_CH][4];  // dV: the pass's columns of V's head dim (DHV)
 #pragma unroll
     for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
         for (int n = 0; n < NT_CH; ++n)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) dk[ch][n][c] = dv[ch][n][c] = 0.f;
+            for (int c = 0; c < 4; ++c) {
+                dk[ch][n][c] = 0.f;
+                if (ch < CHUNKS_V) dv[ch][n][c] = 0.f;
+            }
     auto fold_dk = [&](int ch, int (&pr)[NT_CH][4], u32 (&zf)[2][4], const float (&f)[2]) {
         rows_finish(dk[ch], pr, zf, f);
     };
@@ -523,8 +555,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
             for (int ks = 0; ks < KS16; ++ks)
                 if (!SKIP_PADDING || ks == 0 || 16 * ks < a.Dv)
-                    wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DP, CTA_KEYS>(ks)),
-                                          wgmma_desc<128>(do_desc, kstep_offset<2 * DP, BQ>(ks)), ks);
+                    wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DPV, CTA_KEYS>(ks)),
+                                          wgmma_desc<128>(do_desc, kstep_offset<2 * DPV, BQ>(ks)), ks);
             wgmma_commit();
         };
         {
@@ -595,10 +627,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         rows_issue<SB_FINE>(pr, pf, sdot_lo, 0);
         // Later chunks one at a time between the steps below: step c folds chunk c - 1 and issues chunk c.
         auto dv_step = [&](int c) {
-            if (c > CHUNKS) return;
+            if (c > CHUNKS_V) return;
             wgmma_wait<0>();
             rows_finish(dv[c - 1], pr, pf, fac_v);
-            if (c < CHUNKS) rows_issue<SB_FINE>(pr, pf, sdot_lo, c);
+            if (c < CHUNKS_V) rows_issue<SB_FINE>(pr, pf, sdot_lo, c);
         };
 
         // Maxima of |dS| per key (Ẑ, for dK), inside the warp, and per query (Ŷ, for dQ) over the
@@ -829,21 +861,35 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // column predicates) before the loop and hold them across it.
     const int ft = fresh_tid(), ft_t = ft & 3;
     const int fpass = fresh_pass();
+    // The CTA's cell formed again in the narrow dense kernels: held across the loop, d=192's causal one spilled 8 bytes.
+    constexpr bool FRESH_CELL = DQK < DP && !SB_VARLEN;
+    const GridCell fc = FRESH_CELL ? backward_cell(a.grid_order) : GridCell{j * PASSES, hk, b};
+    const int fj = fc.j / PASSES, fhk = fc.hk;
+    const BackwardSeq fseq = FRESH_CELL ? BackwardSeq(a, fc.b) : seq;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int key = j * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
-        if (key >= seq.len_k()) continue;
-        u16* kr = a.dk + seq.key_token(a.kb, a.kh, a.kn, hk, key);
-        u16* vr = a.dv + seq.key_token(a.wb, a.wh, a.wn, hk, key);
+        const int key = fj * CTA_KEYS + (ft >> 5) * 16 + (ft >> 2 & 7) + 8 * half;  // key_lo + 8·half
+        if (key >= fseq.len_k()) continue;
+        u16* kr = a.dk + fseq.key_token(a.kb, a.kh, a.kn, fhk, key);
+        u16* vr = a.dv + fseq.key_token(a.wb, a.wh, a.wn, fhk, key);
 #pragma unroll
         for (int ch = 0; ch < CHUNKS; ++ch)
 #pragma unroll
             for (int n = 0; n < NT_CH; ++n) {
                 const int col = fpass * DH + ch * CHUNK_COLS + n * 8 + 2 * ft_t;
-                if (col >= a.D) continue;
-                const float k0 = dk[ch][n][2 * half], k1 = dk[ch][n][2 * half + 1];
-                *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);
-                *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
+                const int vcol = fpass * DHV + ch * CHUNK_COLS + n * 8 + 2 * ft_t;  // (col where DHV = DH)
+                if (col < a.D) {
+                    const float k0 = dk[ch][n][2 * half], k1 = dk[ch][n][2 * half + 1];
+                    *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);
+                }
+                if (ch < CHUNKS_V && vcol < a.D)
+                    *reinterpret_cast<u32*>(vr + vcol) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
             }
+        // dV's columns past V's tile (dO's there are zero padding, value_head_dim): zeros, 8 columns in turn a pass.
+#pragma unroll
+        for (int m = 0; m < (DQK - DPV) / 8 / PASSES; ++m) {
+            const int col = DPV + 8 * (PASSES * m + fpass) + 2 * ft_t;
+            if (col < a.D) *reinterpret_cast<u32*>(vr + col) = 0u;
+        }
     }
 }

@@ -435,7 +435,7 @@ def test_the_wide_wgmma_forward_holds_o_for_a_narrower_value_head_dim():
         assert tiles.value_cols == cols and tiles.key_tile == 64 and tiles.wgmma, value_dim
     assert specs.forward_tiles(128, "sm_90", 64).value_cols == 0  # (the d=128 kernels hold O's 128 columns)
     assert specs.forward_tiles(256, "sm_80", 128) == specs.FORWARD_TILES[256]
-    narrow = [s for s in specs.all_specs("sm_90") if "SB_DPV" in dict(s.defines)]
+    narrow = [s for s in specs.all_specs("sm_90") if "SB_DPV" in dict(s.defines) and s.key.startswith("forward.")]
     assert {dict(s.defines)["SB_DPV"] for s in narrow} == set(specs.NARROW_VALUE_COLS)
     # (none and causal masks, dense and packed, both dtypes; windowed and soft-capped calls keep the 256-column kernel)
     assert len(narrow) == 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
@@ -448,6 +448,31 @@ def test_the_wide_wgmma_forward_holds_o_for_a_narrower_value_head_dim():
         report = kernel.reports.get("attention_forward")
         assert report is None or (report.spill_stores == 0 and report.stack_bytes == 0), (spec.key, report)
         assert 3 * (compiler.dynamic_shared_bytes(spec, "sm_90") + 1024) <= 233472, spec.key
+
+
+def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them():
+    """Head dims up to 192 (MLA's 192/128, 192, 136/64) under the plain masks: the wide backward's two CTAs a key
+    block take 96 columns of dK and dQ each and half of V's (SB_DQK 192, SB_DPV 128 or 192), not 128 of 256; with
+    V's 128 columns two stages fit. Windowed and soft-capped calls and head dims above 192 keep the 256-column
+    kernel. Every such spec is listed, compiles without spills and fits the shared memory of an sm_90 block."""
+    wide = specs.backward_tiles(256, "sm_90")
+    plain, window = AttentionOptions(causal=True), AttentionOptions(causal=True, window_left=8)
+    for head_dim, value_dim, want in ((192, 128, (192, 128, 2)), (192, 192, (192, 192, 1)), (136, 64, (192, 128, 2)),
+                                      (136, 136, (192, 192, 1)), (200, 200, (0, 0, 1)), (256, 128, (0, 0, 1))):
+        tiles = specs.narrow_backward_tiles(wide, 256, head_dim, specs.narrow_value_dim(plain, value_dim))
+        assert (tiles.qk_cols, tiles.value_cols, tiles.stages) == want, (head_dim, value_dim)
+        assert tiles.pass_dims(256) == (want[0] or 256) // 2 and tiles.value_pass_dims(256) == (want[1] or 256) // 2
+    assert specs.narrow_backward_tiles(wide, 256, 192, specs.narrow_value_dim(window, 128)) == wide
+    assert specs.narrow_backward_tiles(specs.backward_tiles(128, "sm_90"), 128, 128, 128).qk_cols == 0
+    narrow = [s for s in specs.all_specs("sm_90") if "SB_DQK" in dict(s.defines)]
+    assert len(narrow) == 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
+    assert not any(dict(s.defines).get("SB_WINDOW") or dict(s.defines).get("SB_SOFTCAP") for s in narrow)
+    for spec in (narrow[0], narrow[1]):  # V's 128 and 192 columns
+        d = dict(spec.defines)
+        assert d["SB_TMA_QT_ROWS"] == 96 and d["SB_TMA_DOT_ROWS"] == d["SB_DPV"] // 2 and d["SB_TMA_DQ_COLS"] == 104
+        report = compiler.compile_spec(spec, "sm_90").reports["attention_backward"]
+        assert report.spill_stores == 0 and report.stack_bytes == 0, (spec.key, report)
+        assert compiler.dynamic_shared_bytes(spec, "sm_90") <= specs.ARCH_SHARED_LIMIT["sm_90"], spec.key
 
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
@@ -464,9 +489,11 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # 256, 192 or 128 columns (a narrower V head dim) and a fine, not deterministic backward each.
     wide = [s for s in wg if ".hd256." in s.key]
     assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
-    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * 5 * 2
-    assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == 1 for s in wide
-               if s.key.startswith("backward."))
+    # Backward: a fine, not deterministic kernel per mask and batch splitting 256 columns, and for the plain masks
+    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles).
+    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * 5 * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
+    assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key else 1)
+               for s in wide if s.key.startswith("backward."))
     wg = [s for s in wg if s not in wide]
     assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
     per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}

@@ -50,7 +50,7 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
 def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
     """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*), in the
     boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes, or of its 128-byte column blocks),
-    Q̂ᵀ and dÔᵀ (a pass's rows of 64 bytes), dO (64 rows x 64 columns of 16 bits, zero past Lq and D); and
+    Q̂ᵀ and dÔᵀ (a pass's rows of 64 bytes: of Q·K's and of V's head dim), dO (64 rows x 64 columns of 16 bits, zero past Lq and D); and
     dq_acc's ([rows][dq_row] f32) that dQ's partial tiles add into."""
     B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
     if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
@@ -60,6 +60,8 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
     rows = TensorMapLayout(DTYPE_UINT8, (q_cols, B * Hq * nq, q_blocks), (dp, q_cols), boxes["rows"].box,
                            boxes["rows"].swizzle)
     cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["cols"].box, boxes["cols"].swizzle)
+    value_cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["value_cols"].box,
+                                 boxes["value_cols"].swizzle)
     # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
     db, dh, dn = do_strides
     strides, inner = [], D * 2
@@ -69,7 +71,7 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
     dq_row = tiles.dq_row(dp)
     acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), boxes["dq"].box, boxes["dq"].swizzle)
-    return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(cols, qz.dot8),
+    return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(value_cols, qz.dot8),
                 tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
 
 
@@ -138,7 +140,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     dev = prob.q.device_id
     arch = device_arch(dev)
-    wanted = specs.backward_tiles(dp, arch, deterministic)
+    wanted = specs.narrow_backward_tiles(specs.backward_tiles(dp, arch, deterministic), dp, D,
+                                         specs.narrow_value_dim(options, prob.value_dim))
     tiles, spec = specs.backward_kernel(dp, prob.dtype, options, wanted, arch, shared_memory_limit(dev), prob.varlen)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad

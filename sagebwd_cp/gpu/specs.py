@@ -53,6 +53,7 @@ KEY_TEXT = {
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_QUAD": lambda v: ".quad" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
+    "SB_DQK": lambda v: f".qk{v}",
     "SB_DPV": lambda v: f".v{v}",
     "SB_CONSUMERS": lambda v: f".c{v}",
     "SB_KV_STAGES": lambda v: f"s{v}",
@@ -339,6 +340,10 @@ class BackwardTiles:
     ws: bool = False  # wgmma: a producer warpgroup beside the two computing ones (SB_WS; backward_tiles says where)
     dq_tiles: int = 1  # wgmma: dQ partial tiles in shared memory (SB_DQ_TILES; 2 needs ws: dq_tiles_for)
     quad: bool = False  # wgmma at head dim 128: kernels/backward_quad.cu (four warpgroups split by queries)
+    # wgmma above head dim 128: the Q·K and V head dims the passes split where narrower than the padded one (SB_DQK,
+    # SB_DPV; narrow_backward_tiles), else 0
+    qk_cols: int = 0
+    value_cols: int = 0
 
     @property
     def filename(self) -> str:
@@ -375,6 +380,7 @@ class BackwardTiles:
         ones, unswizzled)."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
         return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
+                "value_cols": TmaBox((bq, self.value_pass_dims(dp)), bq),
                 "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((self.pass_dims(dp) + 8, bq), 0)}
 
     def passes(self, dp: int) -> int:
@@ -384,12 +390,18 @@ class BackwardTiles:
         return 2 if self.wgmma and dp > numerics.WIDE_HEAD_DIM else 1
 
     def pass_dims(self, dp: int) -> int:
-        return dp // self.passes(dp)
+        """dK's and dQ's columns a CTA (Q̂ᵀ's and K̂ᵀ's rows)."""
+        return (self.qk_cols or dp) // self.passes(dp)
+
+    def value_pass_dims(self, dp: int) -> int:
+        """dV's columns a CTA (dÔᵀ's rows)."""
+        return (self.value_cols or dp) // self.passes(dp)
 
     def choices(self) -> dict:
+        narrow = {"SB_DQK": self.qk_cols, "SB_DPV": self.value_cols} if self.qk_cols else {}
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
                 **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {}),
-                **({"SB_QUAD": 1} if self.quad else {})}
+                **({"SB_QUAD": 1} if self.quad else {}), **narrow}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -404,6 +416,8 @@ class BackwardTiles:
                        SB_TMA_QT_ROWS=maps["cols"].box[1], SB_TMA_DO_COLS=maps["grad"].box[0], SB_TMA_DQ_COLS=maps["dq"].box[0],
                        SB_TMA_SWIZZLE_Q=maps["rows"].swizzle, SB_TMA_SWIZZLE_QT=maps["cols"].swizzle,
                        SB_TMA_SWIZZLE_DO=maps["grad"].swizzle)
+            if self.qk_cols:
+                out.update(SB_TMA_DOT_ROWS=maps["value_cols"].box[1])
         return out
 
 
@@ -436,6 +450,24 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
     return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(ws))
+
+
+# The wide wgmma backward's Q·K head dim where a call's fits it (SB_DQK): the passes then split 192 columns, not 256,
+# and V's tiles hold V's head dim rounded up to NARROW_VALUE_COLS (SB_DPV). Built for the plain masks, as the
+# narrow-V forward (narrow_value_dim).
+NARROW_QK_COLS = 192
+
+
+def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int | None) -> BackwardTiles:
+    """``tiles`` for a wide wgmma backward whose head dim ``head_dim`` (V's ``value_dim``; None: the plain masks'
+    kernel is not built for the call's options) fits NARROW_QK_COLS; else ``tiles``."""
+    if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
+        return tiles
+    cols = [c for c in NARROW_VALUE_COLS if c >= min(value_dim, NARROW_QK_COLS)]
+    if not cols:
+        return tiles
+    # Two stages where they fit (V's 128 columns: 204,528 bytes), measured 1.04-1.05x one split stage at 192/128.
+    return dataclasses.replace(tiles, qk_cols=NARROW_QK_COLS, value_cols=cols[0], stages=2 if cols[0] == 128 else 1)
 
 
 def dq_tiles_for(ws: bool) -> int:
@@ -541,7 +573,12 @@ def all_specs(arch: str | None = None) -> list:
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only: narrow_value_dim)
                                 if narrow_value_dim(fwd, cols):
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
-                            specs.append(backward_kernel(dp, dt, fwd, backward_tiles(dp, arch), arch, limit, varlen)[1])
+                            wide_tiles = backward_tiles(dp, arch)
+                            specs.append(backward_kernel(dp, dt, fwd, wide_tiles, arch, limit, varlen)[1])
+                            for cols in NARROW_VALUE_COLS:  # (the plain masks only)
+                                narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, narrow_value_dim(fwd, cols))
+                                if narrow != wide_tiles:
+                                    specs.append(backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1])
                         continue
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
