@@ -34,8 +34,8 @@ PROBES = {
         (BACKWARD, "    if (!WS || tid < THREADS) {  // (WS: the producer's threads load no key-side tile)",
          "    if (a.Lq < 0 && (!WS || tid < THREADS)) {  // PROBE: no key-side loads")]),
     "backward_stores": ("the wgmma backward's dK and dV stores", {}, [
-        (BACKWARD, "        if (key >= seq.len_k()) continue;",
-         "        if (key >= seq.len_k() || a.Lq >= 0) continue;  // PROBE: no dK, dV stores")]),
+        (BACKWARD, "        if (key >= fseq.len_k()) continue;",
+         "        if (key >= fseq.len_k() || a.Lq >= 0) continue;  // PROBE: no dK, dV stores")]),
     "backward_dq_reductions": ("the wgmma backward's dQ bulk reductions", {}, [
         (BACKWARD, "        bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, tile, DQ_TILE_BYTES);",
          "        if (a.Lq < 0) bulk_reduce_add_f32(a.dq_acc + row * DQ_PITCH, tile, DQ_TILE_BYTES);  // PROBE")]),
