@@ -1,9 +1,14 @@
-"""Skips for the ``gpu`` and ``torch`` markers, a per-session kernel cache, the ``kernels`` fixture (a kernel
-family's switches, with plans cleared around the test), and skipped tests counted by reason at the end of a
-run (``pytest -rs`` lists each one)."""
+"""Two processes where no CUDA device is present, skips for the ``gpu`` and ``torch`` markers, a per-session
+kernel cache, the ``kernels`` fixture (a kernel family's switches, with plans cleared around the test), and
+skipped tests counted by reason at the end of a run (``pytest -rs`` lists each one)."""
 import collections
+import os
 
 import pytest
+
+# Processes the suite runs in where no CUDA device is present (pytest-xdist, a test extra): the CPU-only tests
+# are independent, and CI's machine has two cores. With a device it runs in one process: its tests share the GPU.
+CPU_ONLY_PROCESSES = 2
 
 
 def _no_cuda_reason():
@@ -12,6 +17,17 @@ def _no_cuda_reason():
 
     found, why = cuda_device()
     return None if found else why
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without a CUDA device, and unless -n is given, run in CPU_ONLY_PROCESSES processes (before pytest-xdist
+    reads -n; not in its workers, which would start their own)."""
+    if getattr(config.option, "numprocesses", "absent") is not None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # xdist absent, -n given, or a worker
+    if config.option.collectonly or _no_cuda_reason() is None:
+        return
+    config.option.numprocesses = CPU_ONLY_PROCESSES
 
 
 def _no_torch_reason():
