@@ -65,8 +65,8 @@ static_assert((DQK == DP && DPV == DP) || (PASSES > 1 && DQK <= DP && DPV <= DQK
 constexpr int DH = DQK / PASSES;    // dK's and dQ's columns (K̂ᵀ's and Q̂ᵀ's rows) a pass
 constexpr int DHV = DPV / PASSES;   // dV's columns (dÔᵀ's rows) a pass
 constexpr int KROW = DP > 128 ? 128 : DP;  // bytes from a row of K̂ or Q̂ to the next (swizzle.cuh wgmma_tile_offset)
-static_assert(PASSES == 1 || (WS && SB_FINE && !SB_DETERMINISTIC && !SB_BIAS),
-              "head dims above 128: the producer's loads, fine granularity, not deterministic, no Q-smoothing");
+static_assert(PASSES == 1 || (WS && SB_FINE && !SB_BIAS), "head dims above 128: the producer's loads, fine granularity, "
+                                                         "no Q-smoothing");
 // dQ partial tiles (SB_DQ_TILES, specs.BackwardTiles.dq_tiles): WS with two, the computing warps write one while the
 // producer's reduction reads the other.
 constexpr int DQ_TILES = SB_DQ_TILES;
@@ -477,13 +477,33 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
         } else if (PASSES > 1 && (tid & 31) == 0 && pwarp == 1) {
             // PASSES > 1: the whole tile, its 8 columns of zeros too, into dq_acc's box from the pass's first column
-            // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row from
-            // the computing warps, in turn_s[tile], so that this loop holds no sweep of its own.
+            // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row (and,
+            // deterministic, its turn) from the computing warps, in turn_s, so that this loop holds no sweep of its own.
             for (int it = 0; it < n_it; ++it) {
                 const int b = it % DQ_TILES;
                 mbarrier_wait(base + dq_full_bar(b), (it / DQ_TILES) & 1);
+                // Deterministic: the passes of key block j (the grid's block·PASSES + pass) add in turns PASSES·j +
+                // pass of the query block's one counter (under a window, j counted from the block's first key block:
+                // dq_turn of the block's first row q0, recovered from its row in dq_acc's [..][Nq_pad] rows).
+                auto row = [&] { return *reinterpret_cast<volatile int*>(turn_s + b); };
+                auto turn = [&] {
+                    const int cell = backward_cell(a.grid_order).j;
+                    if (!SB_WINDOW) return cell;
+                    const int q0 = row() % a.Nq_pad - seq.qt_col0();
+                    return dq_turn(cell / PASSES, q0, CTA_KEYS, seq) * PASSES + cell % PASSES;
+                };
+                if (SB_DETERMINISTIC) {
+                    wait_turn(a.dq_lock + row() / BQ, turn());
+                    fence_proxy_async_global();
+                }
                 tma_reduce_add_2d(tm_dq, fresh_pass() * DH, *reinterpret_cast<volatile int*>(turn_s + b), dq_s + b * DQ_TILE_BYTES);
                 bulk_commit();
+                if (SB_DETERMINISTIC) {
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    __threadfence();
+                    pass_turn(a.dq_lock + row() / BQ, turn());
+                }
                 bulk_wait_read<0>();
                 mbarrier_arrive(base + dq_empty_bar(b));
             }

@@ -146,9 +146,41 @@ def test_the_options_these_kernels_do_not_take_are_refused_by_name():
     with pytest.raises(ValueError, match=r"head dims above 128 \(got 256\) take no smooth_q=True"):
         sagebwd_cp.attention_forward(q, k, v, smooth_q=True)
     _, saved = sagebwd_cp.attention_forward(q, k, v)
-    for kw, what in ((dict(deterministic=True), "deterministic=True"), (dict(granularity="paper"), "granularity='paper'")):
-        with pytest.raises(ValueError, match=f"head dims above 128 \\(got 256\\) take no {what}"):
-            sagebwd_cp.attention_backward(saved, q, **kw)
+    with pytest.raises(ValueError, match="head dims above 128 \\(got 256\\) take no granularity='paper'"):
+        sagebwd_cp.attention_backward(saved, q, granularity="paper")
+
+
+@pytest.mark.parametrize("dqk,dv,opts", [(256, 256, {}), (256, 256, {"causal": True}), (192, 128, {"causal": True}),
+                                         (256, 256, {"causal": True, "window_size": (300, 0)}),
+                                         (200, 200, {"causal": True, "softcap": 20.0, "smooth_k": False})])
+def test_the_deterministic_backward_repeats_bit_for_bit(dqk, dv, opts):
+    """deterministic=True on sm_90's wgmma kernels: the two CTAs of a key block add their halves of dQ in turns of
+    one counter a query block (kernels/backward_wgmma.cu), so that dQ repeats bit for bit; the gradients are the
+    default order's to rounding. The mma.sync kernels refuse it by name."""
+    import torch
+
+    import sagebwd_cp.torch as sage
+    from sagebwd_cp.gpu.device import device_arch
+
+    rng = np.random.default_rng(dqk + dv)
+    shapes = ((2, 1100, 4, dqk), (2, 1100, 2, dqk), (2, 1100, 2, dv), (2, 1100, 4, dv))
+    q, k, v, do = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to("cuda", torch.bfloat16)
+                   for s in shapes)
+    if device_arch(0) != "sm_90":
+        with pytest.raises(ValueError, match="deterministic: head dims above 128 take deterministic=True on sm_90"):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            sage.flash_attn_func(*leaves, deterministic=True, **opts).backward(do)
+        return
+    runs = []
+    for det in (True, True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with poisoned_workspaces():
+            sage.flash_attn_func(*leaves, deterministic=det, **opts).backward(do)
+        runs.append([x.grad for x in leaves])
+    for a, b in zip(runs[0], runs[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(runs[0], runs[2]):  # (causal, the default order walks a CTA's query blocks from another start)
+        assert rel_l2(a.float().cpu().numpy(), b.float().cpu().numpy()) < 1e-4
 
 
 @pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128), (136, 64)])

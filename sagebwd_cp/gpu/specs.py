@@ -210,8 +210,9 @@ NARROW_VALUE_COLS = (128, 192)
 
 
 def narrow_value_dim(options: AttentionOptions, value_dim: int) -> int | None:
-    """V's head dim where a narrow-V wide forward is built for ``options``' mask (wide_forward_tiles), else None."""
-    return None if options.windowed or options.softcap else value_dim
+    """V's head dim where the narrow wide kernels are built for ``options`` (wide_forward_tiles,
+    narrow_backward_tiles: the plain masks, not deterministic), else None."""
+    return None if options.windowed or options.softcap or options.deterministic else value_dim
 
 
 def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
@@ -495,6 +496,9 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
         # Q-smoothing 8 bytes (NVRTC 13.0).
         tiles = dataclasses.replace(tiles, ws=False, dq_tiles=1)
+    if not tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and options.deterministic:
+        raise ValueError(f"deterministic: head dims above {numerics.WIDE_HEAD_DIM} take deterministic=True on sm_90 "
+                         f"(its wgmma kernels) alone, and {arch} runs the mma.sync ones")
     if not tiles.wgmma:
         probe = backward_spec(dp, "float16", AttentionOptions(), tiles)
         if compiler.dynamic_shared_bytes(probe, arch) > shared_limit:
@@ -565,7 +569,7 @@ def all_specs(arch: str | None = None) -> list:
                                            smooth_k=not cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if wide:  # the mma.sync kernels, fine and not deterministic (the backward where it fits), and
-                              # the wgmma ones
+                              # the wgmma ones (their backward deterministic too)
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
@@ -575,6 +579,10 @@ def all_specs(arch: str | None = None) -> list:
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
                             wide_tiles = backward_tiles(dp, arch)
                             specs.append(backward_kernel(dp, dt, fwd, wide_tiles, arch, limit, varlen)[1])
+                            if not (window >= 0 and cap):  # (problem.check_wide_options)
+                                det = fwd._replace(deterministic=True)
+                                det_tiles = backward_tiles(dp, arch, True)
+                                specs.append(backward_kernel(dp, dt, det, det_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
                                 narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, narrow_value_dim(fwd, cols))
                                 if narrow != wide_tiles:
