@@ -17,7 +17,9 @@
 // Head dims above 128 (SB_DP 256): dK, dV and dQ in PASSES = 2 halves of the head dim, one a CTA (neighbours on
 // the grid's key-block axis, block · PASSES + pass: specs.BackwardTiles.passes), each CTA computing Sᵀ, dPᵀ and
 // the quantizations over the whole head dim (the same values in both), so that a thread holds the accumulators of
-// d=128; one stage (the tiles fill shared memory), loaded by the producer warpgroup.
+// d=128; one stage (the tiles fill shared memory), loaded by the producer warpgroup. Head dims up to 192 split 192
+// columns and V's head dim instead (SB_DQK, SB_DPV below; two stages where V's are 128). Deterministic, the two CTAs
+// of key block j add their dQ halves in turns PASSES·j + pass of the query block's counter.
 //
 // Compile-time parameters: SB_DP (64, 128 or 256), SB_BF16, SB_CAUSAL, SB_BIAS, SB_FINE,
 // SB_DETERMINISTIC as in backward.cu; SB_STAGES = 2, or 1 at SB_DP 256 (with SB_WS); SB_WS: a
@@ -477,8 +479,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
         } else if (PASSES > 1 && (tid & 31) == 0 && pwarp == 1) {
             // PASSES > 1: the whole tile, its 8 columns of zeros too, into dq_acc's box from the pass's first column
-            // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row (and,
-            // deterministic, its turn) from the computing warps, in turn_s, so that this loop holds no sweep of its own.
+            // (the zeros land in the next pass's first columns or the rows' padding); the partial's first row from
+            // the computing warps, in turn_s[tile], so that this loop holds no sweep of its own.
             for (int it = 0; it < n_it; ++it) {
                 const int b = it % DQ_TILES;
                 mbarrier_wait(base + dq_full_bar(b), (it / DQ_TILES) & 1);
