@@ -475,6 +475,19 @@ def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them
         assert compiler.dynamic_shared_bytes(spec, "sm_90") <= specs.ARCH_SHARED_LIMIT["sm_90"], spec.key
 
 
+def test_the_deterministic_wide_backward_is_built_for_sm90_alone():
+    """deterministic=True above head dim 128 runs sm_90's wgmma backward (its two CTAs a key block in turns); the
+    mma.sync kernels (other archs, SAGEBWD_WGMMA=0) refuse it by name, before compiling anything."""
+    det = AttentionOptions(causal=True, deterministic=True)
+    tiles, spec = specs.backward_kernel(256, "float16", det, specs.backward_tiles(256, "sm_90", True), "sm_90",
+                                        specs.ARCH_SHARED_LIMIT["sm_90"])
+    assert tiles.wgmma and ".det." in spec.key and dict(spec.defines)["SB_PASSES"] == 2
+    assert not specs.narrow_backward_tiles(tiles, 256, 192, specs.narrow_value_dim(det, 128)).qk_cols
+    with pytest.raises(ValueError, match="deterministic: head dims above 128 take deterministic=True on sm_90"):
+        specs.backward_kernel(256, "float16", det, specs.backward_tiles(256, "sm_80", True), "sm_80",
+                              specs.ARCH_SHARED_LIMIT["sm_80"])
+
+
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
     # Forward: 2 head dims x 2 dtypes x (full and causal x (dense, Q-smoothing, packed) + window, soft-capped causal

@@ -818,5 +818,12 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         options = AttentionOptions(causal=True, smooth_k=False, value_head_dim=value_head_dim)
         _, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
         assert launched("attention_forward", "ForwardParams") == {"D": 192, "Dv": dv}
+        gpu.calls.clear()
         sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
         assert launched("attention_backward", "BackwardParams") == {"D": 192, "Dv": dv}
+        # The backward's passes split 192 columns and V's (specs.narrow_backward_tiles): Q̂ᵀ's boxes take 96 rows,
+        # dÔᵀ's half of V's head dim.
+        step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
+        assert f".qk192.v{dv}" in step.spec.key, step.spec.key
+        boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and len(c[1].dims) == 2 and c[1].swizzle == 64}
+        assert boxes == {(64, 96), (64, dv // 2)}, boxes
