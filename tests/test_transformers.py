@@ -286,6 +286,31 @@ def test_what_is_not_supported_names_itself():
         attention_forward(layer, q, q, q, None)
 
 
+@pytest.mark.parametrize("keyword,env,expected", [(None, None, False), (None, "1", True), (True, None, True),
+                                                  (False, "1", False)])
+def test_the_deterministic_order_is_read_as_flash_attentions_integration_reads_it(monkeypatch, keyword, env, expected):
+    """transformers' FlashAttention integration takes ``deterministic`` from its keyword, else from
+    FLASH_ATTENTION_DETERMINISTIC=1: every kind of batch passes it on to the kernels' calls."""
+    from types import SimpleNamespace
+
+    import sagebwd_cp.torch.transformers as integration
+
+    seen = []
+    monkeypatch.setattr(integration, "attention", lambda *a, **kw: seen.append(kw["deterministic"]) or a[0])
+    monkeypatch.setattr(integration, "flash_attn_varlen_func", lambda *a, **kw: seen.append(kw["deterministic"]) or a[0])
+    if env is None:
+        monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
+    layer, q = SimpleNamespace(is_causal=True), torch.randn(1, 2, 16, 32)
+    kw = {} if keyword is None else {"deterministic": keyword}
+    integration.attention_forward(layer, q, q, q, None, **kw)  # plain
+    integration.attention_forward(layer, q, q, q, torch.ones(1, 16, dtype=torch.long).tril(1)[:1], **kw)  # padded
+    integration.attention_forward(layer, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 16]),
+                                  cu_seq_lens_k=torch.tensor([0, 16]), max_length_q=16, max_length_k=16, **kw)  # packed
+    assert seen == [expected] * 3
+
+
 def test_the_name_must_be_a_string():
     with pytest.raises(TypeError, match="name"):
         sage.register_transformers(name=3)

@@ -15,6 +15,8 @@ Mistral-style models, sliding-window layers included, as FlashAttention's integr
   directly;
 - GPT-OSS's attention sinks (``s_aux``), in all three kinds of batch;
 - Gemma 2's logit soft-capping (``softcap``), on the unsmoothed scores (K-smoothing off for those layers);
+- the deterministic dQ order where FlashAttention's integration takes it: the ``deterministic`` keyword, else
+  ``FLASH_ATTENTION_DETERMINISTIC=1`` in the environment;
 - anything else (a cache with an offset, padding beside a cache, any custom mask): a ``ValueError``
   that says so, never a silent wrong answer.
 
@@ -24,6 +26,8 @@ attention function then refuses. Padded batches read the mask's lengths on the h
 synchronization, as FlashAttention's integration does).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -58,7 +62,7 @@ def _packed_offsets(kwargs: dict, position_ids, batch: int):
     return cu_q, cu_k, int(max_q), int(max_k)
 
 
-def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1), cap=None, sinks=None):
+def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -1), extra=None, sinks=None):
     """Attention over a padded batch (q, k, v (B, N, H, D), mask (B, N), nonzero where valid): the
     valid tokens packed, attended per sequence, scattered back; padded positions are 0."""
     b, n = mask.shape
@@ -68,7 +72,7 @@ def _unpadded_attention(q, k, v, mask, causal: bool, scaling, window_size=(-1, -
     take = lambda x: x.reshape(b * n, *x.shape[2:]).index_select(0, index)
     # n bounds every sequence's length (max_seqlen need not be exact): no second read of the lengths.
     out = flash_attn_varlen_func(take(q), take(k), take(v), cu, cu, n, n, causal=causal, softmax_scale=scaling,
-                                 window_size=window_size, sinks=sinks, **(cap or {}))
+                                 window_size=window_size, sinks=sinks, **(extra or {}))
     full = out.new_zeros((b * n, *out.shape[1:])).index_copy(0, index, out)
     return full.reshape(b, n, *out.shape[1:])
 
@@ -85,7 +89,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if max(query.shape[-1], value.shape[-1]) > 256:
         raise _refuse(f"head dim {max(query.shape[-1], value.shape[-1])} (the kernels take up to 256)")
     # Gemma 2's logit soft-capping: on the unsmoothed scores (no K-smoothing), as the kernels define it.
-    cap = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
+    extra = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
+    # The deterministic dQ order as transformers' FlashAttention integration reads it.
+    deterministic = kwargs.get("deterministic")
+    extra["deterministic"] = (bool(deterministic) if deterministic is not None
+                              else os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1")
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per query head
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # transformers' sliding-window mask keeps key j for query i iff i - sliding_window < j (and j <= i, causal).
@@ -95,16 +103,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if attention_mask.ndim != 2 or q.shape[1] != k.shape[1] or attention_mask.shape[1] != k.shape[1]:
             raise _refuse(f"attention_mask of shape {tuple(attention_mask.shape)} for {q.shape[1]} queries and "
                           f"{k.shape[1]} keys (a cache offset or a custom mask)")
-        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window, cap, sinks), None
+        return _unpadded_attention(q, k, v, attention_mask, causal, scaling, window, extra, sinks), None
     packed = _packed_offsets(kwargs, kwargs.get("position_ids"), q.shape[0])
     if packed is not None:
         if q.shape[0] != 1:
             raise _refuse(f"packed sequences in a batch of {q.shape[0]} rows (one row expected)")
         out = flash_attn_varlen_func(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling,
-                                     window_size=window, sinks=sinks, **cap)
+                                     window_size=window, sinks=sinks, **extra)
         return out[None], None
     out = attention(q, k, v, causal=causal, layout="NHD", softmax_scale=scaling, window_size=window, sinks=sinks,
-                    **cap)
+                    **extra)
     return out, None
 
 
