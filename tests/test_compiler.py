@@ -459,11 +459,11 @@ def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them
     plain, window = AttentionOptions(causal=True), AttentionOptions(causal=True, window_left=8)
     for head_dim, value_dim, want in ((192, 128, (192, 128, 2)), (192, 192, (192, 192, 1)), (136, 64, (192, 128, 2)),
                                       (136, 136, (192, 192, 1)), (200, 200, (0, 0, 1)), (256, 128, (0, 0, 1))):
-        tiles = specs.narrow_backward_tiles(wide, 256, head_dim, specs.narrow_value_dim(plain, value_dim))
+        tiles = specs.narrow_backward_tiles(wide, 256, head_dim, value_dim, plain)
         assert (tiles.qk_cols, tiles.value_cols, tiles.stages) == want, (head_dim, value_dim)
         assert tiles.pass_dims(256) == (want[0] or 256) // 2 and tiles.value_pass_dims(256) == (want[1] or 256) // 2
-    assert specs.narrow_backward_tiles(wide, 256, 192, specs.narrow_value_dim(window, 128)) == wide
-    assert specs.narrow_backward_tiles(specs.backward_tiles(128, "sm_90"), 128, 128, 128).qk_cols == 0
+    assert specs.narrow_backward_tiles(wide, 256, 192, 128, window) == wide
+    assert specs.narrow_backward_tiles(specs.backward_tiles(128, "sm_90"), 128, 128, 128, plain).qk_cols == 0
     narrow = [s for s in specs.all_specs("sm_90") if "SB_DQK" in dict(s.defines)]
     assert len(narrow) == 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
     assert not any(dict(s.defines).get("SB_WINDOW") or dict(s.defines).get("SB_SOFTCAP") for s in narrow)
@@ -482,7 +482,9 @@ def test_the_deterministic_wide_backward_is_built_for_sm90_alone():
     tiles, spec = specs.backward_kernel(256, "float16", det, specs.backward_tiles(256, "sm_90", True), "sm_90",
                                         specs.ARCH_SHARED_LIMIT["sm_90"])
     assert tiles.wgmma and ".det." in spec.key and dict(spec.defines)["SB_PASSES"] == 2
-    assert not specs.narrow_backward_tiles(tiles, 256, 192, specs.narrow_value_dim(det, 128)).qk_cols
+    assert not specs.narrow_backward_tiles(tiles, 256, 192, 128, det).qk_cols
+    # (the forward of a deterministic call keeps its narrow-V kernel: deterministic orders the backward's dQ alone)
+    assert specs.forward_tiles(256, "sm_90", specs.narrow_value_dim(det, 128)).value_cols == 128
     with pytest.raises(ValueError, match="deterministic: head dims above 128 take deterministic=True on sm_90"):
         specs.backward_kernel(256, "float16", det, specs.backward_tiles(256, "sm_80", True), "sm_80",
                               specs.ARCH_SHARED_LIMIT["sm_80"])

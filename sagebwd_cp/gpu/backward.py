@@ -140,8 +140,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     dev = prob.q.device_id
     arch = device_arch(dev)
-    wanted = specs.narrow_backward_tiles(specs.backward_tiles(dp, arch, deterministic), dp, D,
-                                         specs.narrow_value_dim(options, prob.value_dim))
+    wanted = specs.narrow_backward_tiles(specs.backward_tiles(dp, arch, deterministic), dp, D, prob.value_dim, options)
     tiles, spec = specs.backward_kernel(dp, prob.dtype, options, wanted, arch, shared_memory_limit(dev), prob.varlen)
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad

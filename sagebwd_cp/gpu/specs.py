@@ -210,9 +210,9 @@ NARROW_VALUE_COLS = (128, 192)
 
 
 def narrow_value_dim(options: AttentionOptions, value_dim: int) -> int | None:
-    """V's head dim where the narrow wide kernels are built for ``options`` (wide_forward_tiles,
-    narrow_backward_tiles: the plain masks, not deterministic), else None."""
-    return None if options.windowed or options.softcap or options.deterministic else value_dim
+    """V's head dim where the narrow wide kernels are built for ``options``' mask (wide_forward_tiles,
+    narrow_backward_tiles), else None."""
+    return None if options.windowed or options.softcap else value_dim
 
 
 def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
@@ -455,13 +455,15 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
 
 # The wide wgmma backward's Q·K head dim where a call's fits it (SB_DQK): the passes then split 192 columns, not 256,
 # and V's tiles hold V's head dim rounded up to NARROW_VALUE_COLS (SB_DPV). Built for the plain masks, as the
-# narrow-V forward (narrow_value_dim).
+# narrow-V forward (narrow_value_dim), not deterministic.
 NARROW_QK_COLS = 192
 
 
-def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int | None) -> BackwardTiles:
-    """``tiles`` for a wide wgmma backward whose head dim ``head_dim`` (V's ``value_dim``; None: the plain masks'
-    kernel is not built for the call's options) fits NARROW_QK_COLS; else ``tiles``."""
+def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int,
+                          options: AttentionOptions) -> BackwardTiles:
+    """``tiles`` for a wide wgmma backward of ``options`` whose head dim ``head_dim`` (V's ``value_dim``) fits
+    NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``."""
+    value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
         return tiles
     cols = [c for c in NARROW_VALUE_COLS if c >= min(value_dim, NARROW_QK_COLS)]
@@ -579,12 +581,11 @@ def all_specs(arch: str | None = None) -> list:
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
                             wide_tiles = backward_tiles(dp, arch)
                             specs.append(backward_kernel(dp, dt, fwd, wide_tiles, arch, limit, varlen)[1])
-                            if not (window >= 0 and cap):  # (problem.check_wide_options)
+                            if not (window >= 0 and cap):  # (problem.check_wide_options; the same tiles)
                                 det = fwd._replace(deterministic=True)
-                                det_tiles = backward_tiles(dp, arch, True)
-                                specs.append(backward_kernel(dp, dt, det, det_tiles, arch, limit, varlen)[1])
+                                specs.append(backward_kernel(dp, dt, det, wide_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
-                                narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, narrow_value_dim(fwd, cols))
+                                narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd)
                                 if narrow != wide_tiles:
                                     specs.append(backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1])
                         continue

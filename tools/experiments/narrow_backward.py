@@ -42,10 +42,10 @@ def _variant(name: str) -> None:
         _library_tiles = specs.narrow_backward_tiles
     lib = _library_tiles
 
-    def tiles(t, dp, head_dim, value_dim):
+    def tiles(t, dp, head_dim, value_dim, options):
         if name == "old":
             return t
-        t = lib(t, dp, head_dim, value_dim)
+        t = lib(t, dp, head_dim, value_dim, options)
         if not t.qk_cols or name == "new":
             return t
         return dataclasses.replace(t, stages=1 if name == "s1" else 2, dq_tiles=2 if name == "s2q2" else 1)
