@@ -153,14 +153,11 @@ class AttentionOptions(_Fields):
         return self
 
     def _check_softcap(self) -> None:
-        """The soft-capped kernels that are built: causal or windowed, fine granularity, on the unsmoothed
-        scores (the K-smoothing shift does not pass through tanh)."""
+        """The soft-capped kernels that are built: fine granularity, on the unsmoothed scores (the K-smoothing
+        shift does not pass through tanh)."""
         if self.smooth_k or self.smooth_q:
             raise ValueError(f"softcap: soft-capping needs the unsmoothed scores; pass smooth_k=False and "
                              f"smooth_q=False (got smooth_k={self.smooth_k}, smooth_q={self.smooth_q})")
-        if not (self.causal or self.windowed):
-            raise ValueError("softcap: soft-capped kernels are built for causal or sliding-window attention; got "
-                             "causal=False and no window")
         if self.granularity != "fine":
             raise ValueError(f"softcap: soft-capped backward kernels are built for granularity 'fine', got "
                              f"{self.granularity!r}")
@@ -180,9 +177,16 @@ class AttentionOptions(_Fields):
         return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
 
     @property
+    def band_test(self) -> bool:
+        """The kernels read the band's edges (SB_WINDOW): a sliding window, or a soft cap without a causal mask
+        (soft-capped kernels are built causal or banded; a band open on both sides masks no key)."""
+        return self.windowed or (bool(self.softcap) and not self.causal)
+
+    @property
     def banded(self) -> bool:
-        """Some keys are masked by position: causal, a sliding window or both (the kernels' SB_CAUSAL)."""
-        return self.causal or self.windowed
+        """The kernels' SB_CAUSAL: keys masked by position (causal, a sliding window or both), or a band open on
+        both sides (band_test)."""
+        return self.causal or self.band_test
 
     def band(self) -> tuple:
         """(left, right): query r sees key c iff -left <= c - r - (Lk - Lq) <= right (bottom-right aligned,

@@ -188,14 +188,14 @@ def check_value_head_dim_fits(head_dim: int, options: AttentionOptions) -> None:
 
 def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
     """Head dims above WIDE_HEAD_DIM run kernels (the head dim split in two halves) built without Q-smoothing and
-    the paper granularity; with the deterministic dQ order on sm_90 (specs.backward_kernel), but for windowed
-    soft-capped attention (that kernel spilled)."""
+    the paper granularity; with the deterministic dQ order on sm_90 (specs.backward_kernel), but for soft-capped
+    attention under the band test, a window or no causal mask (that kernel spilled)."""
     if head_dim <= WIDE_HEAD_DIM:
         return
     for refused, what in ((options.smooth_q, "smooth_q=True"),
                           (options.granularity != "fine", f"granularity={options.granularity!r}"),
-                          (options.deterministic and options.windowed and options.softcap,
-                           "deterministic=True with both a sliding window and a soft cap")):
+                          (options.deterministic and options.band_test and options.softcap,
+                           "deterministic=True with a soft cap and a sliding window or no causal mask")):
         if refused:
             raise ValueError(f"head_dim: head dims above {WIDE_HEAD_DIM} (got {head_dim}) take no {what}: its kernels "
                              f"are built up to head dim {WIDE_HEAD_DIM}")

@@ -81,6 +81,7 @@ CASES = [
     (False, (30, 20), 0.0, "NHD", 128, 300, [100, 64, 136]),
     (True, (-1, -1), 3.0, "HND", 192, 192, [96, 96]),
     (False, (50, 0), 3.0, "NHD", 200, 160, [33, 127]),
+    (False, (-1, -1), 3.0, "HND", 150, 200, [64, 100, 36]),
 ]
 
 
@@ -153,7 +154,8 @@ def test_chunked_attention_refuses_a_soft_cap_with_k_smoothing():
 @pytest.mark.parametrize("kernels", [{}, {"SAGEBWD_WGMMA": "0"}], ids=["default", "mma.sync"], indirect=True)
 @pytest.mark.parametrize("dtype,d,causal,window,softcap", [("bfloat16", 128, True, (700, -1), 0.0),
                                                            ("float16", 64, False, (300, 500), 0.0),
-                                                           ("bfloat16", 128, True, (-1, -1), 20.0)])
+                                                           ("bfloat16", 128, True, (-1, -1), 20.0),
+                                                           ("float16", 64, False, (-1, -1), 20.0)])
 def test_gpu_chunked_attention_with_a_window_or_a_soft_cap(kernels, dtype, d, causal, window, softcap):
     """The kernels' chunked windows and soft caps (calls that start mid-tile, Lq != Lk, GQA) within what
     one call errs against exact attention, on the CUDA tensors of both kernel families."""

@@ -1,5 +1,5 @@
 """Logit soft-capping on the host: the emulator unquantized is exact attention over c·tanh(s/c) (forward
-and backward, causal and windowed, Lq != Lk, GQA); quantized, through the neutral API and torch's
+and backward, causal and windowed, and without a mask, Lq != Lk, GQA); quantized, through the neutral API and torch's
 autograd, within the algorithm's error of the FP64 reference; the combinations that have no kernels
 are refused by name; the kernel specs. The kernels' side is tests/test_gpu_softcap.py."""
 import numpy as np
@@ -34,17 +34,19 @@ def test_the_cap_and_its_slope():
 
 
 @pytest.mark.parametrize("cap", [2.0, 30.0])
-@pytest.mark.parametrize("lq,lk,window", [(100, 100, (-1, -1)), (130, 70, (-1, -1)), (90, 150, (20, 0)), (1, 1, (-1, -1))])
-def test_unquantized_soft_capped_emulator_is_exact(cap, lq, lk, window):
+@pytest.mark.parametrize("lq,lk,window,causal", [(100, 100, (-1, -1), True), (130, 70, (-1, -1), True),
+                                                 (90, 150, (20, 0), True), (1, 1, (-1, -1), True),
+                                                 (130, 70, (-1, -1), False), (90, 150, (-1, 30), False)])
+def test_unquantized_soft_capped_emulator_is_exact(cap, lq, lk, window, causal):
     q, k, v, do = _inputs(lq + lk, lq, lk)
-    o, lse, saved = emulate_forward(q, k, v, causal=True, window=window, softcap=cap, smooth_k=False, quantize=False,
-                                    dtype="float32")
-    o_ref, lse_ref = attention_reference(q, k, v, causal=True, window=window, softcap=cap)
+    o, lse, saved = emulate_forward(q, k, v, causal=causal, window=window, softcap=cap, smooth_k=False,
+                                    quantize=False, dtype="float32")
+    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, window=window, softcap=cap)
     np.testing.assert_allclose(o, o_ref, atol=2e-5)
     fin = np.isfinite(lse_ref)
     np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-5, atol=1e-5)
     for g, ref in zip(emulate_backward(saved, do, quantize=False),
-                      attention_reference_backward(q, k, v, do, causal=True, window=window, softcap=cap)):
+                      attention_reference_backward(q, k, v, do, causal=causal, window=window, softcap=cap)):
         np.testing.assert_allclose(g, ref, atol=1e-4 * max(1.0, np.abs(ref).max()))
 
 
@@ -70,12 +72,27 @@ def test_quantized_soft_capping_through_the_api_and_torch():
         assert _rel(x.grad.transpose(1, 2).numpy(), ref) < 0.08
 
 
+def test_soft_capping_without_a_mask():
+    """No causal mask and no window: every key, through the neutral API and flash_attn_func, on the kernels'
+    band test with both sides open."""
+    q, k, v, do = _inputs(6, 130, 70)
+    o_ref, _ = attention_reference(q, k, v, softcap=5.0)
+    assert _rel(attention_reference(q, k, v, causal=True, softcap=5.0)[0], o_ref) > 0.05  # the mask matters
+    o, saved = sagebwd_cp.attention_forward(q, k, v, softcap=5.0, smooth_k=False)
+    assert _rel(o, o_ref) < 0.03
+    for g, ref in zip(sagebwd_cp.attention_backward(saved, do), attention_reference_backward(q, k, v, do, softcap=5.0)):
+        assert _rel(g, ref) < 0.08
+    torch = pytest.importorskip("torch")
+    import sagebwd_cp.torch as st
+
+    out = st.flash_attn_func(*(torch.from_numpy(x).transpose(1, 2) for x in (q, k, v)), softcap=5.0)
+    assert _rel(out.transpose(1, 2).numpy(), o_ref) < 0.03
+
+
 def test_what_has_no_soft_capped_kernels_is_refused():
     q = np.zeros((1, 2, 8, 16), np.float32)
     with pytest.raises(ValueError, match="softcap: soft-capping needs the unsmoothed scores; pass smooth_k=False"):
         sagebwd_cp.attention(q, q, q, causal=True, softcap=10.0)
-    with pytest.raises(ValueError, match="softcap: soft-capped kernels are built for causal or sliding-window"):
-        sagebwd_cp.attention(q, q, q, smooth_k=False, softcap=10.0)
     with pytest.raises(ValueError, match="granularity 'fine'"):
         sagebwd_cp.attention_backward_arrays(q, q, q, q, q[..., 0], q, causal=True, smooth_k=False, softcap=10.0,
                                              granularity="paper")
@@ -91,6 +108,11 @@ def test_the_kernels_of_soft_capping():
     assert ".softcap" in fwd.key and dict(fwd.defines)["SB_SOFTCAP"] == 1
     window = specs.backward_spec(64, "float16", opts._replace(window_left=9), specs.BackwardTiles(2))
     assert ".causal.window.softcap.fine" in window.key
+    # Without a causal mask the band test's kernels, open on both sides (problem.kernel_band): no kernels of their own.
+    unmasked = opts._replace(causal=False)
+    assert specs.backward_spec(64, "float16", unmasked, specs.BackwardTiles(2)).key == window.key
+    assert specs.forward_spec(128, "bfloat16", unmasked, specs.ForwardTiles(4, 1, True, 128)).key == \
+        specs.forward_spec(128, "bfloat16", opts._replace(window_left=9), specs.ForwardTiles(4, 1, True, 128)).key
     keys = {s.key for s in specs.all_specs("sm_90")}
     assert "backward.hd128.bfloat16.causal.softcap.fine.s2.wgmma" in keys
     assert not any(".softcap" in k and ".paper" in k for k in keys)

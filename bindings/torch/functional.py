@@ -157,7 +157,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     192/128: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py), and sets the output's.  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
-    ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (causal or windowed, smooth_k=False);
+    ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (any mask, smooth_k=False);
     rows that see no key give 0.  ``sinks`` (Hq,): attention sinks, a logit per query head that joins
     each row's softmax normalizer and attends to nothing (GPT-OSS), with their gradient; outside
     ``torch.compile``'s graphs.  ``softmax_scale`` defaults to
@@ -294,7 +294,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
 
     ``window_size=(left, right)``: a sliding window, as FlashAttention's; ``softcap`` > 0: logit
-    soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).  ``dropout_p``,
+    soft-capping (any mask; K-smoothing off, ``smooth_k`` defaulting to it).  ``dropout_p``,
     ``alibi_slopes`` and ``return_attn_probs`` must keep their defaults (ValueError otherwise).
     ``deterministic`` orders the dQ accumulation; ``smooth_k`` (default: on, off with ``softcap``),
     ``smooth_q``, ``granularity`` and ``sinks`` are this library's options (see ``attention``).

@@ -179,7 +179,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     within each sequence. Returns (total_q, Hq, Dv): v's head dim Dv may differ from D (multi-head latent
     attention: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py).
 
-    ``softcap`` > 0: logit soft-capping (causal or windowed; K-smoothing off, ``smooth_k`` defaulting to it).
+    ``softcap`` > 0: logit soft-capping (any mask; K-smoothing off, ``smooth_k`` defaulting to it).
     ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
     (ValueError otherwise); ``smooth_k`` (default: on, off with ``softcap``), ``granularity`` and ``sinks``
     (Hq,), attention sinks with their gradient (a graph break under torch.compile), are this library's

@@ -234,10 +234,10 @@ def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None
 
 
 def _window(options: AttentionOptions) -> dict:
-    """SB_WINDOW where a sliding window bounds the mask, SB_SOFTCAP where the scores are soft-capped (absent
-    otherwise: the other kernels' keys stay)."""
+    """SB_WINDOW where the kernel reads the band's edges (a sliding window, or a soft cap without a causal mask),
+    SB_SOFTCAP where the scores are soft-capped (absent otherwise: the other kernels' keys stay)."""
     assert not (options.windowed and options.smooth_q), "Q-smoothing has no sliding-window kernels"
-    return {**({"SB_WINDOW": 1} if options.windowed else {}), **({"SB_SOFTCAP": 1} if options.softcap else {})}
+    return {**({"SB_WINDOW": 1} if options.band_test else {}), **({"SB_SOFTCAP": 1} if options.softcap else {})}
 
 
 def forward_grid_order(causal: bool) -> int:
@@ -486,7 +486,7 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
     mma.sync kernel in place of the wgmma one for a deterministic sliding window at head dim 128.
     backward.cu's layout depends on the head dim and the stages alone, so one specialization of them
     is compiled to measure it (the plan checks every launch's own layout against the device)."""
-    if tiles.wgmma and options.windowed and options.deterministic and dp == 128:
+    if tiles.wgmma and options.band_test and options.deterministic and dp == 128:
         # The wgmma kernel of a dense batch spills here (its band tests at 255 registers): the mma.sync
         # kernel, for packed batches too (so that a packed sequence's gradients are its dense call's).
         tiles = BackwardTiles(stages=2)
@@ -561,7 +561,8 @@ def all_specs(arch: str | None = None) -> list:
             wide_backward = False
         for dt in DTYPES:
             # Masks: none, causal, a sliding window (without Q-smoothing); soft-capped causal and windowed
-            # attention (unsmoothed scores, granularity "fine": AttentionOptions).
+            # attention (unsmoothed scores, granularity "fine": AttentionOptions; the soft cap without a causal
+            # mask takes the windowed kernels: options.band_test).
             for causal, window, cap in ((False, -1, 0.0), (True, -1, 0.0), (True, 1, 0.0), (True, -1, 1.0),
                                         (True, 1, 1.0)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
