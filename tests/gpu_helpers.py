@@ -46,12 +46,14 @@ def poisoned_workspaces():
         sagebwd_cp.set_allocator(None)
 
 
-def forward_key_tile(head_dim: int, device_id: int = 0) -> int:
-    """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``)."""
+def forward_key_tile(head_dim: int, device_id: int = 0, causal: bool = False, window=(-1, -1)) -> int:
+    """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``) under the mask."""
     from sagebwd_cp.gpu import specs
     from sagebwd_cp.gpu.device import device_arch
+    from sagebwd_cp.options import AttentionOptions
 
-    return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id)).key_tile
+    options = AttentionOptions(causal=causal, window_left=window[0], window_right=window[1])
+    return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id), options=options).key_tile
 
 
 def make_qkv(b, hq, hk, lq, lk, d, dtype, layout="HND", sigma=1.0, seed=0, strided=False):

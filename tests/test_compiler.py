@@ -368,6 +368,15 @@ def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
         with pytest.raises(ValueError, match=name):
             chosen()
         monkeypatch.delenv(name)
+    # Sliding windows of at most NARROW_BAND_KEYS keys (left + right) take the 64-key forward; a wider one, causal
+    # attention and the soft cap's open band the 128-key one; the override wins over either.
+    key_tile = lambda **kw: specs.forward_tiles(128, "sm_90", options=AttentionOptions(**kw)).key_tile  # noqa: E731
+    assert key_tile(causal=True, window_left=2048) == key_tile(window_left=300, window_right=500) == 64
+    assert key_tile(causal=True, window_left=2049) == key_tile(window_left=1024, window_right=1025) == 128
+    assert key_tile(causal=True) == key_tile(window_left=100) == key_tile(softcap=5.0, smooth_k=False) == 128
+    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "128")
+    assert key_tile(causal=True, window_left=100) == 128
+    monkeypatch.delenv("SAGEBWD_FORWARD_KEY_TILE")
     # The four-warpgroup backward (opt-in) at head dim 128 where it applies; elsewhere backward_wgmma.cu.
     monkeypatch.setenv("SAGEBWD_BACKWARD_QUAD", "1")
     limit = specs.ARCH_SHARED_LIMIT["sm_90"]

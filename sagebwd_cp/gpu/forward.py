@@ -55,7 +55,7 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
         args += _key_tile_maps(prob, qz, ws)
         args += params.args("ForwardSchedule", batch=prob.batch, q_blocks=q_blocks)
     else:
-        tiles = specs.forward_tiles(dp, arch, specs.narrow_value_dim(prob.options, prob.value_dim))
+        tiles = specs.forward_tiles(dp, arch, specs.narrow_value_dim(prob.options, prob.value_dim), prob.options)
         spec = specs.forward_spec(dp, prob.dtype, prob.options, tiles, prob.varlen)
         grid = attention_grid(prob.len_q, tiles.cta_q, prob.heads_q, prob.batch,
                               specs.forward_grid_order(prob.options.banded), "q")  # kernels/forward.cu SB_GRID_ORDER

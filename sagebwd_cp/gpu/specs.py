@@ -194,11 +194,20 @@ def _env_choice(name: str, choices: tuple) -> int | None:
     return int(value)
 
 
-def forward_key_tile() -> int:
+# Sliding windows at most this many keys wide (left + right) take the wgmma forward's 64-key tiles: the keys a
+# query block reads past its band's edges shrink by half a tile, which outweighs the 64-key kernel's higher cost a
+# key (docs/PERFORMANCE.md, sliding windows: 1024 and 512 faster, 4096 slower).
+NARROW_BAND_KEYS = 2048
+
+
+def forward_key_tile(options: AttentionOptions | None = None) -> int:
     """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
-    docs/history/PERFORMANCE_LOG.md, forward v4); SAGEBWD_FORWARD_KEY_TILE=64 selects the 64-key kernel."""
+    docs/history/PERFORMANCE_LOG.md, forward v4), 64 under a sliding window of at most NARROW_BAND_KEYS keys;
+    SAGEBWD_FORWARD_KEY_TILE=64 or 128 selects one kernel for every call."""
     forced = _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
-    return 128 if forced is None else forced
+    if forced is not None:
+        return forced
+    return 64 if options is not None and options.windowed and sum(options.band()) <= NARROW_BAND_KEYS else 128
 
 
 # The wgmma forward above head dim 128: 64-key tiles (O takes 128 registers a thread; kernels/forward.cu).
@@ -223,13 +232,14 @@ def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
     return WIDE_WGMMA_FORWARD_TILES
 
 
-def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None) -> ForwardTiles:
+def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None,
+                  options: AttentionOptions | None = None) -> ForwardTiles:
     """Tiles for the forward (the plan checks that the kernel's shared layout fits the device); ``value_dim``: V's
-    head dim, which the wide wgmma forward holds O for."""
+    head dim, which the wide wgmma forward holds O for; ``options``: the call's mask (forward_key_tile)."""
     if use_wgmma(arch):
         if dp > numerics.WIDE_HEAD_DIM:
             return wide_forward_tiles(value_dim)
-        return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile())
+        return ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=forward_key_tile(options))
     return FORWARD_TILES[dp]
 
 
