@@ -90,9 +90,11 @@ def test_ring_attention_matches_one_process_attention(world, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     # fork: the workers inherit the imported torch and library (spawning re-imports them, ~5 s a
-    # process); not once JAX, whose threads do not survive a fork, is loaded.
+    # process); not once JAX, whose threads do not survive a fork, is loaded, nor with a CUDA build of torch,
+    # whose autograd threads (started by any earlier backward in this process) refuse to run in a forked child.
+    forkable = "jax" not in sys.modules and not torch.cuda.is_available()
     mp.start_processes(_worker, args=(world, str(tmp_path / "store"), str(results)), nprocs=world, join=True,
-                       start_method="spawn" if "jax" in sys.modules else "fork")
+                       start_method="fork" if forkable else "spawn")
     for i, (causal, layout, dtype, hq, hk, window, softcap) in enumerate(CONFIGS[world]):
         seq = 2 if layout == "HND" else 1
         zigzag, windowed = causal or window != (-1, -1), window != (-1, -1)
