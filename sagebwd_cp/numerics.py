@@ -66,7 +66,7 @@ import numpy as np
 PADDED_HEAD_DIMS = (64, 128, 256)  # the kernels' head dims; a head dim runs padded to the next of them
 # Head dims above this run kernels that split the head dim in two (the mma.sync forward's O, the backward's dK, dV
 # and dQ a half a pass or a CTA; docs/KERNELS.md), built without Q-smoothing, the deterministic dQ order and the
-# paper granularity (problem.check_wide_options).
+# paper granularity (problem.wide_refusal).
 WIDE_HEAD_DIM = 128
 
 

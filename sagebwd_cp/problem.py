@@ -186,19 +186,27 @@ def check_value_head_dim_fits(head_dim: int, options: AttentionOptions) -> None:
                          f"{options.value_head_dim}")
 
 
-def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
-    """Head dims above WIDE_HEAD_DIM run kernels (the head dim split in two halves) built without Q-smoothing and
-    the paper granularity; with the deterministic dQ order on sm_90 (specs.backward_kernel), but for soft-capped
-    attention under the band test, a window or no causal mask (that kernel spilled)."""
+def wide_refusal(head_dim: int, options: AttentionOptions) -> str | None:
+    """What of ``options`` the kernels above WIDE_HEAD_DIM (the head dim split in two halves) are not built for, or
+    None: Q-smoothing and the paper granularity; the deterministic dQ order on sm_90 alone (specs.backward_kernel),
+    and not for soft-capped attention under the band test, a window or no causal mask (that kernel spilled)."""
     if head_dim <= WIDE_HEAD_DIM:
-        return
+        return None
     for refused, what in ((options.smooth_q, "smooth_q=True"),
                           (options.granularity != "fine", f"granularity={options.granularity!r}"),
                           (options.deterministic and options.band_test and options.softcap,
                            "deterministic=True with a soft cap and a sliding window or no causal mask")):
         if refused:
-            raise ValueError(f"head_dim: head dims above {WIDE_HEAD_DIM} (got {head_dim}) take no {what}: its kernels "
-                             f"are built up to head dim {WIDE_HEAD_DIM}")
+            return what
+    return None
+
+
+def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
+    """A ValueError naming what wide_refusal finds."""
+    what = wide_refusal(head_dim, options)
+    if what is not None:
+        raise ValueError(f"head_dim: head dims above {WIDE_HEAD_DIM} (got {head_dim}) take no {what}: its kernels "
+                         f"are built up to head dim {WIDE_HEAD_DIM}")
 
 
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:

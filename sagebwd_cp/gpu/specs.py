@@ -8,6 +8,7 @@ import os
 from .. import numerics
 from ..numerics import PADDED_HEAD_DIMS, padded_head_dim  # noqa: F401 (the kernels' head dims, here with the tiles)
 from ..options import AttentionOptions
+from ..problem import wide_refusal
 from . import compiler
 from .compiler import KernelSpec, make_spec
 from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST
@@ -592,8 +593,8 @@ def all_specs(arch: str | None = None) -> list:
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
                             wide_tiles = backward_tiles(dp, arch)
                             specs.append(backward_kernel(dp, dt, fwd, wide_tiles, arch, limit, varlen)[1])
-                            if not (window >= 0 and cap):  # (problem.check_wide_options; the same tiles)
-                                det = fwd._replace(deterministic=True)
+                            det = fwd._replace(deterministic=True)
+                            if wide_refusal(dp, det) is None:  # (the same tiles)
                                 specs.append(backward_kernel(dp, dt, det, wide_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
                                 narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd)
