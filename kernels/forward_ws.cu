@@ -1,8 +1,8 @@
 // SageBwd forward on Hopper (sm_90a), warp-specialized: the numerics of forward.cu's 128-key wgmma
-// kernel (numerics.py; the same products, scales, lazy rescaling and P̂ codes, so the same bits), in
-// the structure of a producer/consumer pipeline.
+// kernel (numerics.py; the same products, scales, lazy rescaling and P̂ codes, so the same bits with
+// 128-key tiles), in the structure of a producer/consumer pipeline.
 //   Warpgroup 0, the producer: gives its registers back (setmaxnreg) and one thread issues the TMA
-//   loads of each 128-key tile (K̂, V̂ᵀ by tensor map, the key scales by a bulk copy) into a ring of
+//   loads of each key tile (K̂, V̂ᵀ by tensor map, the key scales by a bulk copy) into a ring of
 //   SB_KV_STAGES stages, each with a "full" mbarrier (bytes landed) and an "empty" one (every
 //   consumer warp done with it).
 //   Warpgroups 1..SB_CONSUMERS, the consumers: 64 query rows each, which they quantize themselves
@@ -20,8 +20,9 @@
 //
 // Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
 // Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG; and from specs.WsForwardTiles:
-// SB_TILE_KEYS (128), SB_THREADS, SB_CTA_Q, SB_MIN_BLOCKS (CTAs an SM), and the key tiles' TMA
-// swizzles SB_TMA_SWIZZLE_K and SB_TMA_SWIZZLE_VT (WsForwardTiles.key_maps).
+// SB_TILE_KEYS (128, or 192: three V scale blocks a tile, P̂'s row scale and O's rescale once per 192
+// keys, numerics.py's forward with key_tile 192), SB_THREADS, SB_CTA_Q, SB_MIN_BLOCKS (CTAs an SM), and
+// the key tiles' TMA swizzles SB_TMA_SWIZZLE_K and SB_TMA_SWIZZLE_VT (WsForwardTiles.key_maps).
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
@@ -51,20 +52,22 @@ constexpr int WG_ROWS = 64;                  // query rows per consumer
 constexpr int CTA_Q = SB_CTA_Q;              // query rows per CTA
 constexpr int THREADS = SB_THREADS;
 static_assert(CTA_Q == CONSUMERS * WG_ROWS && THREADS == (CONSUMERS + 1) * 128, "a producer and the consumers' warpgroups");
-static_assert(TILE == 128, "128-key tiles: two V scale blocks, 128-byte V̂ᵀ rows");
-// The key tiles' TMA boxes are whole tiles in the swizzle of their rows (the wgmma descriptors').
-static_assert(SB_TMA_SWIZZLE_K == DP && SB_TMA_SWIZZLE_VT == TILE, "each box in the swizzle of its rows");
+static_assert(TILE == 128 || (TILE == 192 && !SB_VARLEN), "128-key tiles, or 192 in dense batches");
+// The key tiles' TMA boxes in the swizzle of their rows (the wgmma descriptors'): K̂ a whole tile, V̂ᵀ boxes of
+// VT_BOX keys (the whole 128-key tile; 64-key boxes of a 192-key tile, whose rows no swizzle spans).
+constexpr int VT_BOX = SB_TMA_SWIZZLE_VT, VT_BOXES = TILE / VT_BOX;
+static_assert(SB_TMA_SWIZZLE_K == DP && VT_BOX == (TILE == 128 ? 128 : 64), "each box in the swizzle of its rows");
 constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile
 constexpr int NT_D = DP / 8;                 // n-tiles of O over the head dim
 constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS > 1;
 // S_j in flight with (P̂V̂)_{j-1} inside each consumer (registers for both products): with one or two
-// consumers; three hold one product at a time at their 160 registers.
-constexpr bool OVERLAP = CONSUMERS < 3;
+// consumers; three hold one product at a time at their 160 registers, and so do 192-key tiles at head dim 128.
+constexpr bool OVERLAP = CONSUMERS < 3 && (TILE == 128 || DP == 64);
 static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
-static_assert(BKV == 64 && VBLOCKS == 2, "two V scale blocks a tile");
+static_assert(BKV == 64 && VBLOCKS * BKV == TILE, "whole V scale blocks a tile");
 // Registers: the producer keeps 24; the consumers take the rest of the SM's 64K (one CTA an SM with
 // two or three consumers; with one, two CTAs an SM: specs.WsForwardTiles.ctas_per_sm).
 constexpr int MIN_BLOCKS = SB_MIN_BLOCKS;
@@ -96,8 +99,9 @@ constexpr int V_BYTES = sizeof(WsStage::vt);
 constexpr int KS_BYTES = 4 * TILE;
 constexpr int STAGE_BYTES = sizeof(WsStage);
 constexpr int BAR_OFF = Q_BYTES + STAGES * STAGE_BYTES;
-constexpr u32 STAGE_LOAD_BYTES = K_BYTES + V_BYTES + KS_BYTES;
-static_assert(STAGE_BYTES == K_BYTES + V_BYTES + 1024 && sizeof(WsShared) == BAR_OFF + 16 * STAGES, "no padding");
+constexpr u32 STAGE_LOAD_BYTES = K_BYTES + V_BYTES;  // and the tile's key scales (key_scale_bytes)
+static_assert(STAGE_BYTES == K_BYTES + V_BYTES + 1024 && KS_BYTES <= 1024 && sizeof(WsShared) == BAR_OFF + 16 * STAGES,
+              "no padding");
 static_assert(Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles start on 1024 bytes");
 // Named barriers (0 is __syncthreads): a consumer's own (its Q̂ tile), and its turn to issue (ping-pong).
 constexpr int BAR_Q = 1, BAR_TURN = BAR_Q + CONSUMERS;
@@ -145,6 +149,10 @@ SB_DEVICE int consumer_tiles(const SeqInfo<ForwardParams>& seq, int first_row) {
 // last P̂V̂ when S and P̂V̂ overlap, two a tile otherwise.
 SB_DEVICE int issue_turns(int n) { return OVERLAP ? (n > 0 ? n + 1 : 0) : 2 * n; }
 
+// Key tile j's scales in bytes: a 192-key tile may pass the head's Nk_pad keys (a multiple of 128), whose
+// scales end there (the K̂ and V̂ᵀ boxes past it read the next head's codes, or zeros at the end: masked keys).
+SB_DEVICE u32 key_scale_bytes(int j, int nk_pad) { return 4 * (TILE == 128 ? TILE : min(TILE, nk_pad - j * TILE)); }
+
 // The TMA maps of the key-side tiles: tm_k, tm_vt (params.cuh SB_FORWARD_MAPS, encoded per call by
 // sagebwd_cp/tensor_map.py); the schedule's shape: SB_FORWARD_SCHEDULE.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -187,10 +195,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
                     const int s = it % STAGES;
                     if (it >= STAGES) mbarrier_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
                     const u32 st = sStage + s * STAGE_BYTES, bar = full0 + 8 * s;
-                    mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+                    const u32 ks_bytes = key_scale_bytes(j, p.Nk_pad);
+                    mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES + ks_bytes);
                     tma_load_2d(st, tm_k, 0, krow0 + j * TILE, bar);
-                    tma_load_2d(st + K_BYTES, tm_vt, vt_col + j * TILE, vt_row, bar);
-                    bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, KS_BYTES, bar);
+#pragma unroll
+                    for (int b = 0; b < VT_BOXES; ++b)
+                        tma_load_2d(st + K_BYTES + b * DP * VT_BOX, tm_vt, vt_col + j * TILE + b * VT_BOX, vt_row, bar);
+                    bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, ks_bytes, bar);
                 }
             }
             // Leave once the consumers have taken every stage in flight.
@@ -251,7 +262,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     auto wait_tile = [&](int j, float (&sv)[VBLOCKS]) {
         mbarrier_wait(full0 + 8 * ((it0 + j) % STAGES), ((it0 + j) / STAGES) & 1);
 #pragma unroll
-        for (int vb = 0; vb < VBLOCKS; ++vb) sv[vb] = vsg[j * VBLOCKS + vb];
+        for (int vb = 0; vb < VBLOCKS; ++vb)  // (a 192-key tile's blocks past Nk_pad: none, scale 0)
+            sv[vb] = TILE == 128 || (j * VBLOCKS + vb) * BKV < p.Nk_pad ? vsg[j * VBLOCKS + vb] : 0.f;
     };
     auto issue_s = [&](int j, int (&acc)[NT_KV][4]) {
         const u32 k_lo = wgmma_desc_lo<DP>(sStage + ((it0 + j) % STAGES) * STAGE_BYTES);
@@ -259,11 +271,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         for (int ks = 0; ks < KSTEPS_D; ++ks) wgmma_s8_ss(acc, wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(k_lo, 32 * ks), ks);
         wgmma_commit();
     };
-    // (P̂V̂) of tile jp, head-dim columns 64·dh .. 64·dh + 63, from the P̂ codes in pf.
+    // (P̂V̂) of tile jp, head-dim columns 64·dh .. 64·dh + 63, from the P̂ codes in pf: k-step kk in V̂ᵀ box
+    // 32·kk / VT_BOX ([DP][VT_BOX] each), 32·kk % VT_BOX bytes into its rows.
     auto issue_pv = [&](int jp, int dh, int (&acc)[8][4]) {
-        const u32 v_lo = wgmma_desc_lo<TILE>(sStage + ((it0 + jp) % STAGES) * STAGE_BYTES + K_BYTES);
+        const u32 v_lo = wgmma_desc_lo<VT_BOX>(sStage + ((it0 + jp) % STAGES) * STAGE_BYTES + K_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_P; ++kk) wgmma_rs<true>(acc, pf[kk], wgmma_desc<TILE>(v_lo, dh * 64 * TILE + 32 * kk), kk);
+        for (int kk = 0; kk < KSTEPS_P; ++kk)
+            wgmma_rs<true>(acc, pf[kk], wgmma_desc<VT_BOX>(v_lo, 32 * kk / VT_BOX * DP * VT_BOX + dh * 64 * VT_BOX + 32 * kk % VT_BOX), kk);
         wgmma_commit();
     };
     auto fold_pv = [&](int dh, int (&acc)[8][4]) {

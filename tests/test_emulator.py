@@ -229,11 +229,11 @@ def _spec_forward(qi, lq, lk, causal, group, smooth_q, key_tile=BLOCK_KV):
     return o, lse2
 
 
-@pytest.mark.parametrize("key_tile,lk", [(64, 100), (128, 100), (128, 60), (128, 230)])
+@pytest.mark.parametrize("key_tile,lk", [(64, 100), (128, 100), (128, 60), (128, 230), (192, 150), (192, 300)])
 @pytest.mark.parametrize("causal,smooth_q", [(False, False), (True, False), (True, True)])
 def test_forward_matches_spec_pseudocode(causal, smooth_q, key_tile, lk):
     q, k, v, _ = _inputs(21, b=1, hq=4, hkv=2, lq=150, lk=lk, d=16)
-    v[:, :, 64:128] *= 3  # V blocks of unequal scales: a 128-key tile folds their ratio into P̂
+    v[:, :, 64:128] *= 3  # V blocks of unequal scales: a 128- or 192-key tile folds their ratio into P̂
     o, _, saved = emulate_forward(q, k, v, causal=causal, smooth_q=smooth_q, dtype="float32", key_tile=key_tile)
     o_spec, lse2_spec = _spec_forward(saved["inputs"], 150, lk, causal, 2, smooth_q, key_tile)
     np.testing.assert_array_equal(o, o_spec[:, :, :150])

@@ -319,6 +319,51 @@ def test_warp_specialized_forward_equals_the_default_kernel(monkeypatch, shape, 
     plan.clear_plans()
 
 
+WS_WIDE_SHAPES = ["c=1,s=2", "c=2", "c=2,pp=1", "c=1,s=3,ps=0"]
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (2, 4, 1, 300, 700, 128), (1, 2, 2, 777, 385, 64),
+                                   (3, 4, 2, 200, 456, 96), (1, 2, 2, 192, 192, 128), (1, 3, 3, 1000, 1000, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_warp_specialized_forward_192_key_tiles_match_the_emulator(monkeypatch, shape, causal):
+    """forward_ws.cu with 192-key tiles (SAGEBWD_FORWARD_WS_KEYS=192: three V scale blocks a tile, P̂'s
+    row scale and O's rescale per 192 keys) against the emulator's forward with key_tile 192, in each
+    shape of the kernel, outputs poisoned first; Lk past the head's padded keys (the last tile's key
+    scales end there) and rows that see no key included. Hopper only."""
+    import torch
+
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the warp-specialized forward is an sm_90 kernel")
+    b, hq, hk, lq, lk, d = shape
+    dtype = "bfloat16" if d % 128 == 0 else "float16"
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, "NHD", seed=lq + 5 * lk + causal)
+    o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "NHD") for x in (q, k, v)), causal=causal,
+                                                 dtype=dtype, key_tile=192)
+    finite = np.isfinite(lse_emu)
+    names = {"c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES", "pp": "SAGEBWD_FORWARD_PINGPONG",
+             "ps": "SAGEBWD_FORWARD_PERSISTENT"}
+    for ws_shape in WS_WIDE_SHAPES:
+        monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
+        monkeypatch.setenv("SAGEBWD_FORWARD_WS_KEYS", "192")
+        for item in ws_shape.split(","):
+            key, value = item.split("=")
+            monkeypatch.setenv(names[key], value)
+        plan.clear_plans()
+        out, lse = _run(q, k, v, "NHD", causal)
+        torch.cuda.synchronize()
+        o, lse = to_hnd_numpy(out, "NHD"), lse.cpu().numpy()
+        assert rel_l2(o, o_emu) < EMU_TOL[dtype], ws_shape
+        np.testing.assert_array_equal(np.isfinite(lse), finite)
+        np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4, err_msg=ws_shape)
+        assert not o[~np.broadcast_to(finite[..., None], o.shape)].any(), ws_shape
+        for name in ["SAGEBWD_FORWARD_WS", "SAGEBWD_FORWARD_WS_KEYS", *names.values()]:
+            monkeypatch.delenv(name, raising=False)
+    plan.clear_plans()
+
+
 def test_warp_specialized_forward_packed_batches(monkeypatch):
     """The warp-specialized forward on packed sequences (flash_attn_varlen_func) equals the default."""
     import torch

@@ -8,7 +8,8 @@ cache is cleared between them, so every variant and the peer run side by side.
         python tools/probe_forward_ws.py one --shapes 1x32x16384x64 --causal yes --variants ws=1
 
 A variant is comma-separated NAME=VALUE settings: ws (SAGEBWD_FORWARD_WS), c (CONSUMERS), s
-(STAGES), pp (PINGPONG), ps (PERSISTENT), kt (KEY_TILE). ``time`` prints ms per forward (training forward: O and LSE; K and V's
+(STAGES), pp (PINGPONG), ps (PERSISTENT), kt (KEY_TILE), wk (WS_KEYS: the warp-specialized
+forward's 128- or 192-key tiles). ``time`` prints ms per forward (training forward: O and LSE; K and V's
 quantization included) and the ratio to SDPA on cuDNN, interleaving the variants over rounds.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 from digest_outputs import CASES as DIGEST_CASES, _digest  # tools/, beside this file
 
 ENV = {"ws": "SAGEBWD_FORWARD_WS", "c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES",
-       "pp": "SAGEBWD_FORWARD_PINGPONG", "ps": "SAGEBWD_FORWARD_PERSISTENT", "kt": "SAGEBWD_FORWARD_KEY_TILE"}
+       "pp": "SAGEBWD_FORWARD_PINGPONG", "ps": "SAGEBWD_FORWARD_PERSISTENT", "kt": "SAGEBWD_FORWARD_KEY_TILE",
+       "wk": "SAGEBWD_FORWARD_WS_KEYS"}
 # (B, Hq, Hkv, Lq, Lk, D, causal): the digest tool's cases, and N = 1 causal, a tile and one row, a
 # padded head dim of 96 with Lq != Lk.
 CASES = DIGEST_CASES + [(1, 2, 2, 1, 1, 128, True), (1, 2, 2, 129, 129, 128, True), (3, 2, 2, 200, 456, 96, True)]

@@ -272,7 +272,8 @@ def forward_spec(dp: int, dtype: str, options: AttentionOptions, tiles: ForwardT
 @dataclasses.dataclass(frozen=True)
 class WsForwardTiles:
     """The warp-specialized sm_90 forward (kernels/forward_ws.cu): a producer warpgroup and
-    ``consumers`` warpgroups of 64 query rows, ``stages`` 128-key tiles in flight, the consumers
+    ``consumers`` warpgroups of 64 query rows, ``stages`` key tiles (``key_tile``: 128, or 192 in dense
+    batches) in flight, the consumers
     taking turns to issue their products (``pingpong``), one CTA per work tile or a ``persistent``
     grid of ``ctas_per_sm`` CTAs an SM."""
     consumers: int = 2
@@ -295,28 +296,32 @@ class WsForwardTiles:
         return 2 if self.consumers == 1 else 1
 
     def key_maps(self, dp: int) -> tuple:
-        """The TMA boxes of the key tiles (K̂: key_tile rows of dp bytes; V̂ᵀ: dp rows of key_tile bytes),
-        each in the swizzle of its row's bytes (the wgmma descriptors')."""
-        return TmaBox((dp, self.key_tile), dp), TmaBox((self.key_tile, dp), self.key_tile)
+        """The TMA boxes of the key tiles (K̂: key_tile rows of dp bytes; V̂ᵀ: dp rows of key_tile bytes, or
+        of 64 for a 192-key tile, three boxes a tile), each in the swizzle of its row's bytes (the wgmma
+        descriptors')."""
+        vt_keys = 128 if self.key_tile == 128 else 64
+        return TmaBox((dp, self.key_tile), dp), TmaBox((vt_keys, dp), vt_keys)
 
     def choices(self) -> dict:
+        wide = {"SB_TILE_KEYS": self.key_tile} if self.key_tile != 128 else {}  # (128: implied, unnamed in the key)
         return {"SB_CONSUMERS": self.consumers, "SB_KV_STAGES": self.stages,
-                "SB_PINGPONG": int(self.pingpong and self.consumers > 1)}
+                "SB_PINGPONG": int(self.pingpong and self.consumers > 1), **wide}
 
     def implied(self, dp: int) -> dict:
         """kernels/forward_ws.cu's CTA and key tiles (the grid, persistent or not, is the launch's choice:
         one kernel serves both)."""
         k, vt = self.key_maps(dp)
-        return {"SB_WGMMA": 1, "SB_TILE_KEYS": self.key_tile, "SB_THREADS": self.threads, "SB_CTA_Q": self.cta_q,
+        implied_tile = {} if "SB_TILE_KEYS" in self.choices() else {"SB_TILE_KEYS": self.key_tile}
+        return {"SB_WGMMA": 1, **implied_tile, "SB_THREADS": self.threads, "SB_CTA_Q": self.cta_q,
                 "SB_MIN_BLOCKS": self.ctas_per_sm, "SB_TMA_SWIZZLE_K": k.swizzle, "SB_TMA_SWIZZLE_VT": vt.swizzle}
 
 
-def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | None:
+def forward_ws_tiles(dp: int, arch: str | None, bias: bool, varlen: bool = False) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles where it is asked for (SAGEBWD_FORWARD_WS=1; sm_90, no
     Q-smoothing), else None: measured against the one-warpgroup kernel it is no faster yet
     (docs/PERFORMANCE.md, forward ws), so that one stays the default. SAGEBWD_FORWARD_CONSUMERS
     (1-3), SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
-    override its shape; the default shape per head dim is the fastest measured: three consumers, one
+    and SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override its shape; the default shape per head dim is the fastest measured: three consumers, one
     product at a time, at head dim 64; one consumer, two CTAs an SM, at 128."""
     if not use_wgmma(arch) or bias or dp > numerics.WIDE_HEAD_DIM or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
         return None
@@ -324,7 +329,8 @@ def forward_ws_tiles(dp: int, arch: str | None, bias: bool) -> WsForwardTiles | 
     overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
                  "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
                  "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
-                 "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1))}
+                 "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1)),
+                 "key_tile": None if varlen else _env_choice("SAGEBWD_FORWARD_WS_KEYS", (128, 192))}
     return dataclasses.replace(tiles, **{k: type(getattr(tiles, k))(v) for k, v in overrides.items() if v is not None})
 
 

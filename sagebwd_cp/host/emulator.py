@@ -271,16 +271,17 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
                     quantize=True, dtype="float16", key_tile=BLOCK_KV, k_mean=None, window=(-1, -1), softcap=0.0):
     """SageBwd forward.  Returns (o, lse, saved): o (B,Hq,Lq,D) float32 holding the stored
     ``dtype`` values, lse (B,Hq,Lq) float32 natural-log logsumexp (-inf for rows that see no
-    key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64 or 128) is the kernel's
-    keys per tile (``specs.ForwardTiles.key_tile``): the span of P̂'s row scale.  ``k_mean``: μ_K
+    key), saved the dict ``emulate_backward`` needs.  ``key_tile`` (64, 128, or 192 for the
+    warp-specialized forward's wide tiles) is the kernel's keys per tile (``specs.ForwardTiles.key_tile``,
+    ``WsForwardTiles.key_tile``): the span of P̂'s row scale.  ``k_mean``: μ_K
     (B,Hkv,D) to smooth K with instead of K's token mean.  ``window``: FlashAttention's ``window_size``
     (left, right), -1 unbounded (causal sets right to 0).  ``softcap``: logit soft-capping's c (0: none;
     numerics.soft_cap)."""
     band = _band(causal, window)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
-    if key_tile not in (BLOCK_KV, 2 * BLOCK_KV):
-        raise ValueError(f"key_tile: expected {BLOCK_KV} or {2 * BLOCK_KV}, got {key_tile!r}")
+    if key_tile not in (BLOCK_KV, 2 * BLOCK_KV, 3 * BLOCK_KV):
+        raise ValueError(f"key_tile: expected {BLOCK_KV}, {2 * BLOCK_KV} or {3 * BLOCK_KV}, got {key_tile!r}")
     q32, k32, v32 = _as_f32(q), _as_f32(k), _as_f32(v)
     group = _check_inputs(q32, k32, v32)
     if softmax_scale is None:
