@@ -3,6 +3,7 @@ kernel cache, the ``kernels`` fixture (a kernel family's switches, with plans cl
 skipped tests counted by reason at the end of a run (``pytest -rs`` lists each one)."""
 import collections
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +53,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory):
-    """A fresh kernel cache for the session: tests never touch ~/.cache and compile for real."""
-    path = tmp_path_factory.mktemp("kernel-cache")
+    """A fresh kernel cache for the session: tests never touch ~/.cache and compile for real.  CI hands
+    over the cache its compile step filled moments before (SAGEBWD_CP_TEST_KERNEL_CACHE, compiled by this
+    checkout), so that the kernels it compiled are not compiled twice."""
+    given = os.environ.get("SAGEBWD_CP_TEST_KERNEL_CACHE")
+    path = Path(given) if given else tmp_path_factory.mktemp("kernel-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAGEBWD_CP_CACHE_DIR", str(path))
         yield path

@@ -70,6 +70,18 @@ def test_every_kernel_file_compiles_for_every_arch_without_spills():
     assert all(r.registers > 0 for r in rows)
 
 
+def test_front_end_options_leave_the_machine_code_alone(monkeypatch):
+    """``--minimal`` (NVRTC 12.4 on, not before) shortens the compile and gives the same cubin."""
+    assert compiler.front_end_options((12, 3)) == ()
+    assert compiler.front_end_options((12, 4)) == compiler.front_end_options((13, 0)) == ("--minimal",)
+    spec = specs.backward_rows_spec("bfloat16")
+    source = compiler.flatten_source(spec.filename)
+    with_options, _ = compiler._nvrtc_compile(source, spec, "sm_86")
+    monkeypatch.setattr(compiler, "front_end_options", lambda version: ())
+    without, _ = compiler._nvrtc_compile(source, spec, "sm_86")
+    assert with_options == without
+
+
 def test_compile_processes_return_results_and_errors_in_order():
     """compile_many in two processes: each pair's own result (a compile error or a bad arch comes
     back as the exception, the others still compile), and the results land in the memory cache."""
