@@ -364,6 +364,42 @@ def test_the_producer_warpgroup_backward_is_the_deterministic_default(monkeypatc
     assert not specs.backward_tiles(128, "sm_86", True).ws  # the mma.sync kernel
 
 
+def test_the_warp_specialized_forward_is_the_default_where_it_measured_faster(monkeypatch):
+    """forward_ws.cu at head dim 128 without a mask in dense batches (one consumer, a CTA per work tile);
+    forward.cu for every other shape, everywhere with SAGEBWD_FORWARD_WS=0, and for none it is not built for."""
+    for name in ("SAGEBWD_FORWARD_WS", "SAGEBWD_WGMMA", "SAGEBWD_FORWARD_CONSUMERS", "SAGEBWD_FORWARD_PERSISTENT",
+                 "SAGEBWD_FORWARD_KEY_TILE"):
+        monkeypatch.delenv(name, raising=False)
+    ws = specs.forward_ws_tiles
+    plain = AttentionOptions()
+    assert ws(128, "sm_90", plain) == specs.WsForwardTiles(consumers=1, pingpong=False, persistent=False)
+    assert ws(128, "sm_90", plain, len_k=specs.WS_FORWARD_MAX_KEYS) == ws(128, "sm_90", plain)
+    assert ws(128, "sm_90", plain, len_k=specs.WS_FORWARD_MAX_KEYS + 1) is None
+    for options, dp, arch, varlen in ((AttentionOptions(causal=True), 128, "sm_90", False), (plain, 64, "sm_90", False),
+                                      (plain, 128, "sm_90", True), (plain, 128, "sm_80", False),
+                                      (plain, 256, "sm_90", False)):
+        assert ws(dp, arch, options, varlen) is None, (options, dp, arch, varlen)
+    for options in (AttentionOptions(window_left=100), AttentionOptions(softcap=5.0, smooth_k=False),
+                    AttentionOptions(smooth_q=True)):  # (not built for these)
+        monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
+        assert ws(128, "sm_90", options) is None
+    assert ws(128, "sm_90", AttentionOptions(causal=True)) == ws(128, "sm_90", plain)
+    assert ws(64, "sm_90", plain) == specs.WsForwardTiles(consumers=3, pingpong=False)
+    monkeypatch.delenv("SAGEBWD_FORWARD_WS")
+    monkeypatch.setenv("SAGEBWD_FORWARD_KEY_TILE", "64")  # forward.cu's tile forced: that kernel
+    assert ws(128, "sm_90", plain) is None
+    monkeypatch.delenv("SAGEBWD_FORWARD_KEY_TILE")
+    monkeypatch.setenv("SAGEBWD_FORWARD_WS", "0")
+    assert ws(128, "sm_90", plain) is None
+    monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
+    monkeypatch.setenv("SAGEBWD_WGMMA", "0")
+    assert ws(128, "sm_90", plain) is None
+    # Its spec is among those CI compiles.
+    monkeypatch.delenv("SAGEBWD_WGMMA")
+    keys = {s.key for s in specs.all_specs("sm_90")}
+    assert specs.forward_ws_spec(128, "bfloat16", plain, ws(128, "sm_90", plain)).key in keys
+
+
 def test_forward_and_backward_use_wgmma_on_hopper_only(monkeypatch):
     monkeypatch.delenv("SAGEBWD_WGMMA", raising=False)
     assert specs.forward_tiles(128, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=128)

@@ -292,17 +292,26 @@ def _fill_memory(headroom=False):
             except torch.OutOfMemoryError:
                 return
 
-    fill(1 << 30)
-    if blocks:  # the last GiB in 2 MiB pieces (one segment), so that the headroom is made of them
-        blocks.pop()
-    fill(1 << 21)
-    fill(1 << 20)
-    if headroom:
-        for size, count in ((1 << 21, 8), (1 << 20, 4)):
-            index = [i for i, b in enumerate(blocks) if b.numel() == size][-count:]
-            assert len(index) == count, f"fewer than {count} blocks of {size} bytes"
-            for i in reversed(index):
-                del blocks[i]
+    try:
+        fill(1 << 30)
+        if blocks:  # the last GiB in 2 MiB pieces (one segment), so that the headroom is made of them
+            blocks.pop()
+        # Some 1 MiB pieces first: where the 2 MiB ones leave less than a 2 MiB segment of torch's small
+        # pool free (an H100's 80 GB did), the last fill below finds none.
+        for _ in range(8):
+            blocks.append(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+        fill(1 << 21)
+        fill(1 << 20)
+        if headroom:
+            for size, count in ((1 << 21, 8), (1 << 20, 4)):
+                index = [i for i, b in enumerate(blocks) if b.numel() == size][-count:]
+                assert len(index) == count, f"fewer than {count} blocks of {size} bytes"
+                for i in reversed(index):
+                    del blocks[i]
+    except BaseException:  # the memory back before the error leaves (its traceback would hold it)
+        del blocks[:]
+        torch.cuda.empty_cache()
+        raise
     return blocks
 
 

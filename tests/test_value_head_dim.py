@@ -163,13 +163,17 @@ def test_torch_packed_batches():
 
 
 def test_jax_with_grad():
+    """On JAX's default backend: float32 on the CPU (the emulator), bfloat16 where it is a GPU (the kernels
+    take 16-bit arrays; traced arrays run where the default backend puts them)."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     import sagebwd_cp.jax as sjax
 
-    q, k, v, do = (jnp.asarray(x.astype(np.float32)) for x in _inputs(48, 32, seed=9))
-    o_ref, _ = reference.attention_reference(*(np.asarray(x) for x in (q, k, v)), causal=True)
-    g_ref = reference.attention_reference_backward(*(np.asarray(x) for x in (q, k, v, do)), causal=True)
+    dtype = np.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    q, k, v, do = (jnp.asarray(x.astype(np.float32)).astype(dtype) for x in _inputs(48, 32, seed=9))
+    exact = [np.asarray(x, np.float32) for x in (q, k, v, do)]  # the values the library sees
+    o_ref, _ = reference.attention_reference(*exact[:3], causal=True)
+    g_ref = reference.attention_reference_backward(*exact, causal=True)
     out = sjax.attention(q, k, v, causal=True)
     assert out.shape == q.shape[:3] + (32,) and _rel(out, o_ref) < 0.03
     grads = jax.grad(lambda q, k, v: jnp.sum(sjax.attention(q, k, v, causal=True) * do), argnums=(0, 1, 2))(q, k, v)

@@ -316,16 +316,32 @@ class WsForwardTiles:
                 "SB_MIN_BLOCKS": self.ctas_per_sm, "SB_TMA_SWIZZLE_K": k.swizzle, "SB_TMA_SWIZZLE_VT": vt.swizzle}
 
 
-def forward_ws_tiles(dp: int, arch: str | None, bias: bool, varlen: bool = False) -> WsForwardTiles | None:
-    """The warp-specialized forward's tiles where it is asked for (SAGEBWD_FORWARD_WS=1; sm_90, no
-    Q-smoothing), else None: measured against the one-warpgroup kernel it is no faster yet
-    (docs/PERFORMANCE.md, forward ws), so that one stays the default. SAGEBWD_FORWARD_CONSUMERS
-    (1-3), SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1)
-    and SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override its shape; the default shape per head dim is the fastest measured: three consumers, one
-    product at a time, at head dim 64; one consumer, two CTAs an SM, at 128."""
-    if not use_wgmma(arch) or bias or dp > numerics.WIDE_HEAD_DIM or _env_choice("SAGEBWD_FORWARD_WS", (0, 1)) != 1:
+# The warp-specialized forward is the default up to this many keys (forward_ws_tiles).
+WS_FORWARD_MAX_KEYS = 8192
+
+
+def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varlen: bool = False,
+                     len_k: int = 0) -> WsForwardTiles | None:
+    """The warp-specialized forward's tiles, or None for the one-warpgroup kernel (forward.cu). sm_90, no
+    Q-smoothing, sliding window or soft cap. By default where it measured faster than that kernel: head
+    dim 128 without a mask, dense batches, up to WS_FORWARD_MAX_KEYS keys (H100, bf16 and fp16, MHA and
+    GQA: 1.02-1.07x at 2K-8K in three runs; H200 1.00-1.06x; at 16K 0.96-1.22x between runs, causal
+    0.94-1.07x and head dim 64 0.95-0.99x: forward.cu stays there; docs/PERFORMANCE.md). SAGEBWD_FORWARD_WS=0 keeps forward.cu everywhere (as SAGEBWD_FORWARD_KEY_TILE
+    does), =1 takes this kernel wherever it is built. SAGEBWD_FORWARD_CONSUMERS (1-3), SAGEBWD_FORWARD_STAGES (2-4),
+    SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1) and SAGEBWD_FORWARD_WS_KEYS (128, 192;
+    packed batches keep 128) override its shape; the shape per head dim is the fastest measured: three
+    consumers, one product at a time, at head dim 64; one consumer, two CTAs an SM, a CTA per work tile,
+    at 128."""
+    if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap or dp > numerics.WIDE_HEAD_DIM:
         return None
-    tiles = WsForwardTiles(consumers=3, pingpong=False) if dp == 64 else WsForwardTiles(consumers=1, pingpong=False)
+    asked = _env_choice("SAGEBWD_FORWARD_WS", (0, 1))
+    # (SAGEBWD_FORWARD_KEY_TILE forces forward.cu's key tile: that kernel, then, unless this one is asked for.)
+    measured_faster = (dp == 128 and not options.causal and not varlen and len_k <= WS_FORWARD_MAX_KEYS
+                       and "SAGEBWD_FORWARD_KEY_TILE" not in os.environ)
+    if asked == 0 or (asked is None and not measured_faster):
+        return None
+    tiles = (WsForwardTiles(consumers=3, pingpong=False) if dp == 64
+             else WsForwardTiles(consumers=1, pingpong=False, persistent=False))
     overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
                  "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
                  "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
@@ -610,7 +626,7 @@ def all_specs(arch: str | None = None) -> list:
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
-                        if not bias and window < 0 and not cap:  # the default shape of SAGEBWD_FORWARD_WS=1
+                        if not bias and window < 0 and not cap:  # forward_ws_tiles' shape (the persistent grid too)
                             ws = WsForwardTiles(consumers=3 if dp == 64 else 1, pingpong=False)
                             specs.append(forward_ws_spec(dp, dt, fwd, ws, varlen))
                     for granularity in ("fine",) if cap else ("fine", "paper"):
