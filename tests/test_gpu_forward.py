@@ -283,6 +283,29 @@ def test_mma_sync_path_equals_the_64_key_wgmma_kernel(monkeypatch, causal, d, dt
 
 
 WS_SHAPES = ["c=1", "c=2", "c=2,pp=1", "c=3", "c=3,pp=1", "c=2,s=2,ps=0", "c=1,s=4"]
+WS_ENV = {"c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES", "pp": "SAGEBWD_FORWARD_PINGPONG",
+          "ps": "SAGEBWD_FORWARD_PERSISTENT", "wk": "SAGEBWD_FORWARD_WS_KEYS"}
+
+
+def _run_ws(monkeypatch, ws_shape, q, k, v, causal):
+    """_run on the warp-specialized forward (SAGEBWD_FORWARD_WS=1) in the shape ``ws_shape`` ("c=1,s=2", the
+    names of WS_ENV), its switches unset again after."""
+    import torch
+
+    from sagebwd_cp.gpu import plan
+
+    monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
+    for item in ws_shape.split(","):
+        key, value = item.split("=")
+        monkeypatch.setenv(WS_ENV[key], value)
+    plan.clear_plans()
+    try:
+        out = _run(q, k, v, "NHD", causal)
+        torch.cuda.synchronize()
+    finally:
+        for name in ["SAGEBWD_FORWARD_WS", *WS_ENV.values()]:
+            monkeypatch.delenv(name, raising=False)
+    return out
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(2, 8, 2, 2048, 2048, 128), (3, 2, 2, 129, 700, 64)],
@@ -304,23 +327,13 @@ def test_warp_specialized_forward_equals_the_default_kernel(monkeypatch, shape, 
     monkeypatch.setenv("SAGEBWD_FORWARD_WS", "0")  # forward.cu (the default takes forward_ws.cu at d=128 unmasked)
     plan.clear_plans()
     ref = _run(q, k, v, "NHD", causal)
-    names = {"c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES", "pp": "SAGEBWD_FORWARD_PINGPONG",
-             "ps": "SAGEBWD_FORWARD_PERSISTENT"}
     for ws_shape in WS_SHAPES:
-        monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
-        for item in ws_shape.split(","):
-            key, value = item.split("=")
-            monkeypatch.setenv(names[key], value)
-        plan.clear_plans()
-        out, lse = _run(q, k, v, "NHD", causal)
-        torch.cuda.synchronize()
+        out, lse = _run_ws(monkeypatch, ws_shape, q, k, v, causal)
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), ws_shape
-        for name in ["SAGEBWD_FORWARD_WS", *names.values()]:
-            monkeypatch.delenv(name, raising=False)
     plan.clear_plans()
 
 
-WS_WIDE_SHAPES = ["c=1,s=2", "c=2", "c=2,pp=1", "c=1,s=3,ps=0"]
+WS_WIDE_SHAPES = ["wk=192,c=1,s=2", "wk=192,c=2", "wk=192,c=2,pp=1", "wk=192,c=1,s=3,ps=0"]
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (2, 4, 1, 300, 700, 128), (1, 2, 2, 777, 385, 64),
@@ -344,24 +357,13 @@ def test_warp_specialized_forward_192_key_tiles_match_the_emulator(monkeypatch, 
     o_emu, lse_emu, _ = emulator.emulate_forward(*(to_hnd_numpy(x, "NHD") for x in (q, k, v)), causal=causal,
                                                  dtype=dtype, key_tile=192)
     finite = np.isfinite(lse_emu)
-    names = {"c": "SAGEBWD_FORWARD_CONSUMERS", "s": "SAGEBWD_FORWARD_STAGES", "pp": "SAGEBWD_FORWARD_PINGPONG",
-             "ps": "SAGEBWD_FORWARD_PERSISTENT"}
     for ws_shape in WS_WIDE_SHAPES:
-        monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")
-        monkeypatch.setenv("SAGEBWD_FORWARD_WS_KEYS", "192")
-        for item in ws_shape.split(","):
-            key, value = item.split("=")
-            monkeypatch.setenv(names[key], value)
-        plan.clear_plans()
-        out, lse = _run(q, k, v, "NHD", causal)
-        torch.cuda.synchronize()
+        out, lse = _run_ws(monkeypatch, ws_shape, q, k, v, causal)
         o, lse = to_hnd_numpy(out, "NHD"), lse.cpu().numpy()
         assert rel_l2(o, o_emu) < EMU_TOL[dtype], ws_shape
         np.testing.assert_array_equal(np.isfinite(lse), finite)
         np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4, err_msg=ws_shape)
         assert not o[~np.broadcast_to(finite[..., None], o.shape)].any(), ws_shape
-        for name in ["SAGEBWD_FORWARD_WS", "SAGEBWD_FORWARD_WS_KEYS", *names.values()]:
-            monkeypatch.delenv(name, raising=False)
     plan.clear_plans()
 
 
