@@ -311,7 +311,7 @@ class WsForwardTiles:
         """kernels/forward_ws.cu's CTA and key tiles (the grid, persistent or not, is the launch's choice:
         one kernel serves both)."""
         k, vt = self.key_maps(dp)
-        implied_tile = {} if "SB_TILE_KEYS" in self.choices() else {"SB_TILE_KEYS": self.key_tile}
+        implied_tile = {"SB_TILE_KEYS": self.key_tile} if self.key_tile == 128 else {}  # (else a choice)
         return {"SB_WGMMA": 1, **implied_tile, "SB_THREADS": self.threads, "SB_CTA_Q": self.cta_q,
                 "SB_MIN_BLOCKS": self.ctas_per_sm, "SB_TMA_SWIZZLE_K": k.swizzle, "SB_TMA_SWIZZLE_VT": vt.swizzle}
 
@@ -320,18 +320,25 @@ class WsForwardTiles:
 WS_FORWARD_MAX_KEYS = 8192
 
 
+def ws_forward_shape(dp: int) -> WsForwardTiles:
+    """The warp-specialized forward's shape at head dim ``dp``, the fastest measured: three consumers, one
+    product at a time, at 64; one consumer, two CTAs an SM, a CTA per work tile, at 128."""
+    if dp == 64:
+        return WsForwardTiles(consumers=3, pingpong=False)
+    return WsForwardTiles(consumers=1, pingpong=False, persistent=False)
+
+
 def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varlen: bool = False,
                      len_k: int = 0) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles, or None for the one-warpgroup kernel (forward.cu). sm_90, no
     Q-smoothing, sliding window or soft cap. By default where it measured faster than that kernel: head
     dim 128 without a mask, dense batches, up to WS_FORWARD_MAX_KEYS keys (H100, bf16 and fp16, MHA and
     GQA: 1.02-1.07x at 2K-8K in three runs; H200 1.00-1.06x; at 16K 0.96-1.22x between runs, causal
-    0.94-1.07x and head dim 64 0.95-0.99x: forward.cu stays there; docs/PERFORMANCE.md). SAGEBWD_FORWARD_WS=0 keeps forward.cu everywhere (as SAGEBWD_FORWARD_KEY_TILE
-    does), =1 takes this kernel wherever it is built. SAGEBWD_FORWARD_CONSUMERS (1-3), SAGEBWD_FORWARD_STAGES (2-4),
-    SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1) and SAGEBWD_FORWARD_WS_KEYS (128, 192;
-    packed batches keep 128) override its shape; the shape per head dim is the fastest measured: three
-    consumers, one product at a time, at head dim 64; one consumer, two CTAs an SM, a CTA per work tile,
-    at 128."""
+    0.94-1.07x and head dim 64 0.95-0.99x: forward.cu stays there; docs/PERFORMANCE.md).
+    SAGEBWD_FORWARD_WS=0 keeps forward.cu everywhere (as SAGEBWD_FORWARD_KEY_TILE does), =1 takes this
+    kernel wherever it is built. Its shape is ws_forward_shape's, which SAGEBWD_FORWARD_CONSUMERS (1-3),
+    SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1) and
+    SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override."""
     if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap or dp > numerics.WIDE_HEAD_DIM:
         return None
     asked = _env_choice("SAGEBWD_FORWARD_WS", (0, 1))
@@ -340,8 +347,7 @@ def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varle
                        and "SAGEBWD_FORWARD_KEY_TILE" not in os.environ)
     if asked == 0 or (asked is None and not measured_faster):
         return None
-    tiles = (WsForwardTiles(consumers=3, pingpong=False) if dp == 64
-             else WsForwardTiles(consumers=1, pingpong=False, persistent=False))
+    tiles = ws_forward_shape(dp)
     overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
                  "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
                  "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
@@ -626,9 +632,8 @@ def all_specs(arch: str | None = None) -> list:
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):
                             specs.append(forward_spec(dp, dt, fwd, ForwardTiles(4, 1, True, key_tile), varlen))
-                        if not bias and window < 0 and not cap:  # forward_ws_tiles' shape (the persistent grid too)
-                            ws = WsForwardTiles(consumers=3 if dp == 64 else 1, pingpong=False)
-                            specs.append(forward_ws_spec(dp, dt, fwd, ws, varlen))
+                        if not bias and window < 0 and not cap:  # (one kernel serves a persistent grid too)
+                            specs.append(forward_ws_spec(dp, dt, fwd, ws_forward_shape(dp), varlen))
                     for granularity in ("fine",) if cap else ("fine", "paper"):
                         for det in (False, True):
                             bwd = fwd._replace(granularity=granularity, deterministic=det)
