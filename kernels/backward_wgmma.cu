@@ -367,10 +367,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
         for (int s = 0; s < SB_STAGES; ++s) {
             mbarrier_init(base + rows_at(s) + SBAR, 1);
-            if (WS) mbarrier_init(base + rows_at(s) + SBAR_EMPTY, THREADS / 32);
+            if (WS) mbarrier_init(base + rows_at(s) + SBAR_EMPTY, THREADS);
             if (SPLIT) {
                 mbarrier_init(base + rows_at(s) + SBAR_FULL1, 1);
-                mbarrier_init(base + rows_at(s) + SBAR_EMPTY1, THREADS / 32);
+                mbarrier_init(base + rows_at(s) + SBAR_EMPTY1, THREADS);
             }
         }
         if (WS) {
@@ -638,8 +638,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         wgmma_hold_all(ds);
         ds_from_dp(ds, p, stats_s, 0, t, a);
         if (SPLIT) {
-            __syncwarp();
-            if ((fresh_tid() & 31) == 0) mbarrier_arrive(base + rows_at(it % SB_STAGES) + SBAR_EMPTY);
+            // Part 0 read: every thread releases its own reads (THREADS arrivals). The barrier's address from
+            // stats_s, which is live here: formed from base, the soft-capped kernels spilled 24 bytes (NVRTC 13.5).
+            mbarrier_arrive(smem_u32(stats_s) + SBAR_EMPTY);
             mbarrier_wait(base + rows_at(it % SB_STAGES) + SBAR_FULL1, (it / SB_STAGES) & 1);  // part 1 is in
         }
 
@@ -845,10 +846,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             if (WS) {  // the partial is in its tile, and the stage has been read (the dK products are done)
                 __syncwarp();
                 if (PASSES > 1 && fresh_tid() == 0) turn_s[it % DQ_TILES] = static_cast<int>(pending_row);
-                if ((fresh_tid() & 31) == 0) {  // (a fresh lane: one held across the loop spilled)
-                    mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));
-                    mbarrier_arrive(base + rows_at(it % SB_STAGES) + (SPLIT ? SBAR_EMPTY1 : SBAR_EMPTY));
-                }
+                if ((fresh_tid() & 31) == 0) mbarrier_arrive(base + dq_full_bar(it % DQ_TILES));  // (a fresh lane: one
+                                                                                          // held across the loop spilled)
+                // The stage: every thread arrives (THREADS of them), releasing its own reads of the statistics.
+                mbarrier_arrive(base + rows_at(it % SB_STAGES) + (SPLIT ? SBAR_EMPTY1 : SBAR_EMPTY));
             }
         }
 

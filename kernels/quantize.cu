@@ -388,7 +388,7 @@ token_sum(SB_KERNEL_PARAMS(SB_TOKEN_SUM_FIELDS)) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) part[e][threadIdx.x] = s[e];
     __syncthreads();
-    if (threadIdx.x < p.D) {
+    if (threadIdx.x < p.D_pad) {  // columns D.. too (zeros), which the K job reads
         const int g = threadIdx.x / width, e = threadIdx.x % width;
         double t = 0.0;
         for (int p = 0; p < slices; ++p) t += part[e][p * groups + g];
