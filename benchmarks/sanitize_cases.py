@@ -43,44 +43,50 @@ SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64"},
 VARIABLES = sorted({name for setting in SETTINGS for name in setting})
 
 
-def run_packed(case, rand) -> None:
-    """The case's (Lq, Lk), (Lk, Lq) and (1, 1) sequences as one packed (THD) batch, forward and backward."""
+def run_packed(case, rand, device: str):
+    """The case's (Lq, Lk), (Lk, Lq) and (1, 1) sequences as one packed (THD) batch, forward and backward;
+    returns the gradients."""
     import torch
 
     import sagebwd_cp
 
     _, hq, hkv, lq, lk, d, causal, _, opts = case
     lens_q, lens_k = [lq, lk, 1], [lk, lq, 1]
-    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")  # noqa: E731
+    def cu(lens):
+        return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+
     q, do = rand(sum(lens_q), hq, d), rand(sum(lens_q), hq, d)
     k, v = rand(sum(lens_k), hkv, d), rand(sum(lens_k), hkv, d)
     fwd = dict(opts.get("forward", {}))
     args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
     _, saved = sagebwd_cp.attention_varlen_forward(q, k, v, *args, causal=causal, **fwd)
     sagebwd_cp.attention_varlen(q, k, v, *args, causal=causal, **fwd)
-    sagebwd_cp.attention_backward(saved, do, deterministic=opts.get("deterministic", False))
+    return sagebwd_cp.attention_backward(saved, do, deterministic=opts.get("deterministic", False))
 
 
-def run_case(case) -> None:
+def run_case(case, device: str = "cuda"):
+    """Forward (training and inference) and backward of one case; returns the gradients.  On "cpu" the
+    emulator runs it (tests/test_sanitize_cases.py keeps the set runnable there)."""
     import torch
 
     import sagebwd_cp
 
     b, hq, hkv, lq, lk, d, causal, dtype, opts = case
-    g = torch.Generator(device="cuda").manual_seed(lq * 131 + d)
+    g = torch.Generator(device=device).manual_seed(lq * 131 + d)
     dt = getattr(torch, dtype)
-    rand = lambda *shape: torch.randn(shape, generator=g, device="cuda").to(dt)  # noqa: E731
+    rand = lambda *shape: torch.randn(shape, generator=g, device=device).to(dt)  # noqa: E731
     if opts.get("packed"):
-        run_packed(case, rand)
-        torch.cuda.synchronize()
-        return
+        grads = run_packed(case, rand, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return grads
     opts = dict(opts)
     strided = opts.pop("strided", False)
     smooth_q = opts.pop("smooth_q", False)
     fwd = opts.pop("forward", {})
     dv = opts.pop("value_dim", d)
     if opts.pop("sinks", False):
-        fwd = {**fwd, "sinks": torch.randn(hq, generator=g, device="cuda")}
+        fwd = {**fwd, "sinks": torch.randn(hq, generator=g, device=device)}
     if strided:  # q, k: views of a fused (B, N, 2, H, D); v and dO start 8 bytes into rows of D + 4 values,
         # so their rows are not 16-byte aligned (the backward packs them first: pack_rows)
         fused = rand(b, lq, 2, hq, d)
@@ -93,8 +99,10 @@ def run_case(case) -> None:
     _, _, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, smooth_q=smooth_q, layout=layout,
                                                return_lse=True, **fwd)
     sagebwd_cp.attention(q, k, v, causal=causal, smooth_q=smooth_q, layout=layout, **fwd)  # the inference forward
-    sagebwd_cp.attention_backward(saved, do, **opts)
-    torch.cuda.synchronize()
+    grads = sagebwd_cp.attention_backward(saved, do, **opts)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return grads
 
 
 def main(argv=None) -> int:
