@@ -18,15 +18,14 @@ def _case_module():
     return module
 
 
-CASES = _case_module().CASES
+CASE_SET = _case_module()
 
 
-@pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.parametrize("index", range(len(CASE_SET.CASES)))
 def test_each_sanitizer_case_runs_on_the_emulator(index):
-    module = _case_module()
-    case = list(module.CASES[index])
+    case = list(CASE_SET.CASES[index])
     case[7] = "float32"
-    grads = module.run_case(tuple(case), device="cpu")
+    grads = CASE_SET.run_case(tuple(case), device="cpu")
     assert len(grads) >= 3  # dq, dk, dv (and the sinks' gradient)
     for g in grads:
         g = torch.as_tensor(g)

@@ -344,7 +344,7 @@ def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varle
     asked = _env_choice("SAGEBWD_FORWARD_WS", (0, 1))
     # (SAGEBWD_FORWARD_KEY_TILE forces forward.cu's key tile: that kernel, then, unless this one is asked for.)
     measured_faster = (dp == 128 and not options.causal and not varlen and len_k <= WS_FORWARD_MAX_KEYS
-                       and "SAGEBWD_FORWARD_KEY_TILE" not in os.environ)
+                       and _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128)) is None)
     if asked == 0 or (asked is None and not measured_faster):
         return None
     tiles = ws_forward_shape(dp)
