@@ -195,12 +195,10 @@ SB_DEVICE void row_sum(float (&r)[2], const float (&x)[N][4]) {
 // Deterministic dQ: key blocks add into a query block's dQ in order. One thread waits for the
 // blocks before this one, and after the block's adds (and a fence and barrier) passes the turn on.
 SB_DEVICE void wait_turn(const int* lock, int j) {
-    int seen;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock));
-    } while (seen != j);
+    while (ld_acquire_gpu(lock) != j) {
+    }
 }
-SB_DEVICE void pass_turn(int* lock, int j) { asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(lock), "r"(j + 1)); }
+SB_DEVICE void pass_turn(int* lock, int j) { st_release_gpu(lock, j + 1); }
 
 // The query blocks (of SB_BLOCK_Q rows) that a CTA of keys first_key .. first_key + keys - 1 walks: i0 ..
 // i0 + n_i - 1. Under the band (SB_CAUSAL; seqinfo.cuh band_lo, band_hi), i0 is the first block with a row

@@ -128,8 +128,14 @@ SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
 #define SB_QUANTIZE_FIELDS(F0, F) \
     F0(QuantizeJob, a) F(QuantizeJob, b) F(QuantizeJob, c) \
     F(int, D) F(int, D_pad) \
-    F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum */
+    F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum, or a head's CTAs (FUSED_SUM) */ \
+    F(double*, sum_part) F(int*, arrive)      /* quantize_tensors_fused: its K job's token sums and arrivals */
 SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
+
+// quantize.cu zero_counts
+#define SB_ZERO_COUNTS_FIELDS(F0, F) \
+    F0(int*, counts) F(int, n)
+SB_STRUCT(ZeroCountsParams, SB_ZERO_COUNTS_FIELDS)
 
 // quantize.cu token_sum
 #define SB_TOKEN_SUM_FIELDS(F0, F) \

@@ -22,6 +22,7 @@
 #define QUANT_PERMUTE_T 1
 #define QUANT_PER_TOKEN 2
 #define QUANT_MEAN_GIVEN 4
+#define QUANT_FUSED_SUM 8
 
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 constexpr int D_PAD = SB_DP;                     // the module's head dim, padded
@@ -52,6 +53,7 @@ struct QuantizeShared {
         double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing at DPAD = 128)
         float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
+    int ticket;                                // QUANT_FUSED_SUM: the CTA's place among its head's arrivals
 };
 
 // Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
@@ -71,7 +73,13 @@ struct QuantizeShared {
 // rows_out / t_out (optional): the two layouts.
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
 //   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]);
-//   QUANT_MEAN_GIVEN: see mean_sum.
+//   QUANT_MEAN_GIVEN: see mean_sum; QUANT_FUSED_SUM: see sum_part.
+// sum_part, arrive (QUANT_FUSED_SUM, quantize_tensors_fused's K job; QuantizeParams): μ from this launch's own loads, K read once (no
+//   token_sum launch). Each CTA stores its float64 column sums in sum_part ([B][H][sum_parts][DPAD], sum_parts the
+//   head's CTAs) and counts itself in arrive[b·H + h] (zeroed before the launch); the head's last CTA to arrive adds
+//   the parts in order, stores μ in mean_out and raises the count to sum_parts + 1; the others wait for that and read
+//   μ from mean_out. Waiting is safe where the head's CTAs are consecutive in the grid (they are) and no more than
+//   the device holds at once (quantize.py fused_token_sums).
 // t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
 //   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.
@@ -79,9 +87,10 @@ struct QuantizeShared {
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
-template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false>
+template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false, bool FUSED_SUM = false>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
-                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum, int sum_parts,
+                               int D, int N_pad, float prescale, const double* __restrict__ mean_sum, double* sum_part,
+                               int* arrive, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                                float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b,
@@ -151,6 +160,58 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     }
 
     cp_async_wait<0>();  // the thread's own chunks: visible to it without a barrier
+
+    if (FUSED_SUM) {
+        // μ from the chunks just loaded (sum_part above). Column sums of the thread's 16 rows (zero past N and D), then
+        // of the CTA's eight token groups: lanes L apart, then warps. float64 sums of 16-bit values are exact for
+        // realistic ranges, so this order gives token_sum's μ.
+        double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+#pragma unroll 1
+        for (int i = 0; i < GROUP; ++i) {
+            const uint4 r = raw[i * DPAD + tid];
+            const u32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] += static_cast<double>(to_f32<SB_BF16>(static_cast<u16>(words[e >> 1] >> (16 * (e & 1)))));
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+            for (int m = L; m < 32; m <<= 1) s[e] += __shfl_xor_sync(0xffffffffu, s[e], m);
+        if (lane < L)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sm.colsum[warp][c0 + e] = s[e];
+        __syncthreads();
+        const int c = tid, part = blk / 2;  // this thread's column; the CTA's place in its head (blocks 2·part, +1)
+        double sum = sm.colsum[0][c];
+#pragma unroll
+        for (int w = 1; w < DPAD / 32; ++w) sum += sm.colsum[w][c];
+        double* parts = sum_part + bh * sum_parts * DPAD + c;
+        parts[part * DPAD] = sum;
+        __threadfence();
+        __syncthreads();  // (also: colsum is read, mean may be written)
+        if (tid == 0) sm.ticket = atomicAdd(arrive + bh, 1);
+        __syncthreads();
+        float m;
+        if (sm.ticket == sum_parts - 1) {  // the last: every part is stored
+            __threadfence();
+            sum = 0.0;
+            for (int q = 0; q < sum_parts; ++q) sum += __ldcg(parts + q * DPAD);
+            m = c < D ? static_cast<float>(sum / static_cast<double>(N)) : 0.f;
+            if (c < D) mean_out[bh * D + c] = m;
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) st_release_gpu(arrive + bh, sum_parts + 1);
+        } else {
+            if (tid == 0)
+                while (ld_acquire_gpu(arrive + bh) <= sum_parts) __nanosleep(64);
+            __syncthreads();
+            m = c < D ? __ldcg(mean_out + bh * D + c) : 0.f;
+        }
+        sm.mean[c] = m;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; ++e) shift[e] = sm.mean[c0 + e];
+    }
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
 
@@ -312,10 +373,10 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 #else
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
 #endif
-extern "C" __global__ void SB_QUANT_BOUNDS
-quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
-    const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
-    SB_REQUIRE_SM80();
+// FUSED: the entry quantize_tensors_fused, for the forward's K (QUANT_FUSED_SUM) and V jobs alone, dense batches:
+// an entry of its own, so that the fused sums' registers leave quantize_tensors' alone.
+template <bool FUSED>
+SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     int cta = blockIdx.x;
     const int which = cta < p.a.ctas ? 0 : (cta < p.a.ctas + p.b.ctas ? 1 : 2);
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
@@ -325,12 +386,18 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
     // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
-    // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it).
-    if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
+    // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it), or μ_K formed
+    // here (the forward's K, dense batches, no prescale).
+    if (FUSED) {  // (quantize.py fused_token_sums: K with the flag, V plain, no other job)
+        if (SB_JOB(flags) & QUANT_FUSED_SUM)
+            quantize_blocks<D_PAD, false, true, false, true>(SB_JOB_ARGS);
+        else
+            quantize_blocks<D_PAD, false, false>(SB_JOB_ARGS);
+    } else if (SB_JOB(flags) & QUANT_MEAN_GIVEN) {
         quantize_blocks<D_PAD, false, true, true>(SB_JOB_ARGS);
     } else if (shift) {
         prescale ? quantize_blocks<D_PAD, true, true>(SB_JOB_ARGS) : quantize_blocks<D_PAD, false, true>(SB_JOB_ARGS);
@@ -339,6 +406,30 @@ quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     }
 #undef SB_JOB_ARGS
 #undef SB_JOB
+}
+
+extern "C" __global__ void SB_QUANT_BOUNDS
+quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
+    SB_REQUIRE_SM80();
+    const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
+    quantize_jobs<false>(p);
+}
+
+extern "C" __global__ void SB_QUANT_BOUNDS
+quantize_tensors_fused(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
+    SB_REQUIRE_SM80();
+#if SB_VARLEN  // (packed batches keep token_sum: quantize.py fused_token_sums)
+    asm volatile("trap;");
+#else
+    quantize_jobs<true>(SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS));
+#endif
+}
+
+// Zeroes the n arrival counts of quantize_tensors_fused's token sums, before that launch; one CTA.
+extern "C" __global__ void __launch_bounds__(SUM_THREADS)
+zero_counts(SB_KERNEL_PARAMS(SB_ZERO_COUNTS_FIELDS)) {
+    const ZeroCountsParams p = SB_KERNEL_VIEW(ZeroCountsParams, SB_ZERO_COUNTS_FIELDS);
+    for (int i = threadIdx.x; i < p.n; i += SUM_THREADS) p.counts[i] = 0;
 }
 
 // Partial token sums for μ_K: CTA (part, h, b) sums the tokens [part·span, min(N, (part + 1)·span)) of one

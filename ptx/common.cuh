@@ -72,3 +72,14 @@ SB_DEVICE long long fresh_batch_head(int heads) {
     }
     return static_cast<long long>(z) * heads + h;
 }
+
+// A flag word in global memory read with acquire and written with release semantics at GPU scope: what one CTA
+// wrote before its release is visible to another CTA after an acquire that reads the value (the turns of the
+// deterministic backward, the fused token sums of quantize.cu). No "memory" clobber: the callers' barriers and
+// fences order the accesses around them for the compiler.
+SB_DEVICE int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+SB_DEVICE void st_release_gpu(int* p, int v) { asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v)); }

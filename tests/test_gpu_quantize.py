@@ -112,3 +112,56 @@ def test_quantize_grad_output_matches_psi(lq, dtype, layout):
     expected = blocks.reshape(x.shape).transpose(0, 1, 3, 2)
     np.testing.assert_array_equal(_unpermute_tokens(dot8.obj.cpu().numpy(), dot8.shape[-1]), expected)
     np.testing.assert_array_equal(scale.obj.cpu().numpy(), scales[..., 0])
+
+
+FUSED_CASES = [
+    # (B, Hkv, Lk, D, dtype, layout, strided): a head's K CTAs (one per 128 rows) from 1 to 33, and past the SMs
+    (1, 1, 1, 64, "float16", "HND", False),
+    (3, 2, 200, 80, "bfloat16", "NHD", True),
+    (2, 3, 1000, 128, "float16", "NHD", False),
+    (1, 4, 4097, 128, "bfloat16", "HND", False),
+    (2, 2, 777, 256, "bfloat16", "HND", True),
+    (8, 8, 2048, 128, "bfloat16", "HND", False),  # 16 CTAs a head, 2048 K and V CTAs: many waves of waiting heads
+    (1, 1, 40000, 64, "float16", "HND", False),  # 313 CTAs a head: more than an H100's SMs, token_sum's path
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case):
+    """The forward's pre-pass (K and V, Q left to the kernel): where the K job forms μ_K from its own loads
+    (quantize_tensors_fused), K̂, its scales, μ_K and V̂ᵀ equal the emulator's bit for bit, as through token_sum."""
+    import torch
+
+    from sagebwd_cp.arrays import current_stream
+    from sagebwd_cp.gpu.device import sm_count
+    from sagebwd_cp.gpu.pieces import run_now
+    from sagebwd_cp.gpu.plan import PlanBuilder
+    from sagebwd_cp.gpu.quantize import quantize_inputs
+    from sagebwd_cp.options import AttentionOptions
+    from sagebwd_cp.problem import make_problem
+
+    b, hk, lk, d, dtype, layout, strided = case
+    q, k, v = make_qkv(b, 2 * hk, hk, 5, lk, d, dtype, layout, sigma=2.0, seed=lk + d, strided=strided)
+    if not strided:
+        k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias for smoothing
+    prob = make_problem(q, k, v, AttentionOptions(layout=layout))
+    plan = PlanBuilder(prob.q.device_id, prob.q.framework, [("q", prob.q), ("k", prob.k), ("v", prob.v)])
+    with poisoned_workspaces():
+        qz = quantize_inputs(plan, prob, False, quantize_q=False)
+        entries = [entry for _, entry, *_ in plan.launches]
+        qz = run_now(plan, current_stream(prob.q), qz)
+    torch.cuda.synchronize()
+    fused = -(-lk // 128) <= sm_count(prob.q.device_id)
+    assert ("quantize_tensors_fused" in entries) == fused and ("token_sum" in entries) != fused
+    emu = emulator.quantize_inputs(to_hnd_numpy(q, layout), to_hnd_numpy(k, layout), to_hnd_numpy(v, layout))
+
+    def host(desc):
+        return desc.obj.cpu().numpy()
+
+    np.testing.assert_array_equal(host(qz.k_mean)[..., :d], emu["k_mean"])
+    np.testing.assert_array_equal(host(qz.k8)[:, :, :lk, :d], emu["k_int8"][:, :, :lk])
+    np.testing.assert_array_equal(host(qz.k_scale)[..., :lk], emu["k_scale"][..., :lk])
+    assert not host(qz.k8)[:, :, lk:].any() and not host(qz.k_scale)[..., lk:].any()
+    vt = _unpermute_tokens(host(qz.vt8), qz.nk_pad)
+    np.testing.assert_array_equal(vt[:, :, :d, :lk], emu["v_int8"][:, :, :lk].transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(host(qz.v_scale)[..., :-(-lk // 64)], emu["v_scale"])

@@ -237,7 +237,8 @@ def test_caches_stay_bounded_under_a_stream_of_sequence_lengths(gpu, monkeypatch
         sagebwd_cp.attention(q, k, v, causal=True)
         assert len(plan._plans) <= 8
     assert len(plan._plans) == 8
-    assert {entry for _, entry in resolved} == {"token_sum", "quantize_tensors", "attention_forward"}
+    # μ_K's token sums in the K job itself (zero_counts clears its arrival counts)
+    assert {entry for _, entry in resolved} == {"zero_counts", "quantize_tensors_fused", "attention_forward"}
     assert len(resolved) == 3  # one kernel each, whatever the length
 
 
@@ -303,10 +304,13 @@ def _argument_bytes(params_ptr, sizes):
     return [ctypes.string_at(params[i], n) for i, n in enumerate(sizes)]
 
 
-def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
+def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypatch):
     """Two calls of one plan: every pointer argument holds this call's array, output or workspace
-    sub-buffer (base + carved offset); nothing else in the arguments changes."""
+    sub-buffer (base + carved offset); nothing else in the arguments changes. (token_sum's path: the
+    fused one has a test of its own below.)"""
     from sagebwd_cp.gpu.forward import forward_plan
+
+    monkeypatch.setenv("SAGEBWD_FUSED_TOKEN_SUMS", "0")
     from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
@@ -336,7 +340,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         assert struct.unpack("<i", ts[8])[0] == 300  # tokens a part
         launch = next(c for c in launches if c[1] == next(s.head[0] for s in built.steps if s.entry == "token_sum"))
         assert launch[2] == (2, 1, 1)  # (parts, Hkv, B)
-        assert struct.unpack("<i", args["quantize_tensors"][-1])[0] == 2  # the K job adds both parts
+        assert struct.unpack("<i", args["quantize_tensors"][-3])[0] == 2  # the K job adds both parts (sum_parts)
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
@@ -359,6 +363,43 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu):
         for b0, b1 in zip(snapshots[0][entry], snapshots[1][entry]):
             if len(b0) == 4:
                 assert b0 == b1
+
+
+def test_the_forward_k_job_sums_its_own_tokens_where_a_head_fits_the_device(gpu, monkeypatch):
+    """Where a head's K CTAs (one per 128 rows) number at most the device's SMs, the forward's pre-pass is
+    zero_counts then quantize_tensors_fused, whose K job forms μ_K (no token_sum); elsewhere, and for packed
+    batches, Q-smoothing and SAGEBWD_FUSED_TOKEN_SUMS=0, token_sum and quantize_tensors as before."""
+    from sagebwd_cp.gpu import quantize
+    from sagebwd_cp.gpu.forward import forward_plan
+    from sagebwd_cp.options import AttentionOptions
+    from sagebwd_cp.problem import make_problem
+
+    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=600)  # 640 key rows: 5 CTAs a head
+    built = forward_plan(make_problem(q, k, v, AttentionOptions(causal=True)), None, True, False)
+    assert [s.entry for s in built.steps] == ["zero_counts", "quantize_tensors_fused", "attention_forward"]
+    names = {b.name: b for b in _buffers(built)}
+    assert names["k_sum"].shape == (2, 2, 5, 64) and names["k_arrive"].shape == (2, 2)
+    gpu.calls.clear()
+    start = len(gpu.allocations)
+    built.run([q.ptr, k.ptr, v.ptr])
+    k_mean_ptr, ws_ptr = gpu.allocations[start + 2][0], gpu.allocations[start + 3][0]
+    args = {s.entry: _argument_bytes(c[6], s.args.sizes) for s, c in zip(built.steps, gpu.launches())}
+    u64, i32 = (lambda b: struct.unpack("<Q", b)[0]), (lambda b: struct.unpack("<i", b)[0])
+    zc = args["zero_counts"]
+    assert (u64(zc[0]), i32(zc[1])) == (ws_ptr + names["k_arrive"].offset, 4)  # B x Hkv counts
+    qt = args["quantize_tensors_fused"]
+    assert i32(qt[-3]) == 5 and u64(qt[-2]) == ws_ptr + names["k_sum"].offset
+    assert u64(qt[-1]) == ws_ptr + names["k_arrive"].offset
+    k_job = struct.unpack("<8Q3q4ifiQii", qt[0])
+    assert k_job[1:3] == (0, k_mean_ptr) and k_job[14] == quantize.PER_TOKEN | quantize.FUSED_SUM
+    assert struct.unpack("<8Q3q4ifiQii", qt[1])[14] == quantize.PERMUTE_T  # V
+    for change in ("sms", "smooth_q", "env"):
+        monkeypatch.setitem(device._device_sms, 0, 4 if change == "sms" else 132)
+        if change == "env":
+            monkeypatch.setenv("SAGEBWD_FUSED_TOKEN_SUMS", "0")
+        prob = make_problem(q, k, v, AttentionOptions(causal=True, smooth_q=change == "smooth_q"))
+        entries = [s.entry for s in forward_plan(prob, None, True, False).steps]
+        assert entries[:2] == ["token_sum", "quantize_tensors"], change
 
 
 def _buffers(built):
@@ -634,7 +675,8 @@ def test_packed_arguments_match_every_kernel_signature(gpu):
             _check_against_kernel(step, checked)
     entries = {e for _, e in checked}
     assert entries == {"token_sum", "quantize_tensors", "smooth_q_bias", "attention_forward", "natural_lse",
-                       "row_stats", "pack_rows", "attention_backward", "dq_convert"}
+                       "row_stats", "pack_rows", "attention_backward", "dq_convert", "zero_counts",
+                       "quantize_tensors_fused"}
 
 
 # ------------------------------------------------------------------------------ allocation helpers

@@ -11,10 +11,11 @@ from .. import numerics
 from ..arrays import ArrayDesc
 from ..problem import AttentionProblem
 from . import params, specs
+from .device import sm_count
 from .plan import PlanBuilder
 
-# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN)
-PERMUTE_T, PER_TOKEN, MEAN_GIVEN = 1, 2, 4
+# QuantizeJob.flags (kernels/quantize.cu QUANT_PERMUTE_T, QUANT_PER_TOKEN, QUANT_MEAN_GIVEN, QUANT_FUSED_SUM)
+PERMUTE_T, PER_TOKEN, MEAN_GIVEN, FUSED_SUM = 1, 2, 4, 8
 # token_sum's grid: at most SUM_CTAS CTAs in all where the (batch, head)s allow (three 512-thread CTAs an SM,
 # quantize.cu's launch bounds, on the 132 SMs of an H100/H200: one wave), each over at least SUM_MIN_SPAN
 # tokens, and at most SUM_MAX_PARTS parts a (batch, head), which every K CTA adds up.
@@ -26,6 +27,16 @@ def token_sum_parts(batch: int, heads: int, n: int) -> tuple:
     parts = max(1, min(SUM_MAX_PARTS, SUM_CTAS // (batch * heads), n // SUM_MIN_SPAN))
     span = -(-n // parts)
     return -(-n // span), span
+
+
+def fused_token_sums(prob: AttentionProblem, other_jobs: bool, nk: int, device_id: int) -> bool:
+    """Whether the forward's K job forms μ_K from its own loads (kernels/quantize.cu QUANT_FUSED_SUM, in the entry
+    quantize_tensors_fused beside V's job: K read once, no token_sum launch): a launch of K and V alone (no
+    ``other_jobs``: Q or dO), dense batches, where a head's CTAs (one per 128 rows) can all be resident at once, one
+    an SM, so that those waiting for the last cannot keep it from starting. SAGEBWD_FUSED_TOKEN_SUMS=0 turns it off."""
+    if specs._env_choice("SAGEBWD_FUSED_TOKEN_SUMS", (0, 1)) == 0 or other_jobs or prob.varlen:
+        return False
+    return _quantize_ctas(nk // numerics.BLOCK_KV) <= sm_count(device_id)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -86,17 +97,21 @@ def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flag
                          seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
 
-def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0) -> None:
+def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0, sum_part=None,
+                     arrive=None) -> None:
     """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
-    parts behind the job with token sums."""
+    parts behind the job with token sums, or the CTAs of a head of the job that forms them (FUSED_SUM, with its
+    sums' and arrivals' buffers ``sum_part``, ``arrive``)."""
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
+    fused = any(params.field(job, "QuantizeJob", "flags") & FUSED_SUM for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
     assert dp in specs.PADDED_HEAD_DIMS, dp
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
-    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors", (ctas, 1, prob.batch), (dp, 1, 1),
+    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors_fused" if fused else "quantize_tensors",
+                (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
-                               sum_parts=sum_parts),
+                               sum_parts=sum_parts, sum_part=sum_part, arrive=arrive),
                 shared=dp * specs.QUANT_CHUNKS * 16)
 
 
@@ -120,17 +135,25 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given
-    k_sum, parts = None, 0
+    k_sum, parts, k_part, arrive, fused = None, 0, None, None, False
     if prob.smooth_k and not k_mean_given:
-        parts, span = token_sum_parts(B, Hk, Lk)
         if k_mean is None:
             k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
-        # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
-        k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
-        sb, sh, sn = prob.bhnd_strides(prob.k)
-        plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
-                    params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
-                                   span=span, sum_out=k_sum, cu=prob.cu_k))
+        fused = fused_token_sums(prob, backward or quantize_q, nk, plan.device_id)
+        if fused:  # the K job sums its own loads; its arrival counts start at zero
+            parts = _quantize_ctas(nk // numerics.BLOCK_KV)
+            k_part = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
+            arrive = plan.workspace("k_arrive", (B, Hk), "int32")
+            plan.launch(spec, "zero_counts", (1, 1, 1), (specs.SUM_THREADS, 1, 1),
+                        params.args("ZeroCountsParams", counts=arrive, n=B * Hk))
+        else:
+            parts, span = token_sum_parts(B, Hk, Lk)
+            # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
+            k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
+            sb, sh, sn = prob.bhnd_strides(prob.k)
+            plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
+                        params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
+                                       span=span, sum_out=k_sum, cu=prob.cu_k))
 
     # The backward's transposed copies are coded per 64-token block (numerics.py), each with its scale.
     q8 = q8t = q_scale = qt_scale = q_mean = kt_scale = None
@@ -151,7 +174,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         k8t = plan.workspace("k8t", (S, Hk, dp, nk), "int8")
         kt_scale = plan.workspace("kt_scale", (S, Hk, nk // numerics.BLOCK_KV), "float32")
     k_scale = plan.workspace("k_scale", (S, Hk, nk), "float32")
-    jobs.append(_quantize_job(prob, prob.k, "k", Hk, nk, 1.0, PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0), k_scale,
+    jobs.append(_quantize_job(prob, prob.k, "k", Hk, nk, 1.0,
+                              PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0) | (FUSED_SUM if fused else 0), k_scale,
                               rows=k8, t=k8t, t_scale=kt_scale, mean_sum=k_sum, mean_out=k_mean, pad=key_pad))
 
     vt8 = v_scale = None
@@ -163,7 +187,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    _launch_quantize(plan, prob, jobs, parts)
+    _launch_quantize(plan, prob, jobs, parts, k_part, arrive)
 
     bias = None
     if prob.smooth_q:
