@@ -187,20 +187,31 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         for (int w = 1; w < DPAD / 32; ++w) sum += sm.colsum[w][c];
         double* parts = sum_part + bh * sum_parts * DPAD + c;
         parts[part * DPAD] = sum;
-        __threadfence();
-        __syncthreads();  // (also: colsum is read, mean may be written)
-        if (tid == 0) sm.ticket = atomicAdd(arrive + bh, 1);
+        __syncthreads();  // every column's part is stored (also: colsum is read, mean may be written)
+        if (tid == 0) {
+            __threadfence();  // (cumulative: the CTA's stores, ordered before it by the barrier)
+            sm.ticket = atomicAdd(arrive + bh, 1);
+            __threadfence();
+        }
         __syncthreads();
         float m;
         if (sm.ticket == sum_parts - 1) {  // the last: every part is stored
-            __threadfence();
+            // The parts in order, eight loads in flight.
             sum = 0.0;
-            for (int q = 0; q < sum_parts; ++q) sum += __ldcg(parts + q * DPAD);
+            for (int q0 = 0; q0 < sum_parts; q0 += 8) {
+                double v[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) v[q] = q0 + q < sum_parts ? __ldcg(parts + (q0 + q) * DPAD) : 0.0;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) sum += v[q];
+            }
             m = c < D ? static_cast<float>(sum / static_cast<double>(N)) : 0.f;
             if (c < D) mean_out[bh * D + c] = m;
-            __threadfence();
             __syncthreads();
-            if (tid == 0) st_release_gpu(arrive + bh, sum_parts + 1);
+            if (tid == 0) {
+                __threadfence();
+                st_release_gpu(arrive + bh, sum_parts + 1);
+            }
         } else {
             if (tid == 0)
                 while (ld_acquire_gpu(arrive + bh) <= sum_parts) __nanosleep(64);
