@@ -141,7 +141,9 @@ def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case):
     from sagebwd_cp.problem import make_problem
 
     b, hk, lk, d, dtype, layout, strided = case
-    q, k, v = make_qkv(b, 2 * hk, hk, 5, lk, d, dtype, layout, sigma=2.0, seed=lk + d, strided=strided)
+    # (strided views: one fused tensor, so as many query heads and tokens as keys)
+    hq, lq = (hk, lk) if strided else (2 * hk, 5)
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout, sigma=2.0, seed=lk + d, strided=strided)
     if not strided:
         k = k + 3.0 * (torch.arange(d, device="cuda") % 7 == 0).to(k.dtype)  # a channel bias for smoothing
     prob = make_problem(q, k, v, AttentionOptions(layout=layout))
