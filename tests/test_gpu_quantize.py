@@ -115,19 +115,22 @@ def test_quantize_grad_output_matches_psi(lq, dtype, layout):
 
 
 FUSED_CASES = [
-    # (B, Hkv, Lk, D, dtype, layout, strided): a head's K CTAs (one per 128 rows) from 1 to 33, and past the SMs
-    (1, 1, 1, 64, "float16", "HND", False),
+    # (B, Hkv, Lk, D, dtype, layout, strided): a head's K CTAs (one per 128 rows) from 1 to 33, and past the SMs;
+    # head dim 64 keeps token_sum (unless SAGEBWD_FUSED_TOKEN_SUMS=1)
+    (1, 1, 1, 128, "float16", "HND", False),
+    (2, 2, 300, 64, "float16", "HND", False),
+    (2, 3, 1000, 64, "bfloat16", "NHD", "forced"),  # SAGEBWD_FUSED_TOKEN_SUMS=1: head dim 64 fused
     (3, 2, 200, 80, "bfloat16", "NHD", True),
     (2, 3, 1000, 128, "float16", "NHD", False),
     (1, 4, 4097, 128, "bfloat16", "HND", False),
     (2, 2, 777, 256, "bfloat16", "HND", True),
     (8, 8, 2048, 128, "bfloat16", "HND", False),  # 16 CTAs a head, 2048 K and V CTAs: many waves of waiting heads
-    (1, 1, 40000, 64, "float16", "HND", False),  # 313 CTAs a head: more than an H100's SMs, token_sum's path
+    (1, 1, 40000, 128, "float16", "HND", False),  # 313 CTAs a head: more than an H100's SMs, token_sum's path
 ]
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case):
+def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case, monkeypatch):
     """The forward's pre-pass (K and V, Q left to the kernel): where the K job forms μ_K from its own loads
     (quantize_tensors_fused), K̂, its scales, μ_K and V̂ᵀ equal the emulator's bit for bit, as through token_sum."""
     import torch
@@ -136,11 +139,15 @@ def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case):
     from sagebwd_cp.gpu.device import sm_count
     from sagebwd_cp.gpu.pieces import run_now
     from sagebwd_cp.gpu.plan import PlanBuilder
-    from sagebwd_cp.gpu.quantize import quantize_inputs
+    from sagebwd_cp.gpu.quantize import FUSED_SUM_HEAD_DIMS, quantize_inputs
     from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
     b, hk, lk, d, dtype, layout, strided = case
+    forced = strided == "forced"
+    if forced:
+        monkeypatch.setenv("SAGEBWD_FUSED_TOKEN_SUMS", "1")
+        strided = False
     # (strided views: one fused tensor, so as many query heads and tokens as keys)
     hq, lq = (hk, lk) if strided else (2 * hk, 5)
     q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout, sigma=2.0, seed=lk + d, strided=strided)
@@ -153,7 +160,7 @@ def test_forward_k_job_with_its_own_token_sums_matches_emulator_bitwise(case):
         entries = [entry for _, entry, *_ in plan.launches]
         qz = run_now(plan, current_stream(prob.q), qz)
     torch.cuda.synchronize()
-    fused = -(-lk // 128) <= sm_count(prob.q.device_id)
+    fused = (forced or prob.padded_head_dim in FUSED_SUM_HEAD_DIMS) and -(-lk // 128) <= sm_count(prob.q.device_id)
     assert ("quantize_tensors_fused" in entries) == fused and ("token_sum" in entries) != fused
     emu = emulator.quantize_inputs(to_hnd_numpy(q, layout), to_hnd_numpy(k, layout), to_hnd_numpy(v, layout))
 

@@ -237,8 +237,7 @@ def test_caches_stay_bounded_under_a_stream_of_sequence_lengths(gpu, monkeypatch
         sagebwd_cp.attention(q, k, v, causal=True)
         assert len(plan._plans) <= 8
     assert len(plan._plans) == 8
-    # μ_K's token sums in the K job itself (zero_counts clears its arrival counts)
-    assert {entry for _, entry in resolved} == {"zero_counts", "quantize_tensors_fused", "attention_forward"}
+    assert {entry for _, entry in resolved} == {"token_sum", "quantize_tensors", "attention_forward"}
     assert len(resolved) == 3  # one kernel each, whatever the length
 
 
@@ -366,19 +365,20 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypa
 
 
 def test_the_forward_k_job_sums_its_own_tokens_where_a_head_fits_the_device(gpu, monkeypatch):
-    """Where a head's K CTAs (one per 128 rows) number at most the device's SMs, the forward's pre-pass is
-    zero_counts then quantize_tensors_fused, whose K job forms μ_K (no token_sum); elsewhere, and for packed
-    batches, Q-smoothing and SAGEBWD_FUSED_TOKEN_SUMS=0, token_sum and quantize_tensors as before."""
+    """At head dims 128 and 256, where a head's K CTAs (one per 128 rows) number at most the device's SMs, the
+    forward's pre-pass is zero_counts then quantize_tensors_fused, whose K job forms μ_K (no token_sum); elsewhere
+    (head dim 64, more CTAs than SMs, Q-smoothing, SAGEBWD_FUSED_TOKEN_SUMS=0; packed batches) token_sum and
+    quantize_tensors."""
     from sagebwd_cp.gpu import quantize
     from sagebwd_cp.gpu.forward import forward_plan
     from sagebwd_cp.options import AttentionOptions
     from sagebwd_cp.problem import make_problem
 
-    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=600)  # 640 key rows: 5 CTAs a head
+    q, k, v = qkv(b=2, hq=4, hk=2, lq=100, lk=600, d=128)  # 640 key rows: 5 CTAs a head
     built = forward_plan(make_problem(q, k, v, AttentionOptions(causal=True)), None, True, False)
     assert [s.entry for s in built.steps] == ["zero_counts", "quantize_tensors_fused", "attention_forward"]
     names = {b.name: b for b in _buffers(built)}
-    assert names["k_sum"].shape == (2, 2, 5, 64) and names["k_arrive"].shape == (2, 2)
+    assert names["k_sum"].shape == (2, 2, 5, 128) and names["k_arrive"].shape == (2, 2)
     gpu.calls.clear()
     start = len(gpu.allocations)
     built.run([q.ptr, k.ptr, v.ptr])
@@ -393,13 +393,18 @@ def test_the_forward_k_job_sums_its_own_tokens_where_a_head_fits_the_device(gpu,
     k_job = struct.unpack("<8Q3q4ifiQii", qt[0])
     assert k_job[1:3] == (0, k_mean_ptr) and k_job[14] == quantize.PER_TOKEN | quantize.FUSED_SUM
     assert struct.unpack("<8Q3q4ifiQii", qt[1])[14] == quantize.PERMUTE_T  # V
-    for change in ("sms", "smooth_q", "env"):
+    narrow = qkv(b=2, hq=4, hk=2, lq=100, lk=600, d=64)
+    for change in ("head dim", "sms", "smooth_q", "env"):
         monkeypatch.setitem(device._device_sms, 0, 4 if change == "sms" else 132)
         if change == "env":
             monkeypatch.setenv("SAGEBWD_FUSED_TOKEN_SUMS", "0")
-        prob = make_problem(q, k, v, AttentionOptions(causal=True, smooth_q=change == "smooth_q"))
+        prob = make_problem(*(narrow if change == "head dim" else (q, k, v)),
+                            AttentionOptions(causal=True, smooth_q=change == "smooth_q"))
         entries = [s.entry for s in forward_plan(prob, None, True, False).steps]
         assert entries[:2] == ["token_sum", "quantize_tensors"], change
+    monkeypatch.setenv("SAGEBWD_FUSED_TOKEN_SUMS", "1")  # asked for: at head dim 64 too
+    prob = make_problem(*narrow, AttentionOptions(causal=True))
+    assert forward_plan(prob, None, True, False).steps[1].entry == "quantize_tensors_fused"
 
 
 def _buffers(built):
