@@ -20,7 +20,7 @@ TOKEN_PAD = 128  # INT8 buffers hold a multiple of this many tokens (key-side: B
 # quantize.cu SB_QUANT_THREADS and SB_SUM_THREADS).
 QUANT_THREADS = 128  # quantize_tensors: at most this many, D_pad a CTA (two 64-token blocks)
 QUANT_CHUNKS = 16  # quantize_tensors: tokens a thread owns, each a 16-byte chunk of dynamic shared memory a column
-SUM_THREADS = 512  # token_sum
+SUM_THREADS = 512  # token_sum (and zero_counts)
 ROWS_THREADS = 256  # backward_rows.cu: row_stats, dq_convert, pack_rows
 LSE_THREADS = 128  # lse.cu: a query row a thread
 BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
