@@ -78,8 +78,9 @@ struct QuantizeShared {
 //   token_sum launch). Each CTA stores its float64 column sums in sum_part ([B][H][sum_parts][DPAD], sum_parts the
 //   head's CTAs) and counts itself in arrive[b·H + h] (zeroed before the launch); the head's last CTA to arrive adds
 //   the parts in order, stores μ in mean_out and raises the count to sum_parts + 1; the others wait for that and read
-//   μ from mean_out. Waiting is safe where the head's CTAs are consecutive in the grid (they are) and no more than
-//   the device holds at once (quantize.py fused_token_sums).
+//   μ from mean_out. Waiting is safe where the head's CTAs are consecutive in the grid (they are), the hardware
+//   starts CTAs in grid order (as the deterministic backward's turns assume too) and the device holds a head's CTAs
+//   at once (quantize.py fused_token_sums).
 // t_scale_out (optional, with QUANT_PER_TOKEN): t_out is coded per block instead, with its scale stored
 //   there ([B][H][N_pad/64]; the backward's transposed Q̂ and K̂: numerics.py).
 // Rows past N and columns past D are zero in every layout, with scale 0 where they fill a scale's row or block.

@@ -38,12 +38,13 @@ def fused_token_sums(prob: AttentionProblem, other_jobs: bool, nk: int, device_i
     """Whether the forward's K job forms μ_K from its own loads (kernels/quantize.cu QUANT_FUSED_SUM, in the entry
     quantize_tensors_fused beside V's job: K read once, no token_sum launch): a launch of K and V alone (no
     ``other_jobs``: Q or dO), dense batches, FUSED_SUM_HEAD_DIMS, where a head's CTAs (one per 128 rows) can all be
-    resident at once, one an SM, so that those waiting for the last cannot keep it from starting.
-    SAGEBWD_FUSED_TOKEN_SUMS=0 turns it off, =1 on at any head dim."""
+    resident at once, so that those waiting for the last cannot keep it from starting: at most one for every two
+    SMs (one an SM would do; the margin leaves room for kernels of other streams, NCCL's, or an MPS share that hold
+    SMs meanwhile). SAGEBWD_FUSED_TOKEN_SUMS=0 turns it off, =1 on at any head dim."""
     asked = specs._env_choice("SAGEBWD_FUSED_TOKEN_SUMS", (0, 1))
     if asked == 0 or other_jobs or prob.varlen or (asked is None and prob.padded_head_dim not in FUSED_SUM_HEAD_DIMS):
         return False
-    return _quantize_ctas(nk // numerics.BLOCK_KV) <= sm_count(device_id)
+    return _quantize_ctas(nk // numerics.BLOCK_KV) <= sm_count(device_id) // 2
 
 
 def _round_up(x: int, m: int) -> int:
