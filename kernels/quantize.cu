@@ -444,9 +444,12 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
 // kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Blackwell
 // spills the packed kernels at five too (sm_100, 13.5), and at d=128 without a floor (72 registers, 13.0): four there
-// (128 registers) at both. d=128 elsewhere (64) and d=256 choose their own.
+// (128 registers) at both; at d=256 two (without, sm_100 chose 64 and spilled the backward's row statistics entry
+// under 13.5). d=128 elsewhere (64) and d=256 choose their own.
 #if SB_DP <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 4)
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 2)
 #elif SB_DP == 64
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
 #else
@@ -539,8 +542,14 @@ zero_counts(SB_KERNEL_PARAMS(SB_ZERO_COUNTS_FIELDS)) {
 // exact in float64 for realistic ranges, so neither order matters. Each thread keeps SUM_UNROLL 16-byte loads
 // in flight (the pass is bound by bytes in flight per SM).
 #define SUM_UNROLL 4
-// Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled.
-extern "C" __global__ void __launch_bounds__(SUM_THREADS, 3)
+// Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled. Two on Blackwell: at three
+// (40 registers) sm_100's d=256 kernels spilled 44 bytes under NVRTC 13.5.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SB_SUM_BOUNDS __launch_bounds__(SUM_THREADS, 2)
+#else
+#define SB_SUM_BOUNDS __launch_bounds__(SUM_THREADS, 3)
+#endif
+extern "C" __global__ void SB_SUM_BOUNDS
 token_sum(SB_KERNEL_PARAMS(SB_TOKEN_SUM_FIELDS)) {
     const TokenSumParams p = SB_KERNEL_VIEW(TokenSumParams, SB_TOKEN_SUM_FIELDS);
     SB_REQUIRE_SM80();
