@@ -129,10 +129,7 @@ SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
     F0(QuantizeJob, a) F(QuantizeJob, b) F(QuantizeJob, c) \
     F(int, D) F(int, D_pad) \
     F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum, or a head's CTAs (FUSED_SUM) */ \
-    F(double*, sum_part) F(int*, arrive)      /* quantize_tensors_fused: its K job's token sums and arrivals */ \
-    F(float*, stats) F(const float*, lse2)    /* quantize_tensors_rows: row_stats' outputs (backward_rows.cu) */ \
-    F(const u16*, out) F(i64, ob) F(i64, oh) F(i64, on) \
-    F(float*, dq_acc) F(int, dq_row) F(int*, dq_lock)
+    F(double*, sum_part) F(int*, arrive)      /* quantize_tensors_fused: its K job's token sums and arrivals */
 SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
 
 // quantize.cu zero_counts

@@ -24,22 +24,6 @@
 #define QUANT_MEAN_GIVEN 4
 #define QUANT_FUSED_SUM 8
 
-// The backward's row statistics formed in its quantize launch (quantize_tensors_rows: dense batches, μ_K given,
-// no Q-smoothing), as backward_rows.cu row_stats forms them otherwise, bit for bit: the Q job stores each query's
-// (LSE2, s_Q, ·, s_Qᵀ) and the dO job δ = rowsum(dO ∘ O) (row_stats' order: 8 FMAs a lane, then the D_pad/8 lanes of
-// the row by shuffles), zeroes dQ's accumulator rows and, deterministic, its blocks' turn counters. So dO is read
-// once, and row_stats does not run.
-struct RowsOut {
-    float* stats;             // [B][Hq][Nq_pad][4]
-    const float* lse2;        // [B][Hq][Lq]
-    const u16* out;           // O, strides ob, oh, on (elements)
-    i64 ob, oh, on;
-    float* dq_acc;            // [B][Hq][Nq_pad][dq_row]
-    int dq_row;
-    int* dq_lock;             // [B][Hq][Nq_pad / 64], or null
-};
-constexpr int ROWS_Q = 1, ROWS_DO = 2;  // quantize_blocks' ROWS: what a job adds of RowsOut
-
 static_assert(SB_BLOCK_Q == QBLOCK && SB_BLOCK_KV == QBLOCK, "one quantization block size for every tensor");
 constexpr int D_PAD = SB_DP;                     // the module's head dim, padded
 static_assert(D_PAD == 64 || D_PAD == 128 || D_PAD == 256, "the head dim padded to 64, 128 or 256");
@@ -104,10 +88,10 @@ struct QuantizeShared {
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
-template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false, bool FUSED_SUM = false, int ROWS = 0>
+template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false, bool FUSED_SUM = false>
 SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum, double* sum_part,
-                               int* arrive, int sum_parts, const RowsOut& ro,
+                               int* arrive, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
                                i8* __restrict__ rows_out, i8* __restrict__ t_out, int flags,
                                float* __restrict__ scale_out, float* __restrict__ t_scale_out, int cta, int b,
@@ -243,35 +227,6 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
 
-    if (ROWS == ROWS_DO) {
-        // δ of the thread's 16 rows (0 past N): its 8 columns of dO (the raw chunks) and of O, then the row's lanes.
-        const u16* orow = ro.out + b * ro.ob + h * ro.oh + c0;
-        const bool vec = rows_aligned_16(ro.out + b * ro.ob + h * ro.oh, ro.on, D);
-#pragma unroll 4
-        for (int i = 0; i < GROUP; ++i) {
-            const uint4 r = raw[i * DPAD + tid];
-            const u32 dw[4] = {r.x, r.y, r.z, r.w};
-            float d_sum = 0.f;
-            if (i < rows_in && c0 < D) {
-                const u16* o = orow + static_cast<i64>(tok0 + i) * ro.on;
-                if (vec) {
-                    const uint4 y = *reinterpret_cast<const uint4*>(o);
-                    const u32 ow[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        d_sum = fmaf(to_f32<SB_BF16>(static_cast<u16>(dw[e >> 1] >> (16 * (e & 1)))),
-                                     to_f32<SB_BF16>(static_cast<u16>(ow[e >> 1] >> (16 * (e & 1)))), d_sum);
-                } else {  // (dO's values from shared memory: indexed in a rolled loop, registers went to the stack)
-                    const u16* dv = reinterpret_cast<const u16*>(&raw[i * DPAD + tid]);
-                    for (int e = 0; e < 8 && c0 + e < D; ++e) d_sum = fmaf(to_f32<SB_BF16>(dv[e]), to_f32<SB_BF16>(o[e]), d_sum);
-                }
-            }
-#pragma unroll
-            for (int o = L / 2; o > 0; o >>= 1) d_sum += __shfl_xor_sync(0xffffffffu, d_sum, o);
-            if (tid % L == 0) ro.stats[(row0 + tok0 + i) * 4 + 2] = d_sum;
-        }
-    }
-
     if (SHIFT && block_mean_out) {
         // Column means over the block's valid rows in float64 (exact for realistic ranges, so any
         // order of summation gives the emulator's float32 mean): the thread's 16 rows, then its
@@ -360,24 +315,10 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
     float t_inv = 0.f;  // with t_scale_out: the transposed codes' inverse scale
     float own_inv[OWN], block_inv = 0.f;
     if (per_token) {
-        float t_amax = 0.f;
-        if (t_scale_out) {
-            t_amax = block_amax();
-            t_inv = psi_inverse(t_amax, tid % TPB == 0 ? t_scale_out + row0 / QBLOCK + blk : nullptr);
-        }
+        if (t_scale_out) t_inv = psi_inverse(block_amax(), tid % TPB == 0 ? t_scale_out + row0 / QBLOCK + blk : nullptr);
 #pragma unroll
         for (int x = 0; x < OWN; ++x)
             own_inv[x] = psi_inverse(own_max[x], lane % L < OWNERS ? scale_out + row0 + tok0 + (lane % L) * OWN + x : nullptr);
-        if (ROWS == ROWS_Q && lane % L < OWNERS) {  // each row's statistics but δ, by the lane that owns its scale
-#pragma unroll
-            for (int x = 0; x < OWN; ++x) {
-                const int row = tok0 + (lane % L) * OWN + x;
-                float* st = ro.stats + (row0 + row) * 4;
-                st[0] = row < N ? ro.lse2[bh * N + row] : __int_as_float(0x7f800000);
-                st[1] = psi_scale(own_max[x]);
-                st[3] = psi_scale(t_amax);
-            }
-        }
     } else {
         block_inv = psi_inverse(block_amax(), tid % TPB == 0 ? scale_out + row0 / QBLOCK + blk : nullptr);
     }
@@ -425,14 +366,6 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
         for (int e = 0; e < 8; ++e)
             *reinterpret_cast<uint4*>(t_out + t0 + static_cast<i64>(c0 + e) * N_pad + tok0) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
     }
-    if (ROWS == ROWS_DO) {  // dQ's accumulator rows of the thread's token group (the group's L lanes), the block's turn
-#pragma unroll 1
-        for (int i = 0; i < GROUP; ++i) {
-            float4* acc = reinterpret_cast<float4*>(ro.dq_acc + (row0 + tok0 + i) * ro.dq_row);
-            for (int j = tid % L; j < ro.dq_row / 4; j += L) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        if (ro.dq_lock && tid % TPB == 0) ro.dq_lock[row0 / QBLOCK + blk] = 0;
-    }
 }
 
 // One tensor of a quantize_tensors launch is a QuantizeJob (params.cuh): quantize_blocks' arguments, and
@@ -444,23 +377,18 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
 // kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Blackwell
 // spills the packed kernels at five too (sm_100, 13.5), and at d=128 without a floor (72 registers, 13.0): four there
-// (128 registers) at both; at d=256 two (without, sm_100 chose 64 and spilled the backward's row statistics entry
-// under 13.5). d=128 elsewhere (64) and d=256 choose their own.
+// (128 registers) at both. d=128 elsewhere (64) and d=256 choose their own.
 #if SB_DP <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 4)
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 2)
 #elif SB_DP == 64
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
 #else
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
 #endif
-// MODE 1: the entry quantize_tensors_fused, for the forward's K (QUANT_FUSED_SUM) and V jobs alone; MODE 2:
-// quantize_tensors_rows (RowsOut); dense batches. Entries of their own, so that their registers leave
-// quantize_tensors' alone.
-template <int MODE>
+// FUSED: the entry quantize_tensors_fused, for the forward's K (QUANT_FUSED_SUM) and V jobs alone, dense batches:
+// an entry of its own, so that the fused sums' registers leave quantize_tensors' alone.
+template <bool FUSED>
 SB_DEVICE void quantize_jobs(const QuantizeParams p) {
-    constexpr bool FUSED = MODE == 1;
     int cta = blockIdx.x;
     const int which = cta < p.a.ctas ? 0 : (cta < p.a.ctas + p.b.ctas ? 1 : 2);
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
@@ -470,22 +398,13 @@ SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, ro, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
     // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
     // A saved μ_K (the backward's K with the forward's mean; quantize.py passes no prescale with it), or μ_K formed
     // here (the forward's K, dense batches, no prescale).
-    const RowsOut ro = MODE == 2 ? RowsOut{p.stats, p.lse2, p.out, p.ob, p.oh, p.on, p.dq_acc, p.dq_row, p.dq_lock}
-                                 : RowsOut{nullptr, nullptr, nullptr, 0, 0, 0, nullptr, 0, nullptr};
-    if (MODE == 2) {  // (quantize.py fused_row_stats: Q per token with its prescale, K with μ_K given, dO)
-        if (SB_JOB(flags) & QUANT_MEAN_GIVEN)
-            quantize_blocks<D_PAD, false, true, true>(SB_JOB_ARGS);
-        else if (SB_JOB(flags) & QUANT_PER_TOKEN)
-            quantize_blocks<D_PAD, true, false, false, false, ROWS_Q>(SB_JOB_ARGS);
-        else
-            quantize_blocks<D_PAD, false, false, false, false, ROWS_DO>(SB_JOB_ARGS);
-    } else if (FUSED) {  // (quantize.py fused_token_sums: K with the flag, V plain, no other job)
+    if (FUSED) {  // (quantize.py fused_token_sums: K with the flag, V plain, no other job)
         if (SB_JOB(flags) & QUANT_FUSED_SUM)
             quantize_blocks<D_PAD, false, true, false, true>(SB_JOB_ARGS);
         else
@@ -505,7 +424,7 @@ extern "C" __global__ void SB_QUANT_BOUNDS
 quantize_tensors(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
     SB_REQUIRE_SM80();
     const QuantizeParams p = SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS);
-    quantize_jobs<0>(p);
+    quantize_jobs<false>(p);
 }
 
 extern "C" __global__ void SB_QUANT_BOUNDS
@@ -514,18 +433,7 @@ quantize_tensors_fused(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
 #if SB_VARLEN  // (packed batches keep token_sum: quantize.py fused_token_sums)
     asm volatile("trap;");
 #else
-    quantize_jobs<1>(SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS));
-#endif
-}
-
-// The backward's Q, K (μ_K given) and dO jobs with row_stats' outputs (RowsOut), dense batches.
-extern "C" __global__ void SB_QUANT_BOUNDS
-quantize_tensors_rows(SB_KERNEL_PARAMS(SB_QUANTIZE_FIELDS)) {
-    SB_REQUIRE_SM80();
-#if SB_VARLEN  // (packed batches keep row_stats: quantize.py fused_row_stats)
-    asm volatile("trap;");
-#else
-    quantize_jobs<2>(SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS));
+    quantize_jobs<true>(SB_KERNEL_VIEW(QuantizeParams, SB_QUANTIZE_FIELDS));
 #endif
 }
 
@@ -542,14 +450,8 @@ zero_counts(SB_KERNEL_PARAMS(SB_ZERO_COUNTS_FIELDS)) {
 // exact in float64 for realistic ranges, so neither order matters. Each thread keeps SUM_UNROLL 16-byte loads
 // in flight (the pass is bound by bytes in flight per SM).
 #define SUM_UNROLL 4
-// Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled. Two on Blackwell: at three
-// (40 registers) sm_100's d=256 kernels spilled 44 bytes under NVRTC 13.5.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define SB_SUM_BOUNDS __launch_bounds__(SUM_THREADS, 2)
-#else
-#define SB_SUM_BOUNDS __launch_bounds__(SUM_THREADS, 3)
-#endif
-extern "C" __global__ void SB_SUM_BOUNDS
+// Three CTAs an SM: without a floor NVRTC 13.0 gave sm_90 32 registers and spilled.
+extern "C" __global__ void __launch_bounds__(SUM_THREADS, 3)
 token_sum(SB_KERNEL_PARAMS(SB_TOKEN_SUM_FIELDS)) {
     const TokenSumParams p = SB_KERNEL_VIEW(TokenSumParams, SB_TOKEN_SUM_FIELDS);
     SB_REQUIRE_SM80();

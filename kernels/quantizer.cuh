@@ -8,10 +8,10 @@
 // ψ of a block with max|x| = amax (numerics.quantize_block): stores the scale amax/127 at `scale`
 // (when given) and returns the inverse 127/amax; a block under TINY_AMAX counts as zero (scale 0, inverse 0).
 // A block holding NaN or inf has amax NaN or inf (max_nan), so its scale is NaN or inf and its codes 0.
-SB_DEVICE float psi_scale(float amax) { return amax < SB_TINY_AMAX ? 0.f : div_rn(amax, 127.f); }
 SB_DEVICE float psi_inverse(float amax, float* scale) {
-    if (scale) *scale = psi_scale(amax);
-    return amax < SB_TINY_AMAX ? 0.f : div_rn(127.f, amax);
+    const bool zero = amax < SB_TINY_AMAX;
+    if (scale) *scale = zero ? 0.f : div_rn(amax, 127.f);
+    return zero ? 0.f : div_rn(127.f, amax);
 }
 
 // The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped) in the low

@@ -339,8 +339,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypa
         assert struct.unpack("<i", ts[8])[0] == 300  # tokens a part
         launch = next(c for c in launches if c[1] == next(s.head[0] for s in built.steps if s.entry == "token_sum"))
         assert launch[2] == (2, 1, 1)  # (parts, Hkv, B)
-        qp = dict(zip([n for _, n in params.lists()["QuantizeParams"]], args["quantize_tensors"]))
-        assert struct.unpack("<i", qp["sum_parts"])[0] == 2  # the K job adds both parts
+        assert struct.unpack("<i", args["quantize_tensors"][-3])[0] == 2  # the K job adds both parts (sum_parts)
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
@@ -388,12 +387,12 @@ def test_the_forward_k_job_sums_its_own_tokens_where_a_head_fits_the_device(gpu,
     u64, i32 = (lambda b: struct.unpack("<Q", b)[0]), (lambda b: struct.unpack("<i", b)[0])
     zc = args["zero_counts"]
     assert (u64(zc[0]), i32(zc[1])) == (ws_ptr + names["k_arrive"].offset, 4)  # B x Hkv counts
-    qt = dict(zip([n for _, n in params.lists()["QuantizeParams"]], args["quantize_tensors_fused"]))
-    assert i32(qt["sum_parts"]) == 5 and u64(qt["sum_part"]) == ws_ptr + names["k_sum"].offset
-    assert u64(qt["arrive"]) == ws_ptr + names["k_arrive"].offset
-    k_job = struct.unpack("<8Q3q4ifiQii", qt["a"])
+    qt = args["quantize_tensors_fused"]
+    assert i32(qt[-3]) == 5 and u64(qt[-2]) == ws_ptr + names["k_sum"].offset
+    assert u64(qt[-1]) == ws_ptr + names["k_arrive"].offset
+    k_job = struct.unpack("<8Q3q4ifiQii", qt[0])
     assert k_job[1:3] == (0, k_mean_ptr) and k_job[14] == quantize.PER_TOKEN | quantize.FUSED_SUM
-    assert struct.unpack("<8Q3q4ifiQii", qt["b"])[14] == quantize.PERMUTE_T  # V
+    assert struct.unpack("<8Q3q4ifiQii", qt[1])[14] == quantize.PERMUTE_T  # V
     narrow = qkv(b=2, hq=4, hk=2, lq=100, lk=600, d=64)
     for change in ("head dim", "sms", "smooth_q", "env"):
         monkeypatch.setitem(device._device_sms, 0, 9 if change == "sms" else 132)  # 5 CTAs a head > 9 // 2
@@ -465,9 +464,7 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
                and ("k_mean" in p.inputs) == given][0]
         entries = [s.entry for s in bwd.steps]
         assert ("token_sum" in entries) == (not given)
-        # With μ_K given the quantize launch also forms row_stats' outputs (quantize_tensors_rows).
-        assert ("row_stats" in entries) == (not given)
-        step = next(s for s in bwd.steps if s.entry == ("quantize_tensors_rows" if given else "quantize_tensors"))
+        step = next(s for s in bwd.steps if s.entry == "quantize_tensors")
         launch_args = next(c for c in gpu.launches() if c[1] == step.head[0])
         k_job = job(_argument_bytes(launch_args[6], step.args.sizes), 1)  # Q, K, dO
         assert k_job[0] == k.ptr
@@ -478,33 +475,11 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
             assert "k_sum" in names and "k_mean" in names and k_job[14] == PER_TOKEN
 
 
-def test_backward_quantize_launch_forms_the_row_statistics_the_kernel_reads(gpu):
-    """With μ_K given, the backward's quantize launch (quantize_tensors_rows) gets the statistics, dQ accumulator
-    and turn counters the main kernel reads, the forward's LSE2 and O; row_stats does not run."""
-    q, k, v = qkv(hq=2, hk=1, lq=100, lk=300, d=128)
-    out, saved = sagebwd_cp.attention_forward(q, k, v, causal=True)
-    do = cuda_desc(q.shape, base=7 << 44)
-    gpu.calls.clear()
-    sagebwd_cp.attention_backward(saved, do, deterministic=True)
-    bwd = [p for p in plan._plans.values() if p.outputs and p.outputs[0].name == "dq"][0]
-    assert [s.entry for s in bwd.steps][:2] == ["quantize_tensors_rows", "attention_backward"]
-    args = {s.entry: dict(zip([n for _, n in params.lists()[name]], _argument_bytes(c[6], s.args.sizes)))
-            for (s, c), name in zip(zip(bwd.steps, gpu.launches()), ("QuantizeParams", "BackwardParams"))}
-    u64 = lambda b: struct.unpack("<Q", b)[0]
-    rows, main = args["quantize_tensors_rows"], args["attention_backward"]
-    for name in ("stats", "dq_acc", "dq_lock"):
-        assert u64(rows[name]) == u64(main[name]) != 0, name
-    assert u64(rows["lse2"]) == saved.lse2.ptr and u64(rows["out"]) == saved.out.ptr
-    assert struct.unpack("<i", rows["dq_row"])[0] == 136  # wgmma: D_pad + 8
-
-
 @pytest.mark.parametrize("d, lq", [(64, 1), (104, 300), (200, 129), (128, 4096)])
-def test_backward_row_kernels_cover_every_row_once(gpu, monkeypatch, d, lq):
+def test_backward_row_kernels_cover_every_row_once(gpu, d, lq):
     """row_stats' grid covers the padded query rows exactly (D_pad / 8 lanes a row: a CTA past them would store
-    statistics past the buffer), and dq_convert's covers Lq rows of D / 8 groups with less than one CTA to spare.
-    (row_stats runs where the quantize launch does not form its outputs: here SAGEBWD_FUSED_ROW_STATS=0.)"""
+    statistics past the buffer), and dq_convert's covers Lq rows of D / 8 groups with less than one CTA to spare."""
     from sagebwd_cp.gpu import specs
-    monkeypatch.setenv("SAGEBWD_FUSED_ROW_STATS", "0")
     q, k, v = qkv(hq=2, hk=1, lq=lq, lk=200, d=d)
     out, saved = sagebwd_cp.attention_forward(q, k, v)
     sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
@@ -706,7 +681,7 @@ def test_packed_arguments_match_every_kernel_signature(gpu):
     entries = {e for _, e in checked}
     assert entries == {"token_sum", "quantize_tensors", "smooth_q_bias", "attention_forward", "natural_lse",
                        "row_stats", "pack_rows", "attention_backward", "dq_convert", "zero_counts",
-                       "quantize_tensors_fused", "quantize_tensors_rows"}
+                       "quantize_tensors_fused"}
 
 
 # ------------------------------------------------------------------------------ allocation helpers

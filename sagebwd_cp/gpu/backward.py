@@ -12,7 +12,7 @@ from .device import device_arch, shared_memory_limit, sm_count
 from .forward import varlen_inputs
 from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .quantize import padded_rows, quantize_inputs
+from .quantize import quantize_inputs
 from .tensor_map import DTYPE_FLOAT32, DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
@@ -142,27 +142,23 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     arch = device_arch(dev)
     wanted = specs.narrow_backward_tiles(specs.backward_tiles(dp, arch, deterministic), dp, D, prob.value_dim, options)
     tiles, spec = specs.backward_kernel(dp, prob.dtype, options, wanted, arch, shared_memory_limit(dev), prob.varlen)
-    nq = padded_rows(prob, "q", specs.TOKEN_PAD)
+    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
+    nq, nk = qz.nq_pad, qz.nk_pad
+
     stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
-    # dQ's accumulator and the deterministic turn counters start at zero: row_stats, or the quantize launch where it
-    # forms row_stats' outputs, clears them (no memset).
+    # dQ's accumulator and the deterministic turn counters start at zero: row_stats clears them (no memset).
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32")
     lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32") if deterministic else None
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
-    qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None,
-                         rows=dict(stats=stats, lse2=lse2, out=out, ob=ob, oh=oh, on=on, dq_acc=dq_acc, dq_row=dq_row,
-                                   dq_lock=lock))
-    nk = qz.nk_pad
-    assert qz.nq_pad == nq
-    threads = specs.ROWS_THREADS  # (backward_rows.cu's kernels)
-    if not qz.row_stats:  # D_pad / 8 lanes a row
-        stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
-        plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
-                    params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
-                                   q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
-                                   dq_acc=dq_acc, dq_row=dq_row, dq_lock=lock, **q_lengths))
+    # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
+    threads = specs.ROWS_THREADS
+    stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
+    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
+                params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
+                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
+                               dq_acc=dq_acc, dq_row=dq_row, dq_lock=lock, **q_lengths))
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
     do_rows, (db, dh, dn) = _aligned_rows(plan, "do_rows", do, prob, Hq, Lq, tma=tiles.wgmma)

@@ -47,14 +47,6 @@ def fused_token_sums(prob: AttentionProblem, other_jobs: bool, nk: int, device_i
     return _quantize_ctas(nk // numerics.BLOCK_KV) <= sm_count(device_id) // 2
 
 
-def fused_row_stats(prob: AttentionProblem, k_mean_given: bool) -> bool:
-    """Whether the backward's quantize launch also forms row_stats' outputs (kernels/quantize.cu RowsOut, the entry
-    quantize_tensors_rows: dO read once, no row_stats launch): dense batches, μ_K given (the forward's), no
-    Q-smoothing. SAGEBWD_FUSED_ROW_STATS=0 turns it off."""
-    return (specs._env_choice("SAGEBWD_FUSED_ROW_STATS", (0, 1)) != 0 and k_mean_given and not prob.varlen
-            and not prob.smooth_q)
-
-
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -89,7 +81,6 @@ class Quantized:
     nk_pad: int
     dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
     do_scale: ArrayDesc | None = None  # [B][Hq][Nq_pad/64]
-    row_stats: bool = False  # the launch also formed row_stats' outputs (fused_row_stats)
 
 
 def _quantize_ctas(blocks: int) -> int:
@@ -114,30 +105,27 @@ def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flag
                          seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
 
-_NO_ROWS = dict(stats=None, lse2=None, out=None, ob=0, oh=0, on=0, dq_acc=None, dq_row=0, dq_lock=None)
-
-
 def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts: int = 0, sum_part=None,
-                     arrive=None, rows=None) -> None:
+                     arrive=None) -> None:
     """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
     parts behind the job with token sums, or the CTAs of a head of the job that forms them (FUSED_SUM, with its
-    sums' and arrivals' buffers ``sum_part``, ``arrive``); ``rows``: RowsOut's fields (quantize_tensors_rows)."""
+    sums' and arrivals' buffers ``sum_part``, ``arrive``)."""
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
     fused = any(params.field(job, "QuantizeJob", "flags") & FUSED_SUM for job in jobs)
-    entry = "quantize_tensors_rows" if rows else ("quantize_tensors_fused" if fused else "quantize_tensors")
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
     assert dp in specs.PADDED_HEAD_DIMS, dp
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
-    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), entry, (ctas, 1, prob.batch), (dp, 1, 1),
+    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors_fused" if fused else "quantize_tensors",
+                (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
-                               sum_parts=sum_parts, sum_part=sum_part, arrive=arrive, **(rows or _NO_ROWS)),
+                               sum_parts=sum_parts, sum_part=sum_part, arrive=arrive),
                 shared=dp * specs.QUANT_CHUNKS * 16)
 
 
 def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, do=None,
                     key_pad: int = specs.TOKEN_PAD, quantize_q: bool = True, k_mean=None,
-                    k_mean_given: bool = False, rows=None) -> Quantized:
+                    k_mean_given: bool = False) -> Quantized:
     """The forward reads Q̂, K̂ row-major and V̂ᵀ; the backward re-derives the same Q̂, K̂ (the
     quantization is deterministic) and also needs their transposes, but not V̂.  With ``do`` (the
     backward), dO is quantized in the same launch (see ``_grad_output_job``).  Key-side buffers
@@ -145,9 +133,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     ``quantize_q``, Q̂ is left to the forward kernel (q8, q_scale None; no Q-smoothing).  With
     K-smoothing, ``k_mean`` ([B][Hkv][D] float32, an Output or an input) is where μ_K goes (default:
     a workspace buffer); with ``k_mean_given`` it already holds a saved forward's μ_K, so K's token
-    sums are not taken again and K̂ comes out exactly as that forward's.  ``rows`` (the backward, with ``do``):
-    row_stats' outputs and inputs (RowsOut's fields: stats, lse2, out and its strides, dq_acc, dq_row, dq_lock),
-    formed in this launch where fused_row_stats allows (``Quantized.row_stats`` says whether)."""
+    sums are not taken again and K̂ comes out exactly as that forward's."""
     assert quantize_q or not (backward or prob.smooth_q), "the pre-pass quantizes Q for the backward and Q-smoothing"
     B, Hq, Hk, Lq, Lk, D = prob.batch, prob.heads_q, prob.heads_kv, prob.len_q, prob.len_k, prob.head_dim
     dp = prob.padded_head_dim
@@ -209,8 +195,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    rows = rows if rows is not None and do is not None and fused_row_stats(prob, k_mean_given) else None
-    _launch_quantize(plan, prob, jobs, parts, k_part, arrive, rows)
+    _launch_quantize(plan, prob, jobs, parts, k_part, arrive)
 
     bias = None
     if prob.smooth_q:
@@ -221,7 +206,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
                     params.args("SmoothQBiasParams", k=prob.k, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=Hk, Lk=Lk, D=D,
                                    D_pad=dp, Nq_pad=nq, Nk_pad=nk, q_mean=q_mean, k_mean=k_mean, bias=bias))
     return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,
-                     dot8, do_scale, rows is not None)
+                     dot8, do_scale)
 
 
 def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):

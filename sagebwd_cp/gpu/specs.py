@@ -87,8 +87,7 @@ def _token_pad() -> dict:
 
 def quantize_spec(dp: int, dtype: str, varlen: bool = False) -> KernelSpec:
     """The pre-pass of one padded head dim (a module holds that head dim's instantiations alone)."""
-    return _spec("quantize", "quantize.cu", ["quantize_tensors", "quantize_tensors_fused", "quantize_tensors_rows", "token_sum",
-                  "zero_counts"],
+    return _spec("quantize", "quantize.cu", ["quantize_tensors", "quantize_tensors_fused", "token_sum", "zero_counts"],
                  {"SB_DP": dp, **_dtype(dtype, varlen)},
                  {**_token_pad(), "SB_QUANT_THREADS": QUANT_THREADS, "SB_QUANT_CHUNKS": QUANT_CHUNKS,
                   "SB_SUM_THREADS": SUM_THREADS})
