@@ -74,8 +74,8 @@ struct QuantizeShared {
 // flags: QUANT_PERMUTE_T stores t_out in the fragment token order; QUANT_PER_TOKEN gives every row its
 //   own scale (scale_out [B][H][N_pad]) instead of one per block (scale_out [B][H][N_pad/64]);
 //   QUANT_MEAN_GIVEN: see mean_sum; QUANT_FUSED_SUM: see sum_part.
-// sum_part, arrive (QUANT_FUSED_SUM, quantize_tensors_fused's K job; QuantizeParams): μ from this launch's own loads, K read once (no
-//   token_sum launch). Each CTA stores its float64 column sums in sum_part ([B][H][sum_parts][DPAD], sum_parts the
+// sum_part, arrive (QUANT_FUSED_SUM, quantize_tensors_fused's K job; QuantizeParams): μ from this launch's own
+//   loads, K read once (no token_sum launch). Each CTA stores its float64 column sums in sum_part ([B][H][sum_parts][DPAD], sum_parts the
 //   head's CTAs) and counts itself in arrive[b·H + h] (zeroed before the launch); the head's last CTA to arrive adds
 //   the parts in order, stores μ in mean_out and raises the count to sum_parts + 1; the others wait for that and read
 //   μ from mean_out. Waiting is safe where the head's CTAs are consecutive in the grid (they are), the hardware
@@ -398,7 +398,8 @@ SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
-        SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, SB_JOB(mean_out), SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags), \
+        SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, SB_JOB(mean_out),      \
+        SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags),                                        \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)
     // One instantiation per step the job needs (uniform across the CTA); the head dim is the module's.
     const bool prescale = SB_JOB(prescale) != 1.f, shift = SB_JOB(mean_sum) || SB_JOB(block_mean_out);
