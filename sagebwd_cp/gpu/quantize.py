@@ -109,14 +109,14 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
                      arrive=None) -> None:
     """Up to three tensors in one launch (CTAs of job a, then b, then c); ``sum_parts``: token_sum's
     parts behind the job with token sums, or the CTAs of a head of the job that forms them (FUSED_SUM, with its
-    sums' and arrivals' buffers ``sum_part``, ``arrive``)."""
+    sums' and arrivals' buffers ``sum_part``, ``arrive``: the entry quantize_tensors_fused)."""
     ctas = sum(params.field(job, "QuantizeJob", "ctas") for job in jobs)
-    fused = any(params.field(job, "QuantizeJob", "flags") & FUSED_SUM for job in jobs)
     jobs = list(jobs) + [params.zeros("QuantizeJob")] * (3 - len(jobs))
     dp = prob.padded_head_dim
     assert dp in specs.PADDED_HEAD_DIMS, dp
     # D_pad threads a CTA, each with specs.QUANT_CHUNKS 16-byte chunks of dynamic shared memory.
-    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen), "quantize_tensors_fused" if fused else "quantize_tensors",
+    plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen),
+                "quantize_tensors" if arrive is None else "quantize_tensors_fused",
                 (ctas, 1, prob.batch), (dp, 1, 1),
                 params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
                                sum_parts=sum_parts, sum_part=sum_part, arrive=arrive),
@@ -143,21 +143,19 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
 
     assert prob.smooth_k or k_mean is None, "μ_K is K-smoothing's"
     assert k_mean is not None or not k_mean_given
-    k_sum, parts, k_part, arrive, fused = None, 0, None, None, False
+    k_sum, parts, arrive, fused = None, 0, None, False
     if prob.smooth_k and not k_mean_given:
         if k_mean is None:
             k_mean = plan.workspace("k_mean", (B, Hk, D), "float32")
         fused = fused_token_sums(prob, backward or quantize_q, nk, plan.device_id)
+        # The parts: the K job's CTAs of a head (fused), or token_sum's; each stores its own sums.
+        parts, span = (_quantize_ctas(nk // numerics.BLOCK_KV), 0) if fused else token_sum_parts(B, Hk, Lk)
+        k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
         if fused:  # the K job sums its own loads; its arrival counts start at zero
-            parts = _quantize_ctas(nk // numerics.BLOCK_KV)
-            k_part = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
             arrive = plan.workspace("k_arrive", (B, Hk), "int32")
             plan.launch(spec, "zero_counts", (1, 1, 1), (specs.SUM_THREADS, 1, 1),
                         params.args("ZeroCountsParams", counts=arrive, n=B * Hk))
         else:
-            parts, span = token_sum_parts(B, Hk, Lk)
-            # Each part stores its own sums (quantize.cu token_sum): nothing to zero.
-            k_sum = plan.workspace("k_sum", (B, Hk, parts, dp), "float64")
             sb, sh, sn = prob.bhnd_strides(prob.k)
             plan.launch(spec, "token_sum", (parts, Hk, B), (specs.SUM_THREADS, 1, 1),
                         params.args("TokenSumParams", x=prob.k, sb=sb, sh=sh, sn=sn, H=Hk, N=Lk, D=D, D_pad=dp,
@@ -184,7 +182,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     k_scale = plan.workspace("k_scale", (S, Hk, nk), "float32")
     jobs.append(_quantize_job(prob, prob.k, "k", Hk, nk, 1.0,
                               PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0) | (FUSED_SUM if fused else 0), k_scale,
-                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=k_sum, mean_out=k_mean, pad=key_pad))
+                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=None if fused else k_sum, mean_out=k_mean,
+                              pad=key_pad))
 
     vt8 = v_scale = None
     if not backward:
@@ -195,7 +194,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
-    _launch_quantize(plan, prob, jobs, parts, k_part, arrive)
+    _launch_quantize(plan, prob, jobs, parts, k_sum if fused else None, arrive)
 
     bias = None
     if prob.smooth_q:
