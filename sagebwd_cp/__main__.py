@@ -21,7 +21,7 @@ import time
 
 from . import __version__
 from .options import AttentionOptions
-from .gpu import compiler, specs as kernel_specs
+from .gpu import compiler, coverage, specs as kernel_specs
 from .gpu.device import cuda_device, cuda_devices
 
 CHECK_ARCH_WITHOUT_GPU = "sm_90"
@@ -255,6 +255,8 @@ def cmd_compile(args) -> int:
                  if not args.only or any(fnmatch.fnmatchcase(spec.key, p) for p in args.only)]
         if args.once:  # a key's first pair: the first named arch that launches it
             pairs = list({spec.key: (spec, arch) for spec, arch in reversed(pairs)}.values())[::-1]
+        if args.cover:
+            pairs = coverage.covering_pairs(pairs)
         if not pairs:
             print(f"no specialization matches --only {' '.join(args.only)} (keys look like "
                   f"{representative_spec(archs[0]).key})", file=sys.stderr)
@@ -316,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only the specializations whose key matches this glob, e.g. 'forward.hd128.*'; repeatable")
     comp.add_argument("--once", action="store_true",
                       help="each specialization once, for the first named arch that launches it (CI: --arch sm_86 "
-                           "--arch sm_80 --arch sm_90 --once)")
+                           "--arch sm_80 --arch sm_90 --once --cover)")
+    comp.add_argument("--cover", action="store_true",
+                      help="a covering set of them: per kernel file and arch, every option of the keys alone, in "
+                           "pairs and in triples, in some compiled specialization (a sixth of the compiles)")
     comp.add_argument("--no-cache", action="store_true", help="recompile even if the disk cache has the cubin")
     comp.set_defaults(func=cmd_compile)
     return parser

@@ -26,7 +26,7 @@ CI = {  # .ci/run runs these as written
     'pip install -e ".[cuda13,test]" torch==2.13.0',
     "python -m pytest -q",
     "python -m pytest",
-    "python -m sagebwd_cp compile --arch sm_86 --arch sm_80 --arch sm_90 --once",
+    "python -m sagebwd_cp compile --arch sm_86 --arch sm_80 --arch sm_90 --once --cover",
 }
 SCRIPTS = {  # a GPU or minutes: the script exists and takes the README's options
     "python examples/train_tiny.py",
