@@ -129,9 +129,8 @@ def test_covering_set_keeps_the_combinations_only_one_specialization_has():
     assert len(coverage.covering_pairs([(_fake("f.a"), "sm_90"), (_fake("f.a"), "sm_86")])) == 2
 
 
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_covering_set_covers_every_triple_of_the_listed_specializations(arch):
-    pairs = [(spec, arch) for spec in specs.all_specs(arch)]
+def test_covering_set_covers_every_triple_of_the_listed_specializations():
+    pairs = [(spec, "sm_90") for spec in specs.all_specs("sm_90")]  # (sm_90 lists every kernel file)
     chosen = coverage.covering_pairs(pairs)
     assert len(chosen) < len(pairs) / 2
     keys = [spec.key for spec, _ in chosen]
