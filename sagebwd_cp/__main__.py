@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "--arch sm_80 --arch sm_90 --once --cover)")
     comp.add_argument("--cover", action="store_true",
                       help="a covering set of them: per kernel file and arch, every option of the keys alone, in "
-                           "pairs and in triples, in some compiled specialization (a sixth of the compiles)")
+                           "pairs and in triples, in some compiled specialization, present or absent (a quarter of the compiles)")
     comp.add_argument("--no-cache", action="store_true", help="recompile even if the disk cache has the cubin")
     comp.set_defaults(func=cmd_compile)
     return parser
