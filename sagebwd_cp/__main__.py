@@ -320,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="each specialization once, for the first named arch that launches it (CI: --arch sm_86 "
                            "--arch sm_80 --arch sm_90 --once --cover)")
     comp.add_argument("--cover", action="store_true",
-                      help="a covering set of them: per kernel file and arch, every option of the keys alone, in "
-                           "pairs and in triples, in some compiled specialization, present or absent (a quarter of the compiles)")
+                      help="a covering set of them: per kernel file and arch, every option of the keys, present or "
+                           "absent, alone, in pairs and in triples, in some compiled specialization (a quarter of them)")
     comp.add_argument("--no-cache", action="store_true", help="recompile even if the disk cache has the cubin")
     comp.set_defaults(func=cmd_compile)
     return parser
