@@ -41,7 +41,7 @@ def fused_token_sums(prob: AttentionProblem, other_jobs: bool, nk: int, device_i
     resident at once, so that those waiting for the last cannot keep it from starting: at most one for every two
     SMs (one an SM would do; the margin leaves room for kernels of other streams, NCCL's, or an MPS share that hold
     SMs meanwhile). SAGEBWD_FUSED_TOKEN_SUMS=0 turns it off, =1 on at any head dim."""
-    asked = specs._env_choice("SAGEBWD_FUSED_TOKEN_SUMS", (0, 1))
+    asked = specs.env_choice("SAGEBWD_FUSED_TOKEN_SUMS", (0, 1))
     if asked == 0 or other_jobs or prob.varlen or (asked is None and prob.padded_head_dim not in FUSED_SUM_HEAD_DIMS):
         return False
     return _quantize_ctas(nk // numerics.BLOCK_KV) <= sm_count(device_id) // 2

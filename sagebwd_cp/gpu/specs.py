@@ -186,7 +186,7 @@ def kernel_families() -> list:
     return [(", ".join(archs), family) for family, archs in groups.items()]
 
 
-def _env_choice(name: str, choices: tuple) -> int | None:
+def env_choice(name: str, choices: tuple) -> int | None:
     """The integer an override variable names (one of ``choices``), or None where it is unset."""
     value = os.environ.get(name)
     if value is None:
@@ -206,7 +206,7 @@ def forward_key_tile(options: AttentionOptions | None = None) -> int:
     """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
     docs/history/PERFORMANCE_LOG.md, forward v4), 64 under a sliding window of at most NARROW_BAND_KEYS keys;
     SAGEBWD_FORWARD_KEY_TILE=64 or 128 selects one kernel for every call."""
-    forced = _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
+    forced = env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
     if forced is not None:
         return forced
     return 64 if options is not None and options.windowed and sum(options.band()) <= NARROW_BAND_KEYS else 128
@@ -342,18 +342,18 @@ def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varle
     SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override."""
     if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap or dp > numerics.WIDE_HEAD_DIM:
         return None
-    asked = _env_choice("SAGEBWD_FORWARD_WS", (0, 1))
+    asked = env_choice("SAGEBWD_FORWARD_WS", (0, 1))
     # (SAGEBWD_FORWARD_KEY_TILE forces forward.cu's key tile: that kernel, then, unless this one is asked for.)
     measured_faster = (dp == 128 and not options.causal and not varlen and len_k <= WS_FORWARD_MAX_KEYS
-                       and _env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128)) is None)
+                       and env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128)) is None)
     if asked == 0 or (asked is None and not measured_faster):
         return None
     tiles = ws_forward_shape(dp)
-    overrides = {"consumers": _env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
-                 "stages": _env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
-                 "pingpong": _env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
-                 "persistent": _env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1)),
-                 "key_tile": None if varlen else _env_choice("SAGEBWD_FORWARD_WS_KEYS", (128, 192))}
+    overrides = {"consumers": env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
+                 "stages": env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
+                 "pingpong": env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
+                 "persistent": env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1)),
+                 "key_tile": None if varlen else env_choice("SAGEBWD_FORWARD_WS_KEYS", (128, 192))}
     return dataclasses.replace(tiles, **{k: type(getattr(tiles, k))(v) for k, v in overrides.items() if v is not None})
 
 
@@ -485,10 +485,10 @@ def backward_tiles(dp: int, arch: str | None = None, deterministic: bool = False
     wg = use_wgmma(arch)
     if wg and dp > numerics.WIDE_HEAD_DIM:
         return BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
-    if wg and dp == 128 and not deterministic and _env_choice("SAGEBWD_BACKWARD_QUAD", (0, 1)) == 1:
+    if wg and dp == 128 and not deterministic and env_choice("SAGEBWD_BACKWARD_QUAD", (0, 1)) == 1:
         # kernels/backward_quad.cu, opt-in: 0.84-0.88x this kernel's speed (docs/PERFORMANCE.md)
         return BackwardTiles(stages=2, wgmma=True, quad=True)
-    forced = _env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
+    forced = env_choice("SAGEBWD_BACKWARD_WS", (0, 1))
     ws = wg and (forced == 1 if forced is not None else deterministic)
     return BackwardTiles(stages=2, wgmma=wg, ws=ws, dq_tiles=dq_tiles_for(ws))
 
@@ -516,7 +516,7 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
 def dq_tiles_for(ws: bool) -> int:
     """dQ partial tiles of the wgmma backward: two where a producer warpgroup reduces them (the computing warps
     write one while the other is read), else one. SAGEBWD_BACKWARD_DQ_TILES=1 forces one."""
-    return 2 if ws and _env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
+    return 2 if ws and env_choice("SAGEBWD_BACKWARD_DQ_TILES", (1, 2)) != 1 else 1
 
 
 def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: BackwardTiles, arch: str, shared_limit: int,
