@@ -23,6 +23,7 @@ CASES = [
     (1, 2, 1, 50, 190, 80, True, "float16", {"granularity": "paper"}),            # MQA, padded head dim
     (2, 2, 2, 129, 129, 64, True, "bfloat16", {"deterministic": True}),           # deterministic (the producer warpgroup)
     (1, 2, 2, 100, 100, 128, True, "float16", {"deterministic": True, "smooth_q": True}),
+    (1, 4, 2, 130, 200, 80, True, "bfloat16", {"smooth_q": True, "forward": {"window_size": (64, 0)}}),  # Q-smoothing, window
     (1, 2, 2, 1, 1, 64, False, "float16", {}),                                    # N = 1
     (1, 2, 2, 96, 96, 64, False, "float16", {"strided": True}),                   # strided views, misaligned rows
     (1, 4, 2, 200, 200, 128, True, "bfloat16", {"forward": {"window_size": (64, 0)}}),       # causal window

@@ -145,9 +145,6 @@ class AttentionOptions(_Fields):
             value_head_dim = check_value_head_dim(value_head_dim)
         self = tuple.__new__(cls, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
                                    window_left, window_right, softcap, value_head_dim))
-        if smooth_q and (window_left >= 0 or window_right >= 0 and not causal):
-            raise ValueError("smooth_q: sliding windows take no Q-smoothing (its kernels are not built); pass "
-                             "smooth_q=False or window_size=(-1, -1)")
         if softcap:
             self._check_softcap()
         return self

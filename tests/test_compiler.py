@@ -593,9 +593,9 @@ def test_the_deterministic_wide_backward_is_built_for_sm90_alone():
 
 def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wg = [s for s in specs.all_specs("sm_90") if dict(s.defines).get("SB_WGMMA")]
-    # Forward: 2 head dims x 2 dtypes x (full and causal x (dense, Q-smoothing, packed) + window, soft-capped causal
-    # and soft-capped window x (dense, packed)) x 64- or 128-key tiles. Backward: per head dim and dtype, full and
-    # causal x 3 batches x granularity x deterministic, window x 2 batches x 2 x 2, soft-capped causal and window x 2
+    # Forward: 2 head dims x 2 dtypes x (full, causal and window x (dense, Q-smoothing, packed) + soft-capped causal
+    # and soft-capped window x (dense, packed)) x 64- or 128-key tiles. Backward: per head dim and dtype, full,
+    # causal and window x 3 batches x granularity x deterministic, soft-capped causal and window x 2
     # batches x deterministic ("fine" only), less the deterministic d=128 window kernels, which are mma.sync ones
     # (specs.backward_kernel); and SAGEBWD_BACKWARD_WS=1's producer variants of the non-deterministic fine kernels,
     # full and causal, dense (the deterministic ones are the default kernels, counted above); and at head dim 128
@@ -611,8 +611,8 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key else 1)
                for s in wide if s.key.startswith("backward."))
     wg = [s for s in wg if s not in wide]
-    assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (2 * 3 + 2 + 2 + 2) * 2
-    per_dtype = {64: 2 * 12 + 8 + 4 + 4, 128: 2 * 12 + (8 - 4) + 4 + (4 - 2)}
+    assert len([s for s in wg if s.key.startswith("forward.")]) == 2 * 2 * (3 * 3 + 2 + 2) * 2
+    per_dtype = {64: 3 * 12 + 4 + 4, 128: 2 * 12 + (12 - 6) + 4 + (4 - 2)}
     backward = [s for s in wg if s.key.startswith("backward.")]
     quad = [s for s in backward if s.filename == "backward_quad.cu"]
     assert len(quad) == 2 * 3 and all(".hd128." in s.key and ".quad" in s.key and dict(s.defines)["SB_THREADS"] == 512

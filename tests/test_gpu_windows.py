@@ -80,6 +80,50 @@ def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window,
     assert rel_l2(oh, o_ref) < 0.05
 
 
+# Causal, a band open on neither side, Lq < Lk with the band right of the diagonal, rows that see no key.
+SMOOTH_Q_CASES = [CASES[0], CASES[1], CASES[3], CASES[4]]
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
+@pytest.mark.parametrize("shape,causal,window", SMOOTH_Q_CASES, ids=[IDS[CASES.index(c)] for c in SMOOTH_Q_CASES])
+@pytest.mark.parametrize("dtype,granularity,deterministic", [("float16", "fine", False), ("bfloat16", "paper", True)])
+def test_windowed_q_smoothing_matches_the_emulator(kernels, shape, causal, window, dtype, granularity, deterministic):
+    """Q-smoothing under a window (the windowed kernels with SB_BIAS): forward and backward against the emulator,
+    queries with a common offset for the smoothing to take out."""
+    import torch
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, seed=lq + 3 * lk)
+    q = q + 1.0
+    do = _grad_output(q, seed=lq + 2 * lk)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, smooth_q=True,
+                                                       return_lse=True)
+        grads = sagebwd_cp.attention_backward(saved, do, granularity=granularity, deterministic=deterministic)
+    torch.cuda.synchronize()
+    qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
+    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, smooth_q=True, dtype=dtype,
+                                                  key_tile=forward_key_tile(d, causal=causal, window=window))
+    fwd_tol, bwd_tol = EMU_TOL[dtype]
+    assert rel_l2(oh, o_emu) < fwd_tol
+    lse = lse.cpu().numpy()
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+    state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=causal, window=window,
+                                    smooth_q=True, dtype=dtype)
+    expected = emulator.emulate_backward(state, doh, granularity=granularity)
+    exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=causal, window=window)
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, exact):
+        gh = to_hnd_numpy(g, "HND")
+        assert np.isfinite(gh).all(), name
+        assert rel_l2(gh, e) < bwd_tol, (name, rel_l2(gh, e))
+        if np.abs(x).max() > 1e-3:
+            assert rel_l2(gh, x) < 0.1, (name, rel_l2(gh, x))
+    o_ref, _ = reference.attention_reference(qh, kh, vh, causal=causal, window=window)
+    assert rel_l2(oh, o_ref) < 0.05
+
+
 @pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16")])
 def test_a_window_wider_than_the_sequence_is_causal_attention_bit_for_bit(kernels, d, dtype):

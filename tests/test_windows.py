@@ -63,13 +63,34 @@ def test_unquantized_windowed_emulator_is_exact(window, causal, lq, lk):
         _close(g, g_ref, "d" + name)
 
 
+@pytest.mark.parametrize("window,causal", [((5, -1), True), ((20, 3), False), ((63, 64), False), ((0, -1), True)])
+@pytest.mark.parametrize("lq,lk", [(1, 1), (130, 129), (70, 190), (190, 70)])
+def test_unquantized_windowed_emulator_with_q_smoothing_is_exact(window, causal, lq, lk):
+    """Q-smoothing's bias (each query block's mean times the keys) adds each score's own shift back, so a window,
+    which keeps some keys of a row, changes nothing: quantize=False stays exact attention."""
+    q, k, v, do = _inputs(lq * 3 + lk, 1, 4, 2, lq, lk, 16)
+    q = q + 2.0  # (a mean for the smoothing to take out)
+    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, window=window)
+    o, lse, saved = emulate_forward(q, k, v, causal=causal, window=window, smooth_q=True, quantize=False,
+                                    dtype="float32")
+    _close(o, o_ref, "o")
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-5, atol=1e-5)
+    for g, g_ref, name in zip(emulate_backward(saved, do, quantize=False),
+                              attention_reference_backward(q, k, v, do, causal=causal, window=window), "qkv"):
+        _close(g, g_ref, "d" + name)
+
+
 @pytest.mark.parametrize("window,causal", [((64, -1), True), ((30, 30), False), ((200, -1), True)])
-def test_quantized_windowed_attention_is_within_the_algorithms_error(window, causal):
+@pytest.mark.parametrize("smooth_q", [False, True])
+def test_quantized_windowed_attention_is_within_the_algorithms_error(window, causal, smooth_q):
     q, k, v, do = _inputs(3, 1, 4, 1, 300, 300, 64)
-    o, _ = sagebwd_cp.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    q = q + (1.5 if smooth_q else 0.0)  # (Q-smoothing's case: queries with a common offset)
+    o, _ = sagebwd_cp.attention(q, k, v, causal=causal, window_size=window, smooth_q=smooth_q, return_lse=True)
     o_ref, _ = attention_reference(q, k, v, causal=causal, window=window)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) < 0.03
-    _, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window)
+    _, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, smooth_q=smooth_q)
     grads = sagebwd_cp.attention_backward(saved, do)
     for g, ref in zip(grads, attention_reference_backward(q, k, v, do, causal=causal, window=window)):
         assert np.linalg.norm(g - ref) / np.linalg.norm(ref) < 0.06
@@ -105,8 +126,8 @@ def test_window_arguments_are_checked():
         sagebwd_cp.attention(q, q, q, window_size=(3, 1.5))
     with pytest.raises(TypeError, match="window_size: expected a pair"):
         sagebwd_cp.attention(q, q, q, window_size=7)
-    with pytest.raises(ValueError, match="smooth_q: sliding windows take no Q-smoothing"):
-        sagebwd_cp.attention(q, q, q, smooth_q=True, window_size=(4, 4))
+    # Q-smoothing under a window runs (its kernels: test_the_kernels_of_a_window; V is zero here, so is O).
+    assert not sagebwd_cp.attention(q, q, q, smooth_q=True, window_size=(4, 4)).any()
     # Wider than any sequence: the same as unbounded, stored as UNBOUNDED.
     assert AttentionOptions(window_left=10**12).window_left == UNBOUNDED
 
@@ -127,6 +148,15 @@ def test_the_kernels_of_a_window():
     assert dict(right_only.defines)["SB_CAUSAL"] == 1 and dict(right_only.defines)["SB_WINDOW"] == 1
     with pytest.raises(AssertionError):
         specs.forward_ws_spec(128, "float16", opts, specs.WsForwardTiles())
+    # Q-smoothing under a window: the windowed kernels with the bias (SB_BIAS), both passes.
+    smoothed = opts._replace(smooth_q=True)
+    for spec in (specs.forward_spec(128, "float16", smoothed, specs.ForwardTiles(4, 1, True, 64)),
+                 specs.backward_spec(64, "bfloat16", smoothed, specs.BackwardTiles(2, True, 2))):
+        assert ".causal.window.qbias." in spec.key, spec.key
+        assert dict(spec.defines)["SB_WINDOW"] == 1 and dict(spec.defines)["SB_BIAS"] == 1
+    listed = {s.key for s in specs.all_specs("sm_90")}
+    assert {"forward.hd128.bfloat16.causal.window.qbias.w4m1.wgmma",
+            "backward.hd64.float16.causal.window.qbias.paper.det.s2.wgmma.ws.dq2"} <= listed
 
 
 def test_torch_on_the_cpu_takes_flash_attentions_keyword():

@@ -201,7 +201,8 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         bias = plan.workspace("bias", (B, Hq, nq // numerics.BLOCK_Q, nk), "float32")
         sb, sh, sn = prob.bhnd_strides(prob.k)
         plan.launch(specs.bias_spec(prob.dtype), "smooth_q_bias",
-                    (-(-nk // specs.BIAS_THREADS), nq // numerics.BLOCK_Q, B * Hq), (specs.BIAS_THREADS, 1, 1),
+                    (-(-nk // specs.BIAS_THREADS), -(-(nq // numerics.BLOCK_Q) // specs.BIAS_QBLOCKS), B * Hq),
+                    (specs.BIAS_THREADS, 1, 1),
                     params.args("SmoothQBiasParams", k=prob.k, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=Hk, Lk=Lk, D=D,
                                    D_pad=dp, Nq_pad=nq, Nk_pad=nk, q_mean=q_mean, k_mean=k_mean, bias=bias))
     return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,

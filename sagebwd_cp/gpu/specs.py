@@ -24,6 +24,7 @@ SUM_THREADS = 512  # token_sum (and zero_counts)
 ROWS_THREADS = 256  # backward_rows.cu: row_stats, dq_convert, pack_rows
 LSE_THREADS = 128  # lse.cu: a query row a thread
 BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
+BIAS_QBLOCKS = 16  # smooth_q_bias.cu: query blocks a CTA (each key's staged row serves them all)
 TMA_DO_COLS = 64  # the wgmma backward's dO boxes: 64 16-bit columns (128 bytes, the widest swizzle)
 
 
@@ -95,7 +96,7 @@ def quantize_spec(dp: int, dtype: str, varlen: bool = False) -> KernelSpec:
 
 def bias_spec(dtype: str) -> KernelSpec:
     return _spec("smooth_q_bias", "smooth_q_bias.cu", ["smooth_q_bias"], _dtype(dtype),
-                 {**_token_pad(), "SB_THREADS": BIAS_THREADS})
+                 {**_token_pad(), "SB_THREADS": BIAS_THREADS, "SB_BIAS_QBLOCKS": BIAS_QBLOCKS})
 
 
 def ceiling_spec(wgmma: bool = False) -> KernelSpec:
@@ -248,7 +249,6 @@ def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None
 def _window(options: AttentionOptions) -> dict:
     """SB_WINDOW where the kernel reads the band's edges (a sliding window, or a soft cap without a causal mask),
     SB_SOFTCAP where the scores are soft-capped (absent otherwise: the other kernels' keys stay)."""
-    assert not (options.windowed and options.smooth_q), "Q-smoothing has no sliding-window kernels"
     return {**({"SB_WINDOW": 1} if options.band_test else {}), **({"SB_SOFTCAP": 1} if options.softcap else {})}
 
 
@@ -600,13 +600,13 @@ def all_specs(arch: str | None = None) -> list:
         except ValueError:  # its shared memory exceeds the arch's
             wide_backward = False
         for dt in DTYPES:
-            # Masks: none, causal, a sliding window (without Q-smoothing); soft-capped causal and windowed
+            # Masks: none, causal, a sliding window; soft-capped causal and windowed
             # attention (unsmoothed scores, granularity "fine": AttentionOptions; the soft cap without a causal
             # mask takes the windowed kernels: options.band_test).
             for causal, window, cap in ((False, -1, 0.0), (True, -1, 0.0), (True, 1, 0.0), (True, -1, 1.0),
                                         (True, 1, 1.0)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
-                    if bias and (window >= 0 or cap or wide):
+                    if bias and (cap or wide):
                         continue
                     fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
                                            smooth_k=not cap)
