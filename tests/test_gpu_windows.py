@@ -36,28 +36,26 @@ def _grad_output(q, seed):
     return torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float32).to(q.dtype)
 
 
-def _run(q, k, v, do, causal, window, deterministic=False):
+def _run(q, k, v, do, causal, window, deterministic=False, smooth_q=False, granularity="fine"):
     with poisoned_workspaces():
-        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, return_lse=True)
-        grads = sagebwd_cp.attention_backward(saved, do, deterministic=deterministic)
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, smooth_q=smooth_q,
+                                                       return_lse=True)
+        grads = sagebwd_cp.attention_backward(saved, do, granularity=granularity, deterministic=deterministic)
     return out, lse, saved, grads
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
-@pytest.mark.parametrize("shape,causal,window", CASES, ids=IDS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window, dtype):
+def _check_against_the_emulator(q, k, v, do, causal, window, dtype, smooth_q=False, granularity="fine",
+                                deterministic=False):
+    """Forward and backward on the GPU against the emulator of the same quantized algorithm, the rows that see
+    no key, and (loosely) the exact FP64 reference."""
     import torch
 
-    b, hq, hk, lq, lk, d = shape
-    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, seed=lq + 5 * lk)
-    do = _grad_output(q, seed=lq + lk)
-    out, lse, saved, grads = _run(q, k, v, do, causal, window)
+    out, lse, saved, grads = _run(q, k, v, do, causal, window, deterministic, smooth_q, granularity)
     torch.cuda.synchronize()
     qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
-    key_tile = forward_key_tile(d, causal=causal, window=window)
-    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, dtype=dtype,
-                                                  key_tile=key_tile)
+    key_tile = forward_key_tile(q.shape[-1], causal=causal, window=window)
+    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, smooth_q=smooth_q,
+                                                  dtype=dtype, key_tile=key_tile)
     fwd_tol, bwd_tol = EMU_TOL[dtype]
     assert rel_l2(oh, o_emu) < fwd_tol
     lse = lse.cpu().numpy()
@@ -67,8 +65,8 @@ def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window,
     assert not oh[~np.broadcast_to(finite[..., None], oh.shape)].any()  # rows without keys give 0
 
     state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=causal, window=window,
-                                    dtype=dtype)
-    expected = emulator.emulate_backward(state, doh)
+                                    smooth_q=smooth_q, dtype=dtype)
+    expected = emulator.emulate_backward(state, doh, granularity=granularity)
     exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=causal, window=window)
     for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, exact):
         gh = to_hnd_numpy(g, "HND")
@@ -80,6 +78,15 @@ def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window,
     assert rel_l2(oh, o_ref) < 0.05
 
 
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
+@pytest.mark.parametrize("shape,causal,window", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_windowed_attention_matches_the_emulator(kernels, shape, causal, window, dtype):
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, seed=lq + 5 * lk)
+    _check_against_the_emulator(q, k, v, _grad_output(q, seed=lq + lk), causal, window, dtype)
+
+
 # Causal, a band open on neither side, Lq < Lk with the band right of the diagonal, rows that see no key.
 SMOOTH_Q_CASES = [CASES[0], CASES[1], CASES[3], CASES[4]]
 
@@ -88,40 +95,13 @@ SMOOTH_Q_CASES = [CASES[0], CASES[1], CASES[3], CASES[4]]
 @pytest.mark.parametrize("shape,causal,window", SMOOTH_Q_CASES, ids=[IDS[CASES.index(c)] for c in SMOOTH_Q_CASES])
 @pytest.mark.parametrize("dtype,granularity,deterministic", [("float16", "fine", False), ("bfloat16", "paper", True)])
 def test_windowed_q_smoothing_matches_the_emulator(kernels, shape, causal, window, dtype, granularity, deterministic):
-    """Q-smoothing under a window (the windowed kernels with SB_BIAS): forward and backward against the emulator,
-    queries with a common offset for the smoothing to take out."""
-    import torch
-
+    """Q-smoothing under a window (the windowed kernels with SB_BIAS), queries with a common offset for the
+    smoothing to take out."""
     b, hq, hk, lq, lk, d = shape
     q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, seed=lq + 3 * lk)
     q = q + 1.0
-    do = _grad_output(q, seed=lq + 2 * lk)
-    with poisoned_workspaces():
-        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, window_size=window, smooth_q=True,
-                                                       return_lse=True)
-        grads = sagebwd_cp.attention_backward(saved, do, granularity=granularity, deterministic=deterministic)
-    torch.cuda.synchronize()
-    qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
-    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, smooth_q=True, dtype=dtype,
-                                                  key_tile=forward_key_tile(d, causal=causal, window=window))
-    fwd_tol, bwd_tol = EMU_TOL[dtype]
-    assert rel_l2(oh, o_emu) < fwd_tol
-    lse = lse.cpu().numpy()
-    finite = np.isfinite(lse_emu)
-    np.testing.assert_array_equal(np.isfinite(lse), finite)
-    np.testing.assert_allclose(lse[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
-    state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=causal, window=window,
-                                    smooth_q=True, dtype=dtype)
-    expected = emulator.emulate_backward(state, doh, granularity=granularity)
-    exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=causal, window=window)
-    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, exact):
-        gh = to_hnd_numpy(g, "HND")
-        assert np.isfinite(gh).all(), name
-        assert rel_l2(gh, e) < bwd_tol, (name, rel_l2(gh, e))
-        if np.abs(x).max() > 1e-3:
-            assert rel_l2(gh, x) < 0.1, (name, rel_l2(gh, x))
-    o_ref, _ = reference.attention_reference(qh, kh, vh, causal=causal, window=window)
-    assert rel_l2(oh, o_ref) < 0.05
+    _check_against_the_emulator(q, k, v, _grad_output(q, seed=lq + 2 * lk), causal, window, dtype, smooth_q=True,
+                                granularity=granularity, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)

@@ -50,9 +50,13 @@ def test_the_mask_is_flash_attentions():
 def test_unquantized_windowed_emulator_is_exact(window, causal, lq, lk):
     """quantize=False turns the tiled algorithm into exact attention: with windows too, including the
     key tiles it skips and the rows that see no key (o = 0, LSE -inf, no gradient)."""
-    q, k, v, do = _inputs(lq * 7 + lk, 1, 4, 2, lq, lk, 16)
+    _check_unquantized_is_exact(*_inputs(lq * 7 + lk, 1, 4, 2, lq, lk, 16), causal, window)
+
+
+def _check_unquantized_is_exact(q, k, v, do, causal, window, smooth_q=False):
     o_ref, lse_ref = attention_reference(q, k, v, causal=causal, window=window)
-    o, lse, saved = emulate_forward(q, k, v, causal=causal, window=window, quantize=False, dtype="float32")
+    o, lse, saved = emulate_forward(q, k, v, causal=causal, window=window, smooth_q=smooth_q, quantize=False,
+                                    dtype="float32")
     _close(o, o_ref, "o")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
     fin = np.isfinite(lse_ref)
@@ -69,17 +73,7 @@ def test_unquantized_windowed_emulator_with_q_smoothing_is_exact(window, causal,
     """Q-smoothing's bias (each query block's mean times the keys) adds each score's own shift back, so a window,
     which keeps some keys of a row, changes nothing: quantize=False stays exact attention."""
     q, k, v, do = _inputs(lq * 3 + lk, 1, 4, 2, lq, lk, 16)
-    q = q + 2.0  # (a mean for the smoothing to take out)
-    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, window=window)
-    o, lse, saved = emulate_forward(q, k, v, causal=causal, window=window, smooth_q=True, quantize=False,
-                                    dtype="float32")
-    _close(o, o_ref, "o")
-    fin = np.isfinite(lse_ref)
-    np.testing.assert_array_equal(np.isfinite(lse), fin)
-    np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-5, atol=1e-5)
-    for g, g_ref, name in zip(emulate_backward(saved, do, quantize=False),
-                              attention_reference_backward(q, k, v, do, causal=causal, window=window), "qkv"):
-        _close(g, g_ref, "d" + name)
+    _check_unquantized_is_exact(q + 2.0, k, v, do, causal, window, smooth_q=True)  # (a mean for it to take out)
 
 
 @pytest.mark.parametrize("window,causal", [((64, -1), True), ((30, 30), False), ((200, -1), True)])
