@@ -74,7 +74,7 @@ struct BackwardStage {
     i8 dot[DP * BQ];        // dÔᵀ [DP][64 q] int8, fragment token order
     u16 dout[BQ * DP];      // dO  [64 q][DP] 16-bit
     float4 stats[BQ];       // (LSE2, s_Q, δ, s_Qᵀ) (row_stats)
-    float scale[32];        // s_dO of the query block, K̂ᵀ's scale, 1 (below)
+    float scale[32];        // s_dO of the query block, s_Qᵀ (soft-capped kernels), K̂ᵀ's scale, 1 (below)
 };
 struct BackwardShared {
     i8 k[BKV * DP];         // K̂  [64 keys][DP] int8, swizzled
@@ -272,7 +272,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         load_tile16(st + SDO, a.dout + seq.token(a.db, a.dh, a.dn, h, static_cast<i64>(i) * BQ), a.dn,
                     min(BQ, seq.len_q() - i * BQ), a.D);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + row0 + i * BQ + tid);
-        if (tid == BQ) cp_async_4(st + SSCALE, a.do_scale + seq.q_block0(h) + i);
+        if (tid == BQ) {
+            const i64 blk = seq.q_block0(h) + i;
+            cp_async_4(st + SSCALE, a.do_scale + blk);
+            // Soft-capped kernels: stats' fourth slot holds each row's share of its scores, so s_Qᵀ comes here.
+            if (SB_SOFTCAP) cp_async_4(st + SSCALE + 4, a.qt_scale + blk);
+        }
     };
     // Iterations walk the (query head of the group, query block) pairs in sweep_advance's order
     // (backward_common.cuh): `it` is (h, i), the next load (nh, ni).
@@ -361,14 +366,16 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = qcol0 + n * 8 + 2 * t + c;
-                    const float2 ls = lse_and_sq(stats_s, col);
-                    const float lse = ls.x, sq = ls.y;
+                    // (LSE2, s_Q) and, soft-capped, the row's share of its scores r (K-smoothing) in one load
+                    const float4 st = SB_SOFTCAP ? stats_s[col] : make_float4(0.f, 0.f, 0.f, 0.f);
+                    const float2 ls = SB_SOFTCAP ? make_float2(st.x, st.y) : lse_and_sq(stats_s, col);
+                    const float lse = ls.x, sq = ls.y, r = st.w;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int key = key_lo + 8 * half, q = q0 + col;
                         const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                         float e = exp2_approx(SB_BIAS      ? fmaf(u, sq, bias_row[half]) - lse
-                                              : SB_SOFTCAP ? soft_cap(u * sq, a.softcap2, a.inv_softcap2) - lse
+                                              : SB_SOFTCAP ? soft_cap(fmaf(u, sq, r), a.softcap2, a.inv_softcap2) - lse
                                                            : fmaf(u, sq, -lse));
                         if (need_mask && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
                         if (left_edge && key + a.win_width < q + hi) e = 0.f;
@@ -524,7 +531,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
 
         // Ẑᵀ for dK, packed and shared like P̂ᵀ; dK += Ẑᵀ Q̂ after the next barrier.
         u32 dsf[4];
-        const float s_qt = stats_s[0].w;  // Q̂ᵀ's scale of the query block
+        // Q̂ᵀ's scale of the query block
+        const float s_qt = SB_SOFTCAP ? *reinterpret_cast<const float*>(smem + stage_off + SSCALE + 4) : stats_s[0].w;
         const float fac_k[2] = {dk_psi[0].scale * s_qt, dk_psi[1].scale * s_qt};
         {
             const float inv_d[2] = {dk_psi[0].inv, dk_psi[1].inv};

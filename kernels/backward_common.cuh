@@ -103,8 +103,8 @@ SB_DEVICE void pack_a(u32 (&a)[4], const float (&x)[N][4], const float (&inv)[2]
 }
 
 // A warp's tiles in the accumulator layout: n-tile n, register 2·half + c is key row g + 8·half and
-// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, δ, s_Qᵀ) per query column of the stage:
-// P's (LSE2, s_Q) is one 8-byte load.
+// query column qcol0 + 8n + 2t + c; stats_s holds (LSE2, s_Q, δ, s_Qᵀ) per query column of the stage
+// (soft-capped kernels: (LSE2 + r, s_Q, δ, r), r the row's share of its scores): P's (LSE2, s_Q) is one 8-byte load.
 SB_DEVICE float2 lse_and_sq(const float4* stats_s, int col) { return reinterpret_cast<const float2*>(stats_s)[2 * col]; }
 
 // Pᵀ = exp2((Sᵀ·s_K)·s_Q (+ bias) - LSE2), zero past the ends and right of the band (MASK >= 1) and left
@@ -119,12 +119,13 @@ SB_DEVICE void probabilities_of(float (&p)[N][4], const int (&s)[N][4], const fl
             const int col = qcol0 + n * 8 + 2 * t + c;
             const float2 ls = lse_and_sq(stats_s, col);
             const float lse = ls.x, sq = ls.y;
+            const float r = SB_SOFTCAP ? stats_s[col].w : 0.f;  // the row's share of its scores (K-smoothing)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int key = key_lo + 8 * half, q = q0 + col;
                 const float u = static_cast<float>(s[n][2 * half + c]) * s_k[half];
                 float e = exp2_approx(SB_BIAS      ? fmaf(u, sq, bias_row[half]) - lse
-                                      : SB_SOFTCAP ? soft_cap(u * sq, seq.p.softcap2, seq.p.inv_softcap2) - lse
+                                      : SB_SOFTCAP ? soft_cap(fmaf(u, sq, r), seq.p.softcap2, seq.p.inv_softcap2) - lse
                                                    : fmaf(u, sq, -lse));
                 if (MASK && !(key < seq.len_k() && q < seq.len_q() && (!SB_CAUSAL || key <= q + hi))) e = 0.f;
                 if (MASK == 2 && key + seq.p.win_width < q + hi) e = 0.f;

@@ -186,8 +186,9 @@ constexpr u32 STAGE_LOAD_BYTES = STAGE_BYTES + SBAR;  // a stage's tiles and row
 // products in chunks of 16 columns: short of any of these, they spilled 8-32 bytes.)
 constexpr bool SPLIT = WS && SB_STAGES == 1;
 constexpr u32 PART0_BYTES = sizeof(BackwardStage::q) + sizeof(BackwardStage::dout) + SBAR;
-constexpr u32 PART1_BYTES = sizeof(BackwardStage::qt) + sizeof(BackwardStage::dot) + 16;  // and stats[0] again (s_Qᵀ)
-static_assert(PART0_BYTES + PART1_BYTES == STAGE_LOAD_BYTES + 16, "the parts are the stage");
+// and stats[0] again (s_Qᵀ; soft-capped kernels copy s_Qᵀ alone, by cp.async, below)
+constexpr u32 PART1_BYTES = sizeof(BackwardStage::qt) + sizeof(BackwardStage::dot) + (SB_SOFTCAP ? 0 : 16);
+static_assert(PART0_BYTES + PART1_BYTES == STAGE_LOAD_BYTES + (SB_SOFTCAP ? 0 : 16), "the parts are the stage");
 constexpr int DS_OFF = STAGE0 + sizeof(BackwardShared::stage), DQ_OFF = DS_OFF + sizeof(BackwardShared::ds);
 constexpr int RED_OFF = DQ_OFF + sizeof(BackwardShared::dq);
 constexpr int YSCALE_OFF = RED_OFF + sizeof(BackwardShared::red), TURN_OFF = YSCALE_OFF + sizeof(BackwardShared::yscale);
@@ -206,7 +207,8 @@ constexpr int DQ_TILE_BYTES = BQ * DQ_TILE_PITCH * 4;
 SB_DEVICE constexpr int stage_at(int s) { return STAGE0 + s * STAGE_BYTES; }
 SB_DEVICE constexpr int rows_at(int s) { return ROWS0 + s * ROWS_BYTES; }
 constexpr int SBAR_EMPTY = SBAR + 8;
-constexpr int SBAR_FULL1 = SBAR + 32, SBAR_EMPTY1 = SBAR + 40, SBAR_STATS1 = SBAR + 48;  // SPLIT: part 1's
+// SPLIT: part 1's; soft-capped kernels' s_Qᵀ in STATS1 too
+constexpr int SBAR_FULL1 = SBAR + 32, SBAR_EMPTY1 = SBAR + 40, SBAR_STATS1 = SBAR + 48;
 static_assert(!SPLIT || DQ_TILES == 1, "part 1's mbarriers where dQ tile 1's would be");
 SB_DEVICE constexpr int dq_full_bar(int b) { return ROWS0 + SBAR + 16 + 16 * b; }
 SB_DEVICE constexpr int dq_empty_bar(int b) { return ROWS0 + SBAR + 24 + 16 * b; }
@@ -327,6 +329,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     auto load_stage = [&](int h, int i, int slot, int parts = 3) {
         const u32 st = base + stage_at(slot), rows = base + rows_at(slot), bar = rows + SBAR;
         const u32 bar1 = SPLIT ? rows + SBAR_FULL1 : bar;
+        if (SB_SOFTCAP && (parts & 2)) {
+            // Soft-capped kernels: stats' fourth slot holds each row's share of its scores, so the block's s_Qᵀ
+            // comes here, before the arrival that could complete the phase.
+            cp_async_4(rows + SBAR_STATS1 + 12, a.qt_scale + seq.q_block0(h) + i);
+            cp_async_mbarrier_arrive(bar1);
+        }
         if (!SPLIT) mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
         if (parts & 1) {
             if (SPLIT) mbarrier_arrive_expect_tx(bar, PART0_BYTES);
@@ -337,7 +345,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const int qt_row = static_cast<int>(seq.qt_row0(h, DP)), pass = fresh_pass();  // the head's first row
             tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row + pass * DH, bar1);
             tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row + pass * DHV, bar1);
-            if (SPLIT) bulk_load(rows + SBAR_STATS1, a.stats + seq.q_row0(h) + i * BQ, 16, bar1);
+            if (SPLIT && !SB_SOFTCAP) bulk_load(rows + SBAR_STATS1, a.stats + seq.q_row0(h) + i * BQ, 16, bar1);
         }
         if (!(parts & 1)) return;
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
@@ -833,8 +841,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 } else {
                     // Q̂ᵀ's scale of the query block (stats' fourth slot), read here from an address formed
                     // here: held longer, or through stats_s, d=128 with Q-smoothing spilled
-                    const float s_qt = SPLIT ? reinterpret_cast<const float4*>(smem + rows_at(0) + SBAR_STATS1)->w
-                                             : stage_rows(it % SB_STAGES)[0].w;
+                    const float s_qt = SPLIT || SB_SOFTCAP
+                                           ? reinterpret_cast<const float4*>(smem + rows_at(SPLIT ? 0 : it % SB_STAGES) + SBAR_STATS1)->w
+                                           : stage_rows(it % SB_STAGES)[0].w;
                     const float fk[2] = {fac_k[0] * s_qt, fac_k[1] * s_qt};
                     fold_dk(c, DK_PAIRS && c % 2 ? pr2 : pr, zf, fk);
                 }

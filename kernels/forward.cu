@@ -120,7 +120,11 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
 // the dense kernel measured the same at three and four).
 // d=256: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each); a V head dim of 128
 // or 192 (SB_DPV) leaves three (64 or 96 registers of O; 67 or 77 KB).
-constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? (DPV < DP ? 3 : 2) : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS ? 1 : 0);
+// The packed windowed soft-capped 64-key kernel at d=128 holds the rows' shares of their scores beside the bounds
+// and the band's edges: at 128 registers it spilled 4 bytes (NVRTC 13.0), so it takes three CTAs.
+constexpr bool HELD_ROW_SHARES = SB_SOFTCAP && SB_VARLEN && SB_WINDOW && DP > 64 && TILE == BKV;
+constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? (DPV < DP ? 3 : 2)
+                                   : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS || HELD_ROW_SHARES ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const ForwardParams p = SB_KERNEL_VIEW(ForwardParams, SB_FORWARD_FIELDS);
@@ -173,6 +177,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     // Q̂ fragments stay in registers for the whole key loop (mma.sync; wgmma reads the tile).
     u32 qf[SB_MT][KSTEPS_D][4];
     float qs[SB_MT][2];  // per-token Q scales of rows g, g + 8
+    float rb[SB_MT][2];  // SB_SOFTCAP: the rows' shares of their scores that K-smoothing took out (0 without it)
 #pragma unroll
     for (int mt = 0; mt < SB_MT; ++mt) {
         const int r0 = (warp * SB_MT + mt) * 16;
@@ -193,6 +198,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         }
         qs[mt][0] = max_nan(qs[mt][0], __int_as_float(1));
         qs[mt][1] = max_nan(qs[mt][1], __int_as_float(1));
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            rb[mt][half] = SB_SOFTCAP && p.row_bias ? p.row_bias[seq.q_row0(h) + q0 + r0 + g + 8 * half] : 0.f;
     }
 
     // Loop-invariant ldmatrix offsets: K̂ tile [TILE][DP] (k-steps over d), V̂ᵀ tile [DP][TILE] (over keys).
@@ -299,7 +307,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
                                     (!left_edge || key + p.win_width >= row + hi);
                     const float x = static_cast<float>(s[mt][n][c]) * ((c & 1) ? ksn.y : ksn.x);
                     const float y = SB_BIAS      ? fmaf(x, qs[mt][half], bp[n * 8 + 2 * t + (c & 1)])
-                                    : SB_SOFTCAP ? soft_cap(x * qs[mt][half], p.softcap2, p.inv_softcap2)
+                                    : SB_SOFTCAP ? soft_cap(fmaf(x, qs[mt][half], rb[mt][half]), p.softcap2, p.inv_softcap2)
                                                  : x;
                     u[n][c] = ok ? y : -__int_as_float(0x7f800000);
                     rmax[half] = fmaxf(rmax[half], u[n][c]);
@@ -406,7 +414,9 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
-            store_row<SB_BF16, DPV < DP>(o[mt], half, l_run[mt][half], m_ref[mt][half], row < seq.len_q(), p.D - pass * DO, t,
+            // Soft-capped with K-smoothing, LSE2 in the frame of K - μ_K (numerics.py): less the row's share.
+            store_row<SB_BF16, DPV < DP>(o[mt], half, l_run[mt][half], SB_SOFTCAP ? m_ref[mt][half] - rb[mt][half] : m_ref[mt][half],
+                               row < seq.len_q(), p.D - pass * DO, t,
                                [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row) + pass * DO; },
                                pass == O_PASSES - 1 ? p.lse2 : nullptr, [&] {
                                    return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;

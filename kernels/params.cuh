@@ -45,6 +45,8 @@
     F(const i8* __restrict__, vt8)            /* [B][Hkv][DP][Nk_pad], key order permuted */ \
     F(const float* __restrict__, v_scale)     /* [B][Hkv][Nk_pad/64] */ \
     F(const float* __restrict__, bias)        /* [B][Hq][Nq_pad/64][Nk_pad], Q-smoothing's add-back */ \
+    F(const float* __restrict__, row_bias)    /* [B][Hq][Nq_pad]: SB_SOFTCAP with K-smoothing, each row's share of its */ \
+                                              /* scores (lse.cu softcap_row_bias), else null */ \
     F(u16* __restrict__, out)                 /* 16-bit output, strides ob, oh, on */ \
     F(float* __restrict__, lse2)              /* [B][Hq][Lq] base-2 LSE, or null */ \
     F(const u16* __restrict__, q)             /* 16-bit Q, strides q_sb, q_sh, q_sn, unit stride along d */ \
@@ -85,7 +87,9 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(const i8*, dot8)                        /* [B][Hq][DP][Nq_pad], fragment token order */ \
     F(const float*, do_scale)                 /* [B][Hq][Nq_pad/64] */ \
     F(const float4*, stats)                   /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ): s_Q the per-token Q̂ scale, s_Qᵀ q8t's */ \
-                               /* of the row's block; LSE2 = +inf, δ = 0 on padded rows */ \
+                               /* of the row's block; LSE2 = +inf, δ = 0 on padded rows; SB_SOFTCAP: (LSE2 + r, s_Q, δ, r), */ \
+                               /* r the row's share of its scores (0 without K-smoothing; backward_rows.cu) */ \
+    F(const float*, qt_scale)                 /* [B][Hq][Nq_pad/64]: q8t's scales (SB_SOFTCAP reads s_Qᵀ here) */ \
     F(float*, dq_acc)                         /* [B][Hq][Nq_pad][dq_row], zeroed by row_stats (specs.BackwardTiles.dq_row) */ \
     F(int*, dq_lock)                          /* [B][Hq][Nq_pad/64], zeroed by row_stats (SB_DETERMINISTIC) */ \
     F(u16*, dk)                               /* 16-bit outputs, strides kb, kh, kn and wb, wh, wn */ \
@@ -152,7 +156,10 @@ SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
     F(const u16*, out) F(i64, ob) F(i64, oh) F(i64, on) \
     F(const float*, lse2) F(const float*, q_scale) F(const float*, qt_scale) \
     F(int, Hq) F(int, Lq) F(int, D) F(int, Nq_pad) \
-    F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ) */ \
+    F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ), or for soft-capped kernels */ \
+                                              /* (LSE2 + r, s_Q, δ, r) (params.cuh BackwardParams) */ \
+    F(int, softcap)                           /* 1: the soft-capped kernels' stats */ \
+    F(const float*, row_bias)                 /* [B][Hq][Nq_pad] r (lse.cu softcap_row_bias), or null: r = 0 */ \
     F(float*, dq_acc) F(int, dq_row)          /* zeroed here for the main kernel's dQ: [B][Hq][Nq_pad][dq_row] */ \
     F(int*, dq_lock)                          /* [B][Hq][Nq_pad / 64], zeroed here; null unless deterministic */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
@@ -181,6 +188,16 @@ SB_STRUCT(PackRowsParams, SB_PACK_ROWS_FIELDS)
     F(const float*, lse2) F(float*, lse) \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(NaturalLseParams, SB_NATURAL_LSE_FIELDS)
+
+// lse.cu softcap_row_bias
+#define SB_ROW_BIAS_FIELDS(F0, F) \
+    F0(const u16*, q) F(i64, sb) F(i64, sh) F(i64, sn) \
+    F(int, Hq) F(int, Hkv) F(int, Lq) F(int, D) F(int, Nq_pad) \
+    F(float, q_prescale) \
+    F(const float*, k_mean)                   /* [B][Hkv][D] μ_K */ \
+    F(float*, row_bias)                       /* [B][Hq][Nq_pad]: each row's share, 0 on padded rows */ \
+    F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
+SB_STRUCT(RowBiasParams, SB_ROW_BIAS_FIELDS)
 
 // smooth_q_bias.cu smooth_q_bias
 #define SB_SMOOTH_Q_BIAS_FIELDS(F0, F) \

@@ -257,8 +257,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True, smoot
     ``window_size=(left, right)`` is FlashAttention's sliding window (query i sees key j iff
     -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0), and key tiles outside
     every row's window are skipped.  ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (as
-    FlashAttention's and Gemma 2's; needs smooth_k=False).  Rows that see no
-    key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
+    FlashAttention's and Gemma 2's; with K-smoothing each score's share is added back before tanh).  Rows
+    that see no key return 0 (and LSE -inf).  Returns ``out`` or ``(out, lse)`` with lse the
     natural-log logsumexp, shape (B, Hq, Lq), float32, of the scores before K-smoothing (so LSEs of
     calls over different keys merge exactly: ``merge_attention``).  ``k_mean`` (K-smoothing only):
     the μ_K (``k_mean_shape``, float32) to quantize K with instead of K's own token mean; attention

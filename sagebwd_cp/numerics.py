@@ -50,10 +50,14 @@ Conventions
   here), so a block holding NaN or inf gets a NaN or inf scale and codes 0, and every result
   dequantized with it is non-finite; the forward's O and LSE2 are NaN where l is not finite
   (docs/ALGORITHM.md, non-finite inputs).
-* Soft-capping (``softcap`` c, on the unsmoothed scores: no K- or Q-smoothing): the base-2 score x
-  becomes C·tanh(x·(1/C)) with C = c·log2(e) (``soft_cap``) before the row max and the exponent, in the
-  forward and the backward's recomputed P; the backward's dS gains the factor 1 - tanh², tanh recovered
-  from P and the LSE (``soft_cap_slope``).
+* Soft-capping (``softcap`` c; no Q-smoothing): the base-2 score x becomes C·tanh(x·(1/C)) with
+  C = c·log2(e) (``soft_cap``) before the row max and the exponent, in the forward and the backward's
+  recomputed P; the backward's dS gains the factor 1 - tanh², tanh recovered from P and the LSE
+  (``soft_cap_slope``).  With K-smoothing, tanh must see the whole score: each row's share r = c·log2(e)·q·μ_K
+  (``softcap_row_bias``) is added back first, x = fmaf(float32(Q̂K̂ᵀ)·s_K, s_Q, r); the stored LSE2 stays in
+  the frame of K − μ_K (the row's LSE of the capped scores less r, so the API's add-back below holds), and the
+  backward reads LSE2 + r.  dQ = dS·K then takes K̂ᵀ coded from K itself (dS's row sums are not zero under a
+  cap, so K − μ_K would lose dS·μ_K); dK and dV are unchanged.
 * The base-2 LSE (m + log2 l) is what the backward reads; the natural-log LSE at the API edge is
   LSE2·ln 2 plus c·q·μ_K (the part of each score that K-smoothing removed).
 """
@@ -183,6 +187,34 @@ def soft_cap_slope(p, lse2, inv_c) -> np.ndarray:
         # fmax/fmin take the number over a NaN, as the kernels' fmaxf/fminf (p = 0 on a padded row: -inf + inf)
         th = np.fmin(np.fmax(((np.log2(p) + lse2).astype(np.float32) * inv_c).astype(np.float32), -1), 1)
         return (1.0 - th.astype(np.float64) ** 2).astype(np.float32)
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """float32 fmaf(a, b, c), rounded once (through float64, where a·b of two float32 values is exact)."""
+    f64 = np.float64
+    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
+
+
+def softcap_row_bias(q32: np.ndarray, k_mean: np.ndarray, prescale) -> np.ndarray:
+    """Soft-capped attention with K-smoothing: each query row's share c·log2(e)·q·μ_K of its base-2 scores,
+    which K̂ = K − μ_K leaves out and tanh does not ignore, in the kernels' order (kernels/lse.cu row_shares):
+    the padded head dim's D_pad/8 lanes each an fmaf chain over its 8 columns, added by an xor butterfly, then
+    float32(prescale · sum).  q32 (B, H, L, D) float32 of the 16-bit q, k_mean (B, H, D) μ_K per query head;
+    returns (B, H, L) float32."""
+    d = q32.shape[-1]
+    dp = padded_head_dim(d)
+    pad = [(0, 0)] * (q32.ndim - 1) + [(0, dp - d)]
+    q = np.pad(q32.astype(np.float32), pad).reshape(q32.shape[:-1] + (dp // 8, 8))
+    mu = np.pad(np.asarray(k_mean, np.float32), [(0, 0), (0, 0), (0, dp - d)]).reshape(k_mean.shape[:2] + (1, dp // 8, 8))
+    lanes = np.zeros(q.shape[:-1], dtype=np.float32)
+    for e in range(8):
+        lanes = fma32(q[..., e], mu[..., e], lanes)
+    lane = np.arange(dp // 8)
+    o = dp // 16
+    while o:
+        lanes = (lanes + lanes[..., lane ^ o]).astype(np.float32)
+        o //= 2
+    return (np.float32(prescale) * lanes[..., 0]).astype(np.float32)
 
 
 # The accuracy guard (guard.py) warns where score_step passes this, in base-2 logit units: at head dim 64

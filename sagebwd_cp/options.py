@@ -150,11 +150,11 @@ class AttentionOptions(_Fields):
         return self
 
     def _check_softcap(self) -> None:
-        """The soft-capped kernels that are built: fine granularity, on the unsmoothed scores (the K-smoothing
-        shift does not pass through tanh)."""
-        if self.smooth_k or self.smooth_q:
-            raise ValueError(f"softcap: soft-capping needs the unsmoothed scores; pass smooth_k=False and "
-                             f"smooth_q=False (got smooth_k={self.smooth_k}, smooth_q={self.smooth_q})")
+        """The soft-capped kernels that are built: fine granularity, without Q-smoothing (K-smoothing adds each
+        row's share back before tanh: numerics.py)."""
+        if self.smooth_q:
+            raise ValueError("softcap: soft-capping takes no Q-smoothing (its per-key shift would have to pass "
+                             "through tanh); pass smooth_q=False")
         if self.granularity != "fine":
             raise ValueError(f"softcap: soft-capped backward kernels are built for granularity 'fine', got "
                              f"{self.granularity!r}")

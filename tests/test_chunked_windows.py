@@ -93,7 +93,7 @@ def test_chunked_attention_with_a_window_or_a_soft_cap_matches_one_call(causal, 
     without the window (or the cap) the result is far off."""
     q, k, v, do = _torch_inputs(lq=lq, lk=lk, layout=layout)
     seq = 2 if layout == "HND" else 1
-    opts = dict(causal=causal, window_size=window, softcap=softcap, smooth_k=not softcap, layout=layout)
+    opts = dict(causal=causal, window_size=window, softcap=softcap, layout=layout)  # K-smoothing on
     o = st.chunked_attention(q, k.split(chunks, seq), v.split(chunks, seq), **opts)
     grads = torch.autograd.grad(o, (q, k, v), do)
     o1 = st.attention(q, k, v, **opts)
@@ -142,12 +142,6 @@ def test_neutral_pieces_with_a_window_match_one_call():
         assert rel_l2(a, r) < 1.5 * rel_l2(b, r) + 2e-3
 
 
-def test_chunked_attention_refuses_a_soft_cap_with_k_smoothing():
-    q, k, v, _ = _torch_inputs(lq=64, lk=64)
-    with pytest.raises(ValueError, match="smooth_k=False"):
-        st.chunked_attention(q, [k], [v], causal=True, softcap=3.0)
-
-
 # ------------------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
@@ -164,7 +158,7 @@ def test_gpu_chunked_attention_with_a_window_or_a_soft_cap(kernels, dtype, d, ca
     q, k, v = make_qkv(1, 4, 2, 1000, 1500, d, dtype, layout="NHD", seed=5)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     do = torch.randn_like(q)
-    opts = dict(causal=causal, window_size=window, softcap=softcap, smooth_k=not softcap, layout="NHD")
+    opts = dict(causal=causal, window_size=window, softcap=softcap, layout="NHD")  # K-smoothing on
     o = st.chunked_attention(q, k.split([300, 700, 500], 1), v.split([300, 700, 500], 1), **opts)
     grads = torch.autograd.grad(o, (q, k, v), do)
     o1 = st.attention(q, k, v, **opts)

@@ -26,31 +26,50 @@ CASES = [  # (B, Hq, Hkv, Lq, Lk, D), causal, window, softcap
 ]
 
 
+# With K-smoothing (each row's share added back before tanh), keys with a strong channel offset, which is what
+# K-smoothing takes out of their quantization.
+SMOOTHED_CASES = [CASES[0], CASES[2], CASES[4], CASES[5], CASES[7]]
+
+
 @pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
 @pytest.mark.parametrize("shape,causal,window,cap", CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_soft_capped_attention_matches_the_emulator(kernels, shape, causal, window, cap, dtype):
+    _check_soft_capped(shape, causal, window, cap, dtype, smooth_k=False)
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=KERNEL_IDS, indirect=True)
+@pytest.mark.parametrize("shape,causal,window,cap", SMOOTHED_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_soft_capped_attention_with_k_smoothing_matches_the_emulator(kernels, shape, causal, window, cap, dtype):
+    _check_soft_capped(shape, causal, window, cap, dtype, smooth_k=True)
+
+
+def _check_soft_capped(shape, causal, window, cap, dtype, smooth_k):
     import torch
 
     b, hq, hk, lq, lk, d = shape
     q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, sigma=2.0, seed=lq + lk)
     g = torch.Generator(device="cuda").manual_seed(1)
+    if smooth_k:
+        k = (k.float() + 3 * torch.randn(d, generator=g, device="cuda")).to(k.dtype)
     do = torch.randn(q.shape, generator=g, device="cuda").to(q.dtype)
-    kw = dict(causal=causal, window_size=window, softcap=cap, smooth_k=False)
+    kw = dict(causal=causal, window_size=window, softcap=cap, smooth_k=smooth_k)
     with poisoned_workspaces():
         out, lse, saved = sagebwd_cp.attention_forward(q, k, v, return_lse=True, **kw)
         grads = sagebwd_cp.attention_backward(saved, do)
     torch.cuda.synchronize()
     qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
-    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, softcap=cap, smooth_k=False,
-                                                  dtype=dtype, key_tile=forward_key_tile(d, causal=causal, window=window))
+    o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, softcap=cap,
+                                                  smooth_k=smooth_k, dtype=dtype,
+                                                  key_tile=forward_key_tile(d, causal=causal, window=window))
     assert rel_l2(oh, o_emu) < (4e-3 if dtype == "float16" else 1e-2)
     lse = lse.cpu().numpy()
     fin = np.isfinite(lse_emu)
     np.testing.assert_array_equal(np.isfinite(lse), fin)
     np.testing.assert_allclose(lse[fin], lse_emu[fin], rtol=1e-4, atol=1e-3)
     state = emulator.backward_state(qh, kh, vh, oh, saved.lse2.obj.cpu().numpy(), causal=causal, window=window,
-                                    softcap=cap, smooth_k=False, dtype=dtype)
+                                    softcap=cap, smooth_k=smooth_k, dtype=dtype)
     exact = reference.attention_reference_backward(qh, kh, vh, doh, causal=causal, window=window, softcap=cap)
     for name, gr, e, x in zip("qkv", grads, emulator.emulate_backward(state, doh), exact):
         gh = to_hnd_numpy(gr, "HND")
@@ -71,7 +90,7 @@ def test_each_packed_sequence_equals_its_dense_call(kernels, causal):
     rand = lambda n, h: (2 * torch.randn((n, h, 128), generator=g, device="cuda")).to(torch.bfloat16)
     cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device="cuda")
     q, k, v, do = rand(sum(lens), 4), rand(sum(lens), 2), rand(sum(lens), 2), rand(sum(lens), 4)
-    kw = dict(causal=causal, softcap=10.0, smooth_k=False)
+    kw = dict(causal=causal, softcap=10.0, smooth_k=causal)  # K-smoothing on in the causal case
     with poisoned_workspaces():
         out, lse, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cu, cu, max(lens), max(lens), return_lse=True, **kw)
         _, dk, dv = sagebwd_cp.attention_backward(saved, do)

@@ -223,7 +223,7 @@ def _gemma2(attn):
 
 def test_gemma2_soft_capping_matches_eager():
     """Gemma 2: logit soft-capping in every layer (a small cap, 5.0, that changes the answer), sliding
-    windows in alternate layers; K-smoothing off for soft-capped layers."""
+    windows in alternate layers; K-smoothing on, each score's share added back before tanh."""
     x = _tokens()
     res = {}
     for attn in ("eager", "sagebwd"):

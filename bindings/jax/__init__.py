@@ -49,7 +49,7 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     sagebwd_cp/value_head_dim.py).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
     ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); ``softcap`` > 0
-    logit soft-capping (any mask, smooth_k=False); rows that see no key give 0.  ``sinks`` (Hq,):
+    logit soft-capping (any mask; no Q-smoothing); rows that see no key give 0.  ``sinks`` (Hq,):
     attention sinks, a logit per query head that joins each row's softmax normalizer (GPT-OSS), with
     their gradient.  ``softmax_scale`` defaults to 1/sqrt(D); the other options are those of
     ``sagebwd_cp.attention_backward``.  q, k and v are JAX arrays (others, NumPy included, are refused

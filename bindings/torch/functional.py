@@ -157,7 +157,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     192/128: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py), and sets the output's.  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
-    ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (any mask, smooth_k=False);
+    ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (any mask; no Q-smoothing);
     rows that see no key give 0.  ``sinks`` (Hq,): attention sinks, a logit per query head that joins
     each row's softmax normalizer and attends to nothing (GPT-OSS), with their gradient; outside
     ``torch.compile``'s graphs.  ``softmax_scale`` defaults to
@@ -270,12 +270,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
-def default_smooth_k(smooth_k, softcap) -> bool:
-    """The drop-ins' K-smoothing: on unless asked otherwise, off with soft-capping (which needs the
-    unsmoothed scores)."""
-    return (not softcap) if smooth_k is None else smooth_k
-
-
 def check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs) -> None:
     """FlashAttention's options this library does not implement must keep their defaults."""
     if dropout_p != 0.0:
@@ -288,20 +282,20 @@ def check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs) -> None:
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                    deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool | None = None,
+                    deterministic: bool = False, return_attn_probs: bool = False, *, smooth_k: bool = True,
                     smooth_q: bool = False, granularity: str = "fine", sinks: Tensor | None = None) -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_func``: q (B, Lq, Hq, D), k and v (B, Lk, Hkv, D),
     Hq a multiple of Hkv, causal bottom-right aligned; returns (B, Lq, Hq, D).
 
     ``window_size=(left, right)``: a sliding window, as FlashAttention's; ``softcap`` > 0: logit
-    soft-capping (any mask; K-smoothing off, ``smooth_k`` defaulting to it).  ``dropout_p``,
+    soft-capping (any mask).  ``dropout_p``,
     ``alibi_slopes`` and ``return_attn_probs`` must keep their defaults (ValueError otherwise).
-    ``deterministic`` orders the dQ accumulation; ``smooth_k`` (default: on, off with ``softcap``),
+    ``deterministic`` orders the dQ accumulation; ``smooth_k`` (default on),
     ``smooth_q``, ``granularity`` and ``sinks`` are this library's options (see ``attention``).
     """
     check_tensors("q, k, v", q, k, v)
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="NHD",
-                     smooth_k=default_smooth_k(smooth_k, softcap), smooth_q=smooth_q, granularity=granularity,
+                     smooth_k=smooth_k, smooth_q=smooth_q, granularity=granularity,
                      deterministic=deterministic, window_size=window_size, softcap=softcap, sinks=sinks)
 

@@ -14,7 +14,7 @@ Mistral-style models, sliding-window layers included, as FlashAttention's integr
   ``max_length_q/k`` keywords of ``DataCollatorWithFlattening``): the variable-length kernels
   directly;
 - GPT-OSS's attention sinks (``s_aux``), in all three kinds of batch;
-- Gemma 2's logit soft-capping (``softcap``), on the unsmoothed scores (K-smoothing off for those layers);
+- Gemma 2's logit soft-capping (``softcap``), with K-smoothing (each score's share added back before tanh);
 - the deterministic dQ order where FlashAttention's integration takes it: the ``deterministic`` keyword, else
   ``FLASH_ATTENTION_DETERMINISTIC=1`` in the environment;
 - anything else (a cache with an offset, padding beside a cache, any custom mask): a ``ValueError``
@@ -88,8 +88,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     # MLA (DeepSeek-V3: 192 for Q·K, 128 for V) runs: the attention functions zero-pad the narrower side.
     if max(query.shape[-1], value.shape[-1]) > 256:
         raise _refuse(f"head dim {max(query.shape[-1], value.shape[-1])} (the kernels take up to 256)")
-    # Gemma 2's logit soft-capping: on the unsmoothed scores (no K-smoothing), as the kernels define it.
-    extra = {"softcap": float(softcap), "smooth_k": False} if softcap else {}
+    # Gemma 2's logit soft-capping (K-smoothing's share of each score added back before tanh: numerics.py).
+    extra = {"softcap": float(softcap)} if softcap else {}
     # The deterministic dQ order as transformers' FlashAttention integration reads it.
     deterministic = kwargs.get("deterministic")
     extra["deterministic"] = (bool(deterministic) if deterministic is not None

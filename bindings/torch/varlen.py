@@ -24,7 +24,7 @@ from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
 
 from ._checks import check_tensors
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
-from .functional import _autocast, _once_differentiable, check_flash_defaults, default_smooth_k
+from .functional import _autocast, _once_differentiable, check_flash_defaults
 
 __all__ = ["flash_attn_varlen_func"]
 
@@ -169,7 +169,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table=None, *, smooth_k: bool | None = None,
+                           return_attn_probs: bool = False, block_table=None, *, smooth_k: bool = True,
                            granularity: str = "fine", sinks: Optional[Tensor] = None) -> Tensor:
     """Drop-in for FlashAttention's ``flash_attn_varlen_func``: q (total_q, Hq, D), k and v (total_k,
     Hkv, D), Hq a multiple of Hkv; sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
@@ -179,9 +179,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     within each sequence. Returns (total_q, Hq, Dv): v's head dim Dv may differ from D (multi-head latent
     attention: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py).
 
-    ``softcap`` > 0: logit soft-capping (any mask; K-smoothing off, ``smooth_k`` defaulting to it).
+    ``softcap`` > 0: logit soft-capping (any mask).
     ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
-    (ValueError otherwise); ``smooth_k`` (default: on, off with ``softcap``), ``granularity`` and ``sinks``
+    (ValueError otherwise); ``smooth_k`` (default on), ``granularity`` and ``sinks``
     (Hq,), attention sinks with their gradient (a graph break under torch.compile), are this library's
     options (``sagebwd_cp.torch.attention``)."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k, sinks", q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
@@ -190,7 +190,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
         q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
-    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=default_smooth_k(smooth_k, softcap),
+    options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
                                layout="THD", granularity=granularity, deterministic=deterministic,
                                **window_options(window_size), softcap=softcap,
                                value_head_dim=value_head_dim.option(dqk, dv))

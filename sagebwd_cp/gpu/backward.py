@@ -158,6 +158,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
+                               softcap=int(bool(prob.options.softcap)), row_bias=qz.row_bias,
                                dq_acc=dq_acc, dq_row=dq_row, dq_lock=lock, **q_lengths))
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)
@@ -175,7 +176,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,
-                               dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, dq_acc=dq_acc, dq_lock=lock, dk=dk,
+                               dot8=qz.dot8, do_scale=qz.do_scale, stats=stats, qt_scale=qz.qt_scale, dq_acc=dq_acc,
+                               dq_lock=lock, dk=dk,
                                dv=dv, vb=vb, vh=vh, vn=vn, db=db, dh=dh, dn=dn, kb=kb, kh=kh, kn=kn, wb=wb, wh=wh,
                                wn=wn, Hq=Hq, Hkv=Hk, D=D, Dv=prob.value_dim, Nq_pad=nq, Nk_pad=nk,
                                grid_order=grid_order,

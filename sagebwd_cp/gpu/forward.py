@@ -40,7 +40,7 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     args = params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,
-                       vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, out=out, lse2=lse2, q=prob.q,
+                       vt8=qz.vt8, v_scale=qz.v_scale, bias=qz.bias, row_bias=qz.row_bias, out=out, lse2=lse2, q=prob.q,
                        ob=ob, oh=oh, on=on, q_sb=qb, q_sh=qh, q_sn=qn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                        D=prob.head_dim, Dv=prob.value_dim, Nq_pad=qz.nq_pad, Nk_pad=qz.nk_pad,
                        q_prescale=numerics.qk_prescale(prob.softmax_scale), **prob.kernel_band(), **prob.kernel_softcap(),

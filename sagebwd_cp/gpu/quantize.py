@@ -77,6 +77,7 @@ class Quantized:
     vt8: ArrayDesc | None  # [B][Hkv][Dp][Nk_pad], key order permuted (numerics.KEY_PERMUTATION_16) (forward)
     v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
+    row_bias: ArrayDesc | None  # [B][Hq][Nq_pad]: soft-capping with K-smoothing, each row's share of its scores
     nq_pad: int  # token rows a head (padded_rows)
     nk_pad: int
     dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
@@ -180,10 +181,12 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         k8t = plan.workspace("k8t", (S, Hk, dp, nk), "int8")
         kt_scale = plan.workspace("kt_scale", (S, Hk, nk // numerics.BLOCK_KV), "float32")
     k_scale = plan.workspace("k_scale", (S, Hk, nk), "float32")
+    # Soft-capped with K-smoothing, dQ's K̂ᵀ is coded from K itself (numerics.py), in a launch of its own below.
+    capped_smooth = bool(prob.options.softcap) and prob.smooth_k
     jobs.append(_quantize_job(prob, prob.k, "k", Hk, nk, 1.0,
                               PER_TOKEN | (MEAN_GIVEN if k_mean_given else 0) | (FUSED_SUM if fused else 0), k_scale,
-                              rows=k8, t=k8t, t_scale=kt_scale, mean_sum=None if fused else k_sum, mean_out=k_mean,
-                              pad=key_pad))
+                              rows=k8, t=None if capped_smooth else k8t, t_scale=None if capped_smooth else kt_scale,
+                              mean_sum=None if fused else k_sum, mean_out=k_mean, pad=key_pad))
 
     vt8 = v_scale = None
     if not backward:
@@ -195,6 +198,11 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
         jobs.append(job)
     _launch_quantize(plan, prob, jobs, parts, k_sum if fused else None, arrive)
+    row_bias = None
+    if capped_smooth:
+        if backward:  # ψ per 64-key block, the block's scale in kt_scale
+            _launch_quantize(plan, prob, [_quantize_job(prob, prob.k, "k", Hk, nk, 1.0, 0, kt_scale, t=k8t, pad=key_pad)])
+        row_bias = softcap_row_bias(plan, prob, nq, k_mean)
 
     bias = None
     if prob.smooth_q:
@@ -205,8 +213,26 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
                     (specs.BIAS_THREADS, 1, 1),
                     params.args("SmoothQBiasParams", k=prob.k, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=Hk, Lk=Lk, D=D,
                                    D_pad=dp, Nq_pad=nq, Nk_pad=nk, q_mean=q_mean, k_mean=k_mean, bias=bias))
-    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias, nq, nk,
-                     dot8, do_scale)
+    return Quantized(q8, q8t, qt_scale, q_scale, q_mean, k8, k8t, kt_scale, k_scale, k_mean, vt8, v_scale, bias,
+                     row_bias, nq, nk, dot8, do_scale)
+
+
+def softcap_row_bias(plan: PlanBuilder, prob: AttentionProblem, nq: int, k_mean):
+    """[B][Hq][nq] float32: each query row's share c·log2(e)·q·μ_K of its scores (kernels/lse.cu, numerics.py), which
+    the soft-capped kernels add back before tanh."""
+    S, Hq = 1 if prob.varlen else prob.batch, prob.heads_q
+    row_bias = plan.workspace("row_bias", (S, Hq, nq), "float32")
+    rows = -(-prob.len_q // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
+    sb, sh, sn = prob.bhnd_strides(prob.q)
+    lengths = prob.kernel_lengths()
+    del lengths["Lk"]
+    # D_pad / 8 lanes a row (kernels/lse.cu row_shares)
+    plan.launch(specs.lse_spec(prob.dtype, prob.varlen), "softcap_row_bias",
+                (rows * (prob.padded_head_dim // 8) // specs.LSE_THREADS, Hq, prob.batch), (specs.LSE_THREADS, 1, 1),
+                params.args("RowBiasParams", q=prob.q, sb=sb, sh=sh, sn=sn, Hq=Hq, Hkv=prob.heads_kv, D=prob.head_dim,
+                               Nq_pad=nq, q_prescale=numerics.qk_prescale(prob.softmax_scale), k_mean=k_mean,
+                               row_bias=row_bias, **lengths))
+    return row_bias
 
 
 def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):

@@ -107,7 +107,7 @@ def ceiling_spec(wgmma: bool = False) -> KernelSpec:
 
 
 def lse_spec(dtype: str, varlen: bool = False) -> KernelSpec:
-    return _spec("natural_lse", "lse.cu", ["natural_lse"], _dtype(dtype, varlen),
+    return _spec("natural_lse", "lse.cu", ["natural_lse", "softcap_row_bias"], _dtype(dtype, varlen),
                  {**_token_pad(), "SB_THREADS": LSE_THREADS})
 
 
