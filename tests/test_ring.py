@@ -48,7 +48,7 @@ def _shard(x, rank, world, zigzag, seq):
 
 
 def _options(causal, layout, window, softcap):
-    return dict(causal=causal, layout=layout, window_size=window, softcap=softcap, smooth_k=not softcap)
+    return dict(causal=causal, layout=layout, window_size=window, softcap=softcap)  # K-smoothing on, capped too
 
 
 def _worker(rank, world, store, results):
