@@ -7,7 +7,7 @@ events, median).
                                               [--json PATH]
 
 A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128). ``--window W`` (a causal
-sliding window of W keys to the left) and ``--softcap C`` (logit soft-capping, K-smoothing off) time Gemma 2's
+sliding window of W keys to the left) and ``--softcap C`` (logit soft-capping, with K-smoothing) time Gemma 2's
 layers: ours and FlexAttention (its block mask with the window, a tanh ``score_mod``); SDPA takes neither.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192", "2x16
 def _ours(q, k, v, do, window=-1, softcap=0.0):
     import sagebwd_cp
 
-    opts = dict(causal=True, window_size=(window, 0), softcap=softcap, smooth_k=not softcap)
+    opts = dict(causal=True, window_size=(window, 0), softcap=softcap)
 
     def fwdbwd():
         _, saved = sagebwd_cp.attention_forward(q, k, v, **opts)

@@ -7,7 +7,7 @@ causal attention. "band" is the fraction of the causal mask's (query, key) pairs
 target is windowed time <= 1.2 · band · full causal time (ours), the skipped key tiles costing nothing.
 ``--causal-only`` times this library's plain causal attention alone (to compare two versions of the
 library, each run with its own Python). ``--softcap C`` adds causal attention with logit soft-capping
-C (ours, K-smoothing off as soft-capping takes it, against FlexAttention with a tanh ``score_mod``).
+C (ours with K-smoothing, as by default, against FlexAttention with a tanh ``score_mod``).
 
     python benchmarks/bench_windows.py [--shapes 1x16x4x32768x4096 2x16x4x8192x1024] [--json PATH]
     python benchmarks/bench_windows.py --render PATH.json      # its Markdown table, PATH.md beside it
@@ -46,7 +46,7 @@ def _ours(q, k, v, do, window, softcap=0.0):
 
     kw = {"causal": True, "window_size": (window, 0)} if window else {"causal": True}
     if softcap:
-        kw.update(softcap=softcap, smooth_k=False)
+        kw.update(softcap=softcap)  # K-smoothing on, as by default
     fwd = lambda: sagebwd_cp.attention(q, k, v, **kw)
 
     def fwdbwd():
