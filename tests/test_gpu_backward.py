@@ -350,7 +350,8 @@ def _gradients_off_and_on(monkeypatch, variable: str, q, k, v, do, options: dict
 @pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
                                      dict(causal=False, granularity="paper"), dict(causal=True, window_size=(200, 0)),
                                      dict(causal=True, softcap=20.0, smooth_k=False),
-                                     dict(causal=True, softcap=20.0, smooth_k=False, deterministic=True)],
+                                     dict(causal=True, softcap=20.0, smooth_k=False, deterministic=True),
+                                     dict(causal=True, softcap=20.0), dict(causal=True, softcap=20.0, deterministic=True)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_the_producer_warpgroup_backward_equals_the_one_without(monkeypatch, shape, options):
     """SAGEBWD_BACKWARD_WS=1 (kernels/backward_wgmma.cu SB_WS: stage loads and dQ's reductions by a producer
