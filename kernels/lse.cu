@@ -1,5 +1,6 @@
-// The natural-log LSE returned to users: lse2·ln 2 plus c·q·μ_K, the part of every score of the
-// row that K-smoothing removed (softmax ignores it, a returned LSE must not).
+// Per query row, q·μ_K: the part of every score of the row that K-smoothing removed. natural_lse adds it back to
+// the LSE returned to users (softmax ignores it, a returned LSE must not); softcap_row_bias gives it to the
+// soft-capped kernels (tanh does not ignore it either).
 #include "common.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
