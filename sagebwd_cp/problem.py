@@ -188,14 +188,12 @@ def check_value_head_dim_fits(head_dim: int, options: AttentionOptions) -> None:
 
 def wide_refusal(head_dim: int, options: AttentionOptions) -> str | None:
     """What of ``options`` the kernels above WIDE_HEAD_DIM (the head dim split in two halves) are not built for, or
-    None: Q-smoothing and the paper granularity; the deterministic dQ order on sm_90 alone (specs.backward_kernel),
-    and not for soft-capped attention under the band test, a window or no causal mask (that kernel spilled)."""
+    None: Q-smoothing and the paper granularity (the deterministic dQ order runs on sm_90 alone:
+    specs.backward_kernel)."""
     if head_dim <= WIDE_HEAD_DIM:
         return None
     for refused, what in ((options.smooth_q, "smooth_q=True"),
-                          (options.granularity != "fine", f"granularity={options.granularity!r}"),
-                          (options.deterministic and options.band_test and options.softcap,
-                           "deterministic=True with a soft cap and a sliding window or no causal mask")):
+                          (options.granularity != "fine", f"granularity={options.granularity!r}")):
         if refused:
             return what
     return None

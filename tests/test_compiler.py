@@ -605,9 +605,9 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # 256, 192 or 128 columns (a narrower V head dim) and a fine, not deterministic backward each.
     wide = [s for s in wg if ".hd256." in s.key]
     assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
-    # Backward: a fine kernel per mask and batch splitting 256 columns, deterministic too but windowed and soft-capped
-    # at once, and for the plain masks two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles).
-    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * (5 + 4) * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
+    # Backward: a fine kernel per mask and batch splitting 256 columns, deterministic too, and for the plain masks
+    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles).
+    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * (5 + 5) * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
     assert all(dict(s.defines)["SB_PASSES"] == 2 and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key else 1)
                for s in wide if s.key.startswith("backward."))
     wg = [s for s in wg if s not in wide]

@@ -152,7 +152,9 @@ def test_the_options_these_kernels_do_not_take_are_refused_by_name():
 
 @pytest.mark.parametrize("dqk,dv,opts", [(256, 256, {}), (256, 256, {"causal": True}), (192, 128, {"causal": True}),
                                          (256, 256, {"causal": True, "window_size": (300, 0)}),
-                                         (200, 200, {"causal": True, "softcap": 20.0, "smooth_k": False})])
+                                         (200, 200, {"causal": True, "softcap": 20.0, "smooth_k": False}),
+                                         (256, 256, {"causal": True, "window_size": (300, 0), "softcap": 20.0}),
+                                         (200, 200, {"softcap": 20.0})])
 def test_the_deterministic_backward_repeats_bit_for_bit(dqk, dv, opts):
     """deterministic=True on sm_90's wgmma kernels: the two CTAs of a key block add their halves of dQ in turns of
     one counter a query block (kernels/backward_wgmma.cu), so that dQ repeats bit for bit; the gradients are the

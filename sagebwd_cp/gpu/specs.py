@@ -601,15 +601,14 @@ def all_specs(arch: str | None = None) -> list:
             wide_backward = False
         for dt in DTYPES:
             # Masks: none, causal, a sliding window; soft-capped causal and windowed
-            # attention (unsmoothed scores, granularity "fine": AttentionOptions; the soft cap without a causal
+            # attention (granularity "fine", no Q-smoothing: AttentionOptions; the soft cap without a causal
             # mask takes the windowed kernels: options.band_test).
             for causal, window, cap in ((False, -1, 0.0), (True, -1, 0.0), (True, 1, 0.0), (True, -1, 1.0),
                                         (True, 1, 1.0)):
                 for bias, varlen in ((False, False), (True, False), (False, True)):
                     if bias and (cap or wide):
                         continue
-                    fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap,
-                                           smooth_k=not cap)
+                    fwd = AttentionOptions(causal=causal, smooth_q=bias, window_left=window, softcap=cap)
                     specs.append(forward_spec(dp, dt, fwd, FORWARD_TILES[dp], varlen))
                     if wide:  # the mma.sync kernels, fine and not deterministic (the backward where it fits), and
                               # the wgmma ones (their backward deterministic too)
