@@ -30,10 +30,12 @@ CASES = [
     (1, 2, 2, 150, 170, 64, False, "float16", {"forward": {"window_size": (32, 40)}}),       # two-sided window
     (1, 2, 1, 130, 130, 128, True, "float16", {"forward": {"softcap": 20.0, "smooth_k": False}}),
     (1, 2, 2, 90, 90, 64, False, "bfloat16", {"forward": {"softcap": 20.0, "smooth_k": False}}),  # band-test kernels
+    (1, 4, 2, 130, 150, 128, True, "float16", {"forward": {"softcap": 20.0}}),  # soft cap with K-smoothing (row shares)
     (1, 2, 2, 70, 70, 64, True, "bfloat16", {"sinks": True}),
     (1, 4, 2, 100, 100, 256, True, "bfloat16", {}),                               # head dim 256
     (1, 2, 2, 100, 100, 256, True, "bfloat16", {"forward": {"softcap": 20.0, "smooth_k": False}}),
     (1, 2, 2, 130, 130, 256, False, "float16", {"deterministic": True}),
+    (1, 2, 2, 100, 120, 256, True, "bfloat16", {"deterministic": True, "forward": {"softcap": 20.0, "window_size": (48, 0)}}),
     (1, 2, 2, 110, 90, 192, True, "bfloat16", {"value_dim": 128}),               # MLA's 192/128
     (1, 4, 2, 90, 130, 128, True, "bfloat16", {"packed": True}),                  # packed batch
     (1, 2, 2, 90, 130, 256, False, "float16", {"packed": True, "forward": {"window_size": (48, 16)}}),
