@@ -39,6 +39,29 @@ def test_packed_batch_equals_per_sequence_calls(causal, lens):
             np.testing.assert_array_equal(got, want[0])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_capped_packed_batch_with_k_smoothing_equals_per_sequence_calls(causal):
+    """Soft-capping with K-smoothing (each sequence's own μ_K, its rows' shares added back before tanh) in a packed
+    batch: bit for bit each sequence's own call, forward, LSE and gradients."""
+    lens_q, lens_k = [5, 70, 1, 130], [9, 70, 3, 129]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, seed=7)
+    k = (k + np.random.default_rng(3).standard_normal(64).astype(np.float16) * 3).astype(np.float16)  # offset keys
+    kw = dict(causal=causal, softcap=5.0)
+    out, lse, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, max(lens_q), max(lens_k), return_lse=True,
+                                                         **kw)
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
+    dq, dk, dv = sagebwd_cp.attention_backward(saved, do)
+    for b in range(len(lens_q)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        o1, l1, s1 = sagebwd_cp.attention_forward(q[None, sq], k[None, sk], v[None, sk], layout="NHD", return_lse=True,
+                                                  **kw)
+        g1 = sagebwd_cp.attention_backward(s1, do[None, sq])
+        np.testing.assert_array_equal(out[sq], o1[0])
+        np.testing.assert_array_equal(lse[:, sq], l1[0])
+        for got, want in zip((dq[sq], dk[sk], dv[sk]), g1):
+            np.testing.assert_array_equal(got, want[0])
+
+
 def test_backward_from_arrays_matches_the_saved_state():
     q, k, v, cq, ck = _packed([40, 3], [10, 90], hq=2, hk=1)
     out, saved = sagebwd_cp.attention_varlen_forward(q, k, v, cq, ck, 40, 90, causal=True)
