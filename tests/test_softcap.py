@@ -155,3 +155,25 @@ def test_the_kernels_of_soft_capping():
     keys = {s.key for s in specs.all_specs("sm_90")}
     assert "backward.hd128.bfloat16.causal.softcap.fine.s2.wgmma" in keys
     assert not any(".softcap" in k and ".paper" in k for k in keys)
+
+
+def test_a_misaligned_mean_is_refused_for_soft_capped_kernels():
+    """The soft-capped kernels read μ_K 16 bytes at a time (kernels/lse.cu softcap_row_bias): a CUDA k_mean that is
+    not 16-byte aligned is refused by name before any launch (a plan is keyed by the pointer's alignment, so a cached
+    one never skips the check); without a cap, or aligned, it passes."""
+    from types import SimpleNamespace
+
+    from sagebwd_cp.api import _check_k_mean
+    from sagebwd_cp.arrays import ArrayDesc
+
+    def prob(softcap):
+        return SimpleNamespace(on_gpu=True, smooth_k=True, options=AttentionOptions(softcap=softcap), batch=1,
+                               heads_kv=2, head_dim=64, q=SimpleNamespace(device_type="cuda", device_id=0))
+
+    def mean(ptr):
+        return ArrayDesc(ptr, (1, 2, 64), (128, 64, 1), "float32", "cuda", 0, None, "torch")
+
+    with pytest.raises(ValueError, match="k_mean: expected a 16-byte aligned array .* got address 0x1004"):
+        _check_k_mean(mean(0x1004), prob(5.0))
+    _check_k_mean(mean(0x1004), prob(0.0))
+    _check_k_mean(mean(0x1010), prob(5.0))
