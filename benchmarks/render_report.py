@@ -327,7 +327,8 @@ def accuracy_markdown(data: dict) -> str:
             pub = report_common.SB26_TABLE2.get(tensor)
             out.append(f"| {TENSOR_LABEL[tensor]} | " + " | ".join(cells) + " | "
                        + ("–" if pub is None else f"{pub[0]:.4f} / {pub[1]:.4f}") + " |")
-    smooth = [r for r in recs if r["table"] == "smoothing"]
+    smooth = [r for r in recs if r["table"] == "smoothing" and not r.get("softcap")]
+    capped = [r for r in recs if r["table"] == "smoothing" and r.get("softcap")]
     if smooth:
         out += ["", "## Smoothing ablation", "",
                 f"The strong-K-bias inputs above ({_shape_text(_shape_key(smooth[0]))}), computed by "
@@ -342,6 +343,17 @@ def accuracy_markdown(data: dict) -> str:
                            and r.get("granularity") in (g, None)]
                     cells.append(_cell(hit[0]) if hit else "–")
                 out.append(f"| {variant} | {g} | " + " | ".join(cells) + " |")
+    if capped:
+        cap = capped[0]["softcap"]
+        out += ["", f"With logit soft-capping (softcap={cap:g}, granularity \"fine\"; the exact reference caps its "
+                    "scores too): no smoothing and K-smoothing, whose share of each score is added back before tanh.",
+                "", "| smoothing | O | dQ | dK | dV |", "|---|---|---|---|---|"]
+        for variant in [v for v in ("none", "K") if any(r["smoothing"] == v for r in capped)]:
+            cells = []
+            for t in GRADS:
+                hit = [r for r in capped if r["smoothing"] == variant and r["tensor"] == t]
+                cells.append(_cell(hit[0]) if hit else "–")
+            out.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

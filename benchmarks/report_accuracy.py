@@ -7,7 +7,8 @@
 2. Intermediate tensors (Table 2): δ, P, dS, the 8-bit P̂ and dŜ, O, dQ, dK, dV on inputs whose K has
    a strong per-channel bias.  The kernels do not expose δ, P or dS, so this table always comes from
    the NumPy emulator (sagebwd_cp.host.emulator), which quantizes exactly as the kernels do.
-3. Smoothing ablation on the same inputs: none / K (default) / Q+K, measured with the kernels.
+3. Smoothing ablation on the same inputs: none / K (default) / Q+K, measured with the kernels; and with
+   logit soft-capping (cap SOFTCAP, granularity "fine"): none / K, against exact soft-capped attention.
 
 Writes <results-dir>/<device>/accuracy.json.  ``--host`` runs everything through the emulator on
 the CPU (the public API does that for NumPy arrays), labelled "host-emulator", with small default
@@ -37,6 +38,8 @@ BIAS_SEED = 7
 BIAS_STRENGTH = 5.0
 SMOOTHING = {"none": dict(smooth_k=False, smooth_q=False), "K": dict(smooth_k=True, smooth_q=False),
              "Q+K": dict(smooth_k=True, smooth_q=True)}
+SOFTCAP = 30.0  # the soft-capped ablation's cap (Gemma 2's 50 barely bends these inputs' scores at d=64)
+SOFTCAP_SMOOTHING = ("none", "K")  # soft-capping takes no Q-smoothing
 GPU_DEFAULTS = dict(configs=[(64, 1024), (128, 4096)], heads=4, bias=(64, 1024))
 HOST_DEFAULTS = dict(configs=[(64, 256)], heads=2, bias=(64, 256))
 
@@ -98,21 +101,25 @@ class Backend:
             return x.astype(np.float64)
         return x.detach().double().cpu().numpy()
 
-    def exact(self, q, k, v, do, causal=False):
-        """FP64 (o, dq, dk, dv) of the 16-bit inputs, as NumPy arrays."""
+    def exact(self, q, k, v, do, causal=False, softcap=0.0):
+        """FP64 (o, dq, dk, dv) of the 16-bit inputs, as NumPy arrays (with ``softcap``, of scores c·tanh(s/c))."""
         if self.host:
             from sagebwd_cp.host import reference
 
             q, k, v, do = (self.numpy64(x) for x in (q, k, v, do))
-            o, _ = reference.attention_reference(q, k, v, causal=causal)
-            return (o,) + tuple(reference.attention_reference_backward(q, k, v, do, causal=causal))
+            o, _ = reference.attention_reference(q, k, v, causal=causal, softcap=softcap)
+            return (o,) + tuple(reference.attention_reference_backward(q, k, v, do, causal=causal, softcap=softcap))
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
-        with sdpa_kernel(SDPBackend.MATH):  # the only backend that computes in float64
-            o = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        if softcap:  # SDPA takes no cap: the same float64 math written out
+            s = leaves[0] @ leaves[1].transpose(-1, -2) / math.sqrt(q.shape[-1])
+            o = torch.softmax(softcap * torch.tanh(s / softcap), dim=-1) @ leaves[2]
+        else:
+            with sdpa_kernel(SDPBackend.MATH):  # the only backend that computes in float64
+                o = F.scaled_dot_product_attention(*leaves, is_causal=causal)
         grads = torch.autograd.grad(o, leaves, do.double())
         return tuple(self.numpy64(x) for x in (o, *grads))
 
@@ -277,6 +284,13 @@ def smoothing_table(be: Backend, heads, n, d, granularities) -> list:
                        source=_source(be), smoothing=variant, **shape)
         records += recs
         report_common.log(f"  smoothing {variant:<4}: " + _summary(recs))
+    # Soft-capped (granularity "fine"): K-smoothing adds each score's share back before tanh (docs/ALGORITHM.md).
+    exact = be.exact(q, k, v, do, softcap=SOFTCAP)
+    for variant in SOFTCAP_SMOOTHING:
+        recs = _scored(be.run(q, k, v, do, ["fine"], softcap=SOFTCAP, **SMOOTHING[variant]), exact,
+                       table="smoothing", source=_source(be), smoothing=variant, softcap=SOFTCAP, **shape)
+        records += recs
+        report_common.log(f"  smoothing {variant:<4} cap {SOFTCAP:g}: " + _summary(recs))
     return records
 
 

@@ -266,7 +266,12 @@ def test_host_accuracy_run_on_the_emulator(tmp_path):
                                                       for t in ("dQ", "dK", "dV")}
     assert {r["tensor"] for r in recs if r["table"] == "intermediates"} >= {"delta", "P", "dS", "O", "dQ", "dK", "dV"}
     assert {r["smoothing"] for r in recs if r["table"] == "smoothing"} == {"none", "K", "Q+K"}
-    assert "host-emulator" in render_report.accuracy_markdown(data)
+    # the soft-capped ablation: none and K, fine; K-smoothing's share added back, O follows the reference closer
+    capped = {(r["smoothing"], r["tensor"]): r["rel_l2"] for r in recs if r["table"] == "smoothing" and r.get("softcap")}
+    assert set(capped) == {(v, t) for v in ("none", "K") for t in ("O", "dQ", "dK", "dV")}
+    assert capped["K", "O"] < capped["none", "O"]
+    text = render_report.accuracy_markdown(data)
+    assert "host-emulator" in text and "With logit soft-capping (softcap=30" in text
 
 
 def test_host_accuracy_needs_out():
