@@ -1,0 +1,50 @@
+"""Soft-capped attention with and without K-smoothing (each row's share added back before tanh): the kernel time of
+one forward+backward by kernel name (torch's profiler, mean of 5 calls after 3 warm-up calls), bf16, causal, cap 30.
+
+    python tools/experiments/softcap_smoothing.py [BxHqxHkvxNxD ...]   # default 8x16x16x2048x128 2x16x4x8192x128
+"""
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import sagebwd_cp
+
+CAP = 30.0
+
+
+def kernel_times(q, k, v, do, smooth_k: bool) -> dict:
+    def step():
+        _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, softcap=CAP, smooth_k=smooth_k)
+        sagebwd_cp.attention_backward(saved, do)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] += e.device_time_total / 5
+    return per
+
+
+def main(shapes) -> None:
+    for text in shapes:
+        b, hq, hk, n, d = map(int, text.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        do = torch.randn_like(q)
+        for smooth in (False, True):
+            per = kernel_times(q, k, v, do, smooth)
+            top = ", ".join(f"{name[:24]} {us:.1f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
+            print(f"{text} smooth_k={smooth}: {sum(per.values()):.1f} µs ({top})", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["8x16x16x2048x128", "2x16x4x8192x128"])
