@@ -12,7 +12,7 @@ from .device import device_arch, shared_memory_limit, sm_count
 from .forward import varlen_inputs
 from .launch import BLOCKS_FIRST, HEADS_BATCH_FIRST, HEADS_FIRST, attention_grid, tensor_map
 from .plan import KERNEL_LAYOUT, LaunchPlan, PlanBuilder
-from .quantize import quantize_inputs
+from .quantize import quantize_inputs, row_kernel_rows
 from .tensor_map import DTYPE_FLOAT32, DTYPE_UINT8, DTYPE_UINT16, TensorMapLayout
 
 
@@ -154,8 +154,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     ob, oh, on = prob.bhnd_strides(out)
     # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
     threads = specs.ROWS_THREADS
-    stat_rows = -(-Lq // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
-    plan.launch(rows, "row_stats", (stat_rows * (dp // 8) // threads, Hq, B), (threads, 1, 1),
+    plan.launch(rows, "row_stats", (row_kernel_rows(prob) * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
                                softcap=int(bool(prob.options.softcap)), row_bias=qz.row_bias,

@@ -51,6 +51,12 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def row_kernel_rows(prob: AttentionProblem) -> int:
+    """The query rows a head that the per-row kernels' grids cover (row_stats, softcap_row_bias): the padded length
+    (Nq_pad), or a packed batch's longest sequence padded (each sequence's CTAs then stop at its own padded end)."""
+    return _round_up(prob.len_q, specs.TOKEN_PAD)
+
+
 def padded_rows(prob: AttentionProblem, side: str, pad: int) -> int:
     """Token rows a head takes in the INT8 buffers of ``side`` ("q" or "k"), a multiple of ``pad``:
     the padded length, or for packed batches room for every sequence from its own row
@@ -222,7 +228,7 @@ def softcap_row_bias(plan: PlanBuilder, prob: AttentionProblem, nq: int, k_mean)
     the soft-capped kernels add back before tanh."""
     S, Hq = 1 if prob.varlen else prob.batch, prob.heads_q
     row_bias = plan.workspace("row_bias", (S, Hq, nq), "float32")
-    rows = -(-prob.len_q // specs.TOKEN_PAD) * specs.TOKEN_PAD  # nq, or a packed batch's longest sequence padded
+    rows = row_kernel_rows(prob)
     sb, sh, sn = prob.bhnd_strides(prob.q)
     lengths = prob.kernel_lengths()
     del lengths["Lk"]

@@ -244,10 +244,10 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
     k_int8, k_scale = _quantize_tokens(k_sm, quantize)
     capped_smooth = bool(softcap) and smooth_k
     kt_int8, kt_scale = _quantize_rows(_pad_rows(k32, BLOCK_KV) if capped_smooth else k_sm, BLOCK_KV, quantize)
-    q_bias = None
+    row_bias = None
     if capped_smooth:
         group = q32.shape[1] // k32.shape[1]
-        q_bias = _pad_rows(softcap_row_bias(q32, _expand_heads(k_mean, group), qk_prescale(softmax_scale))[..., None],
+        row_bias = _pad_rows(softcap_row_bias(q32, _expand_heads(k_mean, group), qk_prescale(softmax_scale))[..., None],
                            BLOCK_Q)[..., 0]
     v_int8, v_scale = _quantize_rows(_pad_rows(v32, BLOCK_KV), BLOCK_KV, quantize)
 
@@ -255,7 +255,7 @@ def quantize_inputs(q, k, v, *, softmax_scale=None, smooth_k=True, smooth_q=Fals
         "q_int8": q_int8, "q_scale": q_scale, "q_mean": q_mean,
         "k_int8": k_int8, "k_scale": k_scale, "k_mean": k_mean, "k_smoothed": k_sm,
         "qt_int8": qt_int8, "qt_scale": qt_scale, "kt_int8": kt_int8, "kt_scale": kt_scale,
-        "v_int8": v_int8, "v_scale": v_scale, "q_bias": q_bias,
+        "v_int8": v_int8, "v_scale": v_scale, "row_bias": row_bias,
         "softmax_scale": float(softmax_scale), "smooth_k": bool(smooth_k),
         "smooth_q": bool(smooth_q), "quantize": bool(quantize), "lq": lq, "lk": lk,
     }
@@ -302,7 +302,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
                          smooth_q=smooth_q, quantize=quantize, k_mean=k_mean, softcap=softcap)
     lq, lk = qi["lq"], qi["lk"]
     b, hq, lq_pad, d = qi["q_int8"].shape
-    q_bias = qi["q_bias"]
+    row_bias = qi["row_bias"]
     n_kb = qi["v_scale"].shape[-1]
 
     q_hat, s_q = qi["q_int8"], qi["q_scale"]
@@ -328,7 +328,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
         if smooth_q:  # per 64-key block, as the backward recomputes it
             bias = np.concatenate([_rows_per_block(_smooth_q_bias(qi["q_mean"], k_sm[:, :, c:c + BLOCK_KV]), BLOCK_Q)
                                    for c in range(c0, c1, BLOCK_KV)], axis=-1)
-        s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias, q_bias)
+        s = _tile_logits(q_hat, s_q, k_hat[:, :, c0:c1], s_k[:, :, c0:c1], bias, row_bias)
         if softcap:
             s = soft_cap(s, *softcap_constants(softcap))
         mask = _tile_mask(0, lq_pad, c0, c1, lq, lk, band)
@@ -367,8 +367,8 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     o = np.where(live[..., None], acc / safe_l[..., None], zero)
     o = np.where(bad[..., None], _F32(np.nan), o)
     o16 = round_to_dtype(o.astype(np.float32), dtype)[:, :, :lq]
-    if q_bias is not None:  # stored in the frame of K − μ_K (numerics.py, soft-capping): less the row's share
-        m = (m - q_bias).astype(np.float32)
+    if row_bias is not None:  # stored in the frame of K − μ_K (numerics.py, soft-capping): less the row's share
+        m = (m - row_bias).astype(np.float32)
     lse2 = np.where(live, m + np.log2(safe_l), _F32(np.inf))
     lse2 = np.where(bad, _F32(np.nan), lse2).astype(np.float32)
 
@@ -449,9 +449,9 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
     delta = np.pad(delta, ((0, 0), (0, 0), (0, lq_pad - lq)))
     do_pad = _pad_rows(do32, BLOCK_Q)
     do_hat, s_do = _quantize_rows(do_pad, BLOCK_Q, quantize)
-    lse2, q_bias = saved["lse2"], qi["q_bias"]
-    if q_bias is not None:  # the capped scores' own LSE (numerics.py, soft-capping)
-        lse2 = (lse2 + q_bias).astype(np.float32)
+    lse2, row_bias = saved["lse2"], qi["row_bias"]
+    if row_bias is not None:  # the capped scores' own LSE (numerics.py, soft-capping)
+        lse2 = (lse2 + row_bias).astype(np.float32)
 
     q_hat, s_q, q_mean = qi["q_int8"], qi["q_scale"], qi["q_mean"]
     k_hat = _expand_heads(qi["k_int8"], group)
@@ -479,7 +479,7 @@ def emulate_backward(saved, do, *, granularity="fine", quantize=True):
             bias = bias_j[:, :, i, None, :] if smooth_q else None
             s_q_i, s_k_j = s_q[:, :, r0:r1], s_k[:, :, c0:c1]
             s = _tile_logits(q_hat[:, :, r0:r1], s_q_i, k_j, s_k_j, bias,
-                             None if q_bias is None else q_bias[:, :, r0:r1])
+                             None if row_bias is None else row_bias[:, :, r0:r1])
             if cap:
                 s = soft_cap(s, *cap)
             p = np.where(mask, np.exp2(s - lse2[:, :, r0:r1, None]), _F32(0)).astype(np.float32)
