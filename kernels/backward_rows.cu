@@ -9,6 +9,7 @@
 #include "params.cuh"
 #include "seqinfo.cuh"
 #include "convert.cuh"
+#include "row_dot.cuh"
 
 constexpr int THREADS = SB_THREADS;
 
@@ -16,7 +17,7 @@ constexpr int THREADS = SB_THREADS;
 // dO and of O where rows are 16-byte aligned), THREADS / LANES rows per CTA; grid (Nq_pad·LANES / THREADS, Hq, B), packed: the longest sequence's padded rows.
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0 (soft-capped
-// kernels: (LSE2 + r, s_Q, δ, r), r the row's share of its scores, numerics.softcap_row_bias); one 16-byte row
+// kernels: (LSE2 + r, s_Q, δ, r), r the row's share of its scores, numerics.softcap_row_bias, formed here from Q); one 16-byte row
 // lets the main kernel fetch a query block's statistics with one copy, and P's (LSE2, s_Q) with one 8-byte load.
 // Every row of the grid (each head's Nq_pad rows, or a packed sequence's padded rows: all the main kernel's query
 // blocks add into) also gets its dq_acc row zeroed and, deterministic, its query block's turn counter: these stores
@@ -50,11 +51,17 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     }
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    // Soft-capped with K-smoothing: r = c·log2(e)·q·μ_K, the same float as the forward's (lse.cu softcap_row_bias).
+    float r = 0.f;
+    if (p.softcap && p.k_mean) {
+        const bool live = row < seq.len_q();
+        r = p.q_prescale * row_dot_mean<LANES, SB_BF16>(p.q + seq.token(p.qb, p.qh, p.qn, h, live ? row : 0),
+                                                        p.k_mean + seq.k_slice(seq.kv_head(h)) * p.D, p.D, live);
+    }
     if (lane == 0) {
         const float lse2 = row < seq.len_q() ? p.lse2[seq.lse_row0(h) + row] : __int_as_float(0x7f800000);
         const float q_scale = p.q_scale[seq.q_row0(h) + row];
         if (p.softcap) {  // soft-capped kernels: the row's share of its scores r, and the capped scores' LSE2 + r
-            const float r = p.row_bias ? p.row_bias[seq.q_row0(h) + row] : 0.f;
             p.stats[seq.q_row0(h) + row] = make_float4(lse2 + r, q_scale, s, r);
         } else {
             p.stats[seq.q_row0(h) + row] = make_float4(lse2, q_scale, s, p.qt_scale[seq.q_block0(h) + row / SB_BLOCK_Q]);

@@ -159,7 +159,8 @@ SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
     F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ), or for soft-capped kernels */ \
                                               /* (LSE2 + r, s_Q, δ, r) (params.cuh BackwardParams) */ \
     F(int, softcap)                           /* 1: the soft-capped kernels' stats */ \
-    F(const float*, row_bias)                 /* [B][Hq][Nq_pad] r (lse.cu softcap_row_bias), or null: r = 0 */ \
+    F(const u16*, q) F(i64, qb) F(i64, qh) F(i64, qn) F(int, Hkv) F(float, q_prescale) \
+    F(const float*, k_mean)                   /* soft-capped: [B][Hkv][D] μ_K for r (row_dot.cuh), or null: r = 0 */ \
     F(float*, dq_acc) F(int, dq_row)          /* zeroed here for the main kernel's dQ: [B][Hq][Nq_pad][dq_row] */ \
     F(int*, dq_lock)                          /* [B][Hq][Nq_pad / 64], zeroed here; null unless deterministic */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */

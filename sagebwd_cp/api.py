@@ -440,10 +440,6 @@ def _check_k_mean(k_mean: ArrayDesc, prob: AttentionProblem) -> None:
     if not prob.smooth_k:
         raise ValueError("k_mean: μ_K belongs to K-smoothing, but smooth_k is False; pass k_mean=None")
     _check_float32_array(k_mean, "k_mean", k_mean_shape(prob.batch, prob.heads_kv, prob.head_dim), prob)
-    # (arrays.signature keys plans by the pointer's alignment too, so a cached plan never skips this)
-    if prob.on_gpu and prob.options.softcap and k_mean.ptr % 16:
-        raise ValueError(f"k_mean: expected a 16-byte aligned array (soft-capped attention reads μ_K 16 bytes at a "
-                         f"time), got address {k_mean.ptr:#x}")
 
 
 def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:

@@ -195,12 +195,11 @@ def fma32(a, b, c) -> np.ndarray:
     return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
 
 
-def softcap_row_bias(q32: np.ndarray, k_mean: np.ndarray, prescale) -> np.ndarray:
-    """Soft-capped attention with K-smoothing: each query row's share c·log2(e)·q·μ_K of its base-2 scores,
-    which K̂ = K − μ_K leaves out and tanh does not ignore, in the kernels' order (kernels/lse.cu row_shares):
-    the padded head dim's D_pad/8 lanes each an fmaf chain over its 8 columns, added by an xor butterfly, then
-    float32(prescale · sum).  q32 (B, H, L, D) float32 of the 16-bit q, k_mean (B, H, D) μ_K per query head;
-    returns (B, H, L) float32."""
+def row_dot_mean(q32: np.ndarray, k_mean: np.ndarray) -> np.ndarray:
+    """q·μ_K per query row, the part of each of its scores that K-smoothing removes, in the kernels' order
+    (kernels/row_dot.cuh): the padded head dim's D_pad/8 lanes each an fmaf chain over its 8 columns, then an xor
+    butterfly.  q32 (B, H, L, D) float32 of the 16-bit q, k_mean (B, H, D) μ_K per query head; returns (B, H, L)
+    float32."""
     d = q32.shape[-1]
     dp = padded_head_dim(d)
     pad = [(0, 0)] * (q32.ndim - 1) + [(0, dp - d)]
@@ -214,7 +213,21 @@ def softcap_row_bias(q32: np.ndarray, k_mean: np.ndarray, prescale) -> np.ndarra
     while o:
         lanes = (lanes + lanes[..., lane ^ o]).astype(np.float32)
         o //= 2
-    return (np.float32(prescale) * lanes[..., 0]).astype(np.float32)
+    return lanes[..., 0]
+
+
+def softcap_row_bias(q32: np.ndarray, k_mean: np.ndarray, prescale) -> np.ndarray:
+    """Soft-capped attention with K-smoothing: each query row's share c·log2(e)·q·μ_K of its base-2 scores,
+    which K̂ = K − μ_K leaves out and tanh does not ignore (kernels/lse.cu row_shares, backward_rows.cu row_stats):
+    float32(prescale · row_dot_mean)."""
+    return (np.float32(prescale) * row_dot_mean(q32, k_mean)).astype(np.float32)
+
+
+def natural_lse(lse2: np.ndarray, q_dot_mean, softmax_scale) -> np.ndarray:
+    """The natural-log LSE returned to users (kernels/lse.cu natural_lse): fmaf(LSE2, ln 2, c·q·μ_K), K-smoothing's
+    share added back (softmax ignores it, a returned LSE must not); -inf where LSE2 is +inf (no key seen)."""
+    lse = fma32(lse2, np.float32(LN2), (np.float32(softmax_scale) * np.asarray(q_dot_mean, np.float32)).astype(np.float32))
+    return np.where(np.asarray(lse2) == np.inf, np.float32(-np.inf), lse).astype(np.float32)
 
 
 # The accuracy guard (guard.py) warns where score_step passes this, in base-2 logit units: at head dim 64

@@ -49,6 +49,35 @@ def test_forward_matches_emulator(shape, causal, dtype, layout):
     assert not o[~np.broadcast_to(finite[..., None], o.shape)].any()
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 200, 64), (1, 2, 1, 1, 70, 80), (1, 4, 4, 513, 513, 128),
+                                   (1, 2, 1, 130, 300, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype,layout,strided", [("float16", "HND", False), ("bfloat16", "NHD", False),
+                                                  ("bfloat16", "NHD", True)])
+def test_returned_lse_is_lse2_with_k_smoothings_share_bit_for_bit(shape, dtype, layout, strided):
+    """kernels/lse.cu natural_lse: LSE = fmaf(LSE2, ln 2, c·q·μ_K) with q·μ_K in row_dot.cuh's order, bit for bit
+    numerics.natural_lse over the kernel's own LSE2 and μ_K (rows that see no key: -inf); Lq > Lk causal leaves
+    rows with no key, head dims 64 to 256, GQA, strided views."""
+    import torch
+
+    from sagebwd_cp import numerics
+
+    b, hq, hk, lq, lk, d = shape
+    if strided:
+        hk, lk = hq, lq
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, layout=layout, sigma=2.0, seed=d, strided=strided)
+    k = k + torch.linspace(-3, 3, d, device="cuda").to(k.dtype)  # a channel offset for μ_K to carry
+    with poisoned_workspaces():
+        _, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, layout=layout, return_lse=True)
+    torch.cuda.synchronize()
+    q32 = to_hnd_numpy(q, layout)
+    k_mean = np.repeat(saved.k_mean.obj.cpu().numpy(), hq // hk, axis=1)
+    expected = numerics.natural_lse(saved.lse2.obj.cpu().numpy(), numerics.row_dot_mean(q32, k_mean),
+                                    numerics.default_softmax_scale(d))
+    got = lse.cpu().numpy()
+    np.testing.assert_array_equal(got, expected)
+    assert np.isfinite(got).any() and (lq <= lk or np.isneginf(got).any())
+
+
 def test_strided_views_from_fused_qkv():
     import torch
 

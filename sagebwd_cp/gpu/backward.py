@@ -152,12 +152,15 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     lock = plan.workspace("lock", (S, Hq, nq // numerics.BLOCK_Q), "int32") if deterministic else None
     db, dh, dn = prob.bhnd_strides(do)
     ob, oh, on = prob.bhnd_strides(out)
+    sb, sh, sn = prob.bhnd_strides(prob.q)
     # D_pad / 8 lanes a row, specs.ROWS_THREADS threads a CTA (backward_rows.cu row_stats)
     threads = specs.ROWS_THREADS
     plan.launch(rows, "row_stats", (row_kernel_rows(prob) * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
                                q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
-                               softcap=int(bool(prob.options.softcap)), row_bias=qz.row_bias,
+                               softcap=int(bool(prob.options.softcap)), q=prob.q, qb=sb, qh=sh, qn=sn, Hkv=Hk,
+                               q_prescale=numerics.qk_prescale(prob.softmax_scale),
+                               k_mean=qz.k_mean if prob.options.softcap else None,
                                dq_acc=dq_acc, dq_row=dq_row, dq_lock=lock, **q_lengths))
 
     v_rows, (vb, vh, vn) = _aligned_rows(plan, "v_rows", prob.v, prob, Hk, Lk)

@@ -69,7 +69,8 @@ def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, 
     lengths = prob.kernel_lengths()
     del lengths["Lk"]
     plan.launch(specs.lse_spec(prob.dtype, prob.varlen), "natural_lse",
-                (-(-prob.len_q // specs.LSE_THREADS), prob.heads_q, prob.batch), (specs.LSE_THREADS, 1, 1),
+                (-(-prob.len_q * (prob.padded_head_dim // 8) // specs.LSE_THREADS), prob.heads_q, prob.batch),
+                (specs.LSE_THREADS, 1, 1),  # D_pad / 8 lanes a row (kernels/row_dot.cuh)
                 params.args("NaturalLseParams", q=prob.q, sb=sb, sh=sh, sn=sn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                                D=prob.head_dim, softmax_scale=prob.softmax_scale, k_mean=qz.k_mean,
                                lse2=lse2, lse=lse, **lengths))

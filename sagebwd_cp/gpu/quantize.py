@@ -84,6 +84,7 @@ class Quantized:
     v_scale: ArrayDesc | None  # [B][Hkv][Nk_pad/64]
     bias: ArrayDesc | None  # [B][Hq][Nq_pad/64][Nk_pad] (Q-smoothing add-back)
     row_bias: ArrayDesc | None  # [B][Hq][Nq_pad]: soft-capping with K-smoothing, each row's share of its scores
+    # (forward; the backward's row_stats forms its own)
     nq_pad: int  # token rows a head (padded_rows)
     nk_pad: int
     dot8: ArrayDesc | None = None  # [B][Hq][Dp][Nq_pad], query order permuted (backward)
@@ -206,9 +207,10 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     _launch_quantize(plan, prob, jobs, parts, k_sum if fused else None, arrive)
     row_bias = None
     if capped_smooth:
-        if backward:  # ψ per 64-key block, the block's scale in kt_scale
+        if backward:  # ψ per 64-key block, the block's scale in kt_scale; the backward's r comes from row_stats
             _launch_quantize(plan, prob, [_quantize_job(prob, prob.k, "k", Hk, nk, 1.0, 0, kt_scale, t=k8t, pad=key_pad)])
-        row_bias = softcap_row_bias(plan, prob, nq, k_mean)
+        else:
+            row_bias = softcap_row_bias(plan, prob, nq, k_mean)
 
     bias = None
     if prob.smooth_q:

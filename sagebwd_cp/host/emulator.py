@@ -29,6 +29,8 @@ from ..numerics import (
     soft_cap,
     soft_cap_slope,
     softcap_constants,
+    natural_lse,
+    row_dot_mean,
     softcap_row_bias,
     quantize_tile,
     round_to_dtype,
@@ -373,9 +375,7 @@ def emulate_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=True,
     lse2 = np.where(bad, _F32(np.nan), lse2).astype(np.float32)
 
     # Natural-log LSE at the API edge: add back c·q·μ_K, which K-smoothing removed from each score.
-    kmean_q = _expand_heads(qi["k_mean"], group)  # (B, Hq, D)
-    qmu = np.matmul(q32, kmean_q[..., None])[..., 0].astype(np.float32)
-    lse_nat = (lse2[:, :, :lq] * _F32(LN2) + _F32(softmax_scale) * qmu).astype(np.float32)
+    lse_nat = natural_lse(lse2[:, :, :lq], row_dot_mean(q32, _expand_heads(qi["k_mean"], group)), softmax_scale)
     lse_nat = np.where(live[:, :, :lq], lse_nat, _F32(-np.inf)).astype(np.float32)
 
     saved = {
