@@ -210,6 +210,9 @@ constexpr int SBAR_EMPTY = SBAR + 8;
 // SPLIT: part 1's; soft-capped kernels' s_Qᵀ in STATS1 too
 constexpr int SBAR_FULL1 = SBAR + 32, SBAR_EMPTY1 = SBAR + 40, SBAR_STATS1 = SBAR + 48;
 static_assert(!SPLIT || DQ_TILES == 1, "part 1's mbarriers where dQ tile 1's would be");
+// Arrivals of the barrier that s_Qᵀ's copy lands on (FULL, or SPLIT FULL1): the loading thread's arrive with the
+// TMA bytes, and soft-capped also its cp.async's (cp_async_mbarrier_arrive_noinc).
+constexpr int FULL_ARRIVALS = SB_SOFTCAP ? 2 : 1;
 SB_DEVICE constexpr int dq_full_bar(int b) { return ROWS0 + SBAR + 16 + 16 * b; }
 SB_DEVICE constexpr int dq_empty_bar(int b) { return ROWS0 + SBAR + 24 + 16 * b; }
 static_assert(SBAR + 24 + 16 * (DQ_TILES - 1) + 8 <= SBAR + 128, "the mbarriers fit the stage's 128 bytes");
@@ -333,7 +336,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             // Soft-capped kernels: stats' fourth slot holds each row's share of its scores, so the block's s_Qᵀ
             // comes here, before the arrival that could complete the phase.
             cp_async_4(rows + SBAR_STATS1 + 12, a.qt_scale + seq.q_block0(h) + i);
-            cp_async_mbarrier_arrive(bar1);
+            cp_async_mbarrier_arrive_noinc(bar1);  // the barrier's second arrival (FULL_ARRIVALS)
         }
         if (!SPLIT) mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
         if (parts & 1) {
@@ -374,10 +377,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < SB_STAGES; ++s) {
-            mbarrier_init(base + rows_at(s) + SBAR, 1);
+            mbarrier_init(base + rows_at(s) + SBAR, SPLIT ? 1 : FULL_ARRIVALS);
             if (WS) mbarrier_init(base + rows_at(s) + SBAR_EMPTY, THREADS);
             if (SPLIT) {
-                mbarrier_init(base + rows_at(s) + SBAR_FULL1, 1);
+                mbarrier_init(base + rows_at(s) + SBAR_FULL1, FULL_ARRIVALS);
                 mbarrier_init(base + rows_at(s) + SBAR_EMPTY1, THREADS);
             }
         }

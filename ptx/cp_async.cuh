@@ -18,8 +18,8 @@ SB_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); 
 template <int N>
 SB_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// cp.async.mbarrier.arrive: the mbarrier's current phase also waits for this thread's cp.async copies issued so
-// far (the pending count is raised by one now and lowered when they land).
-SB_DEVICE void cp_async_mbarrier_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+// cp.async.mbarrier.arrive.noinc: one of the mbarrier's expected arrivals, made once this thread's cp.async copies
+// issued so far have landed (the barrier's count includes it).
+SB_DEVICE void cp_async_mbarrier_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
