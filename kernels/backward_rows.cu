@@ -73,13 +73,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 row_stats(SB_KERNEL_PARAMS(SB_ROW_STATS_FIELDS)) {
     const RowStatsParams p = SB_KERNEL_VIEW(RowStatsParams, SB_ROW_STATS_FIELDS);
     SB_REQUIRE_SM80();
-    // D_pad is 64, 128 or 256 (specs.padded_head_dim): every lane of a row loads 16 bytes of each.
-    if (p.D > 128)
-        row_stats_rows<32>(p);
-    else if (p.D > 64)
-        row_stats_rows<16>(p);
-    else
-        row_stats_rows<8>(p);
+    // D_pad / 8 lanes a row: every lane loads 16 bytes of each row.
+    with_row_lanes(p.D, [&](auto lanes) { row_stats_rows<decltype(lanes)::value>(p); });
 }
 
 // dQ = scale · dq_acc, stored in the input dtype with the output's strides; one thread per 8 columns (two

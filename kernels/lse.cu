@@ -30,13 +30,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
 natural_lse(SB_KERNEL_PARAMS(SB_NATURAL_LSE_FIELDS)) {
     const NaturalLseParams p = SB_KERNEL_VIEW(NaturalLseParams, SB_NATURAL_LSE_FIELDS);
     SB_REQUIRE_SM80();
-    // D_pad / 8 lanes a row (row_dot.cuh); D_pad is 64, 128 or 256 (specs.padded_head_dim).
-    if (p.D > 128)
-        natural_lse_rows<32>(p);
-    else if (p.D > 64)
-        natural_lse_rows<16>(p);
-    else
-        natural_lse_rows<8>(p);
+    with_row_lanes(p.D, [&](auto lanes) { natural_lse_rows<decltype(lanes)::value>(p); });
 }
 
 // Soft-capped attention with K-smoothing: each query row's share r = c·log2(e)·q·μ_K of its base-2 scores, which
@@ -59,10 +53,5 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
 softcap_row_bias(SB_KERNEL_PARAMS(SB_ROW_BIAS_FIELDS)) {
     const RowBiasParams p = SB_KERNEL_VIEW(RowBiasParams, SB_ROW_BIAS_FIELDS);
     SB_REQUIRE_SM80();
-    if (p.D > 128)
-        row_shares<32>(p);
-    else if (p.D > 64)
-        row_shares<16>(p);
-    else
-        row_shares<8>(p);
+    with_row_lanes(p.D, [&](auto lanes) { row_shares<decltype(lanes)::value>(p); });
 }

@@ -39,3 +39,19 @@ SB_DEVICE float row_dot_mean(const u16* q_row, const float* mean_row, int D, boo
     for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     return s;
 }
+
+// The lanes a row for head dim D: D_pad / 8, D_pad 64, 128 or 256 (specs.padded_head_dim). Calls f(Lanes<8, 16 or
+// 32>{}), the count a compile-time value for the row kernels' template.
+template <int N>
+struct Lanes {
+    static constexpr int value = N;
+};
+template <class F>
+SB_DEVICE void with_row_lanes(int D, F f) {
+    if (D > 128)
+        f(Lanes<32>{});
+    else if (D > 64)
+        f(Lanes<16>{});
+    else
+        f(Lanes<8>{});
+}
