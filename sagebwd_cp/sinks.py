@@ -43,7 +43,8 @@ def join_sinks(out, lse, lse2, sinks, layout: str):
     lse = f32(lse)
     new_lse = xp.logaddexp(lse, f32(sinks)[None, :, None])
     weight = xp.exp(lse - new_lse)  # 0 where lse = -inf
-    new_out = as_dtype(xp, f32(out) * _rows(weight, layout, xp), out.dtype)
+    # 16-bit out times the float32 weight promotes to float32 (the product as of f32(out), without its copy)
+    new_out = as_dtype(xp, out * _rows(weight, layout, xp), out.dtype)
     new_lse2 = None if lse2 is None else f32(lse2) + (new_lse - lse) * LOG2E
     return new_out, new_lse, new_lse2
 
@@ -53,7 +54,7 @@ def sinks_grad(out, lse, dout, sinks, layout: str):
     attention's output ``out`` and natural-log LSE ``lse``."""
     xp = array_namespace(out, "out")
     f32 = lambda x: as_dtype(xp, x, "float32")
-    delta = (f32(dout) * f32(out)).sum(axis=-1)  # (B, Hq, L) or (B, L, Hq)
+    delta = (f32(dout) * out).sum(axis=-1)  # (B, Hq, L) or (B, L, Hq); out promotes to float32
     if layout != "HND":
         delta = xp.moveaxis(delta, 1, 2)
     p_sink = xp.exp(f32(sinks)[None, :, None] - f32(lse))
