@@ -34,6 +34,17 @@ def _rows(x, layout: str, xp):
     return (x if layout == "HND" else xp.moveaxis(x, 1, 2))[..., None]
 
 
+def _times_rows(out, w, xp):
+    """out·w rounded once to out's dtype: the float32 product of the 16-bit values (type promotion), stored straight
+    into a 16-bit result where the namespace writes into a given array (torch, NumPy, CuPy: one pass over O, no
+    float32 copy of it); JAX casts the float32 product."""
+    if xp.__name__.startswith("jax"):
+        return as_dtype(xp, out * w, out.dtype)
+    result = xp.empty_like(out)
+    xp.multiply(out, w, out=result)
+    return result
+
+
 def join_sinks(out, lse, lse2, sinks, layout: str):
     """(o', λ', base-2 λ'') of the sink attention from the kernels' output ``out`` (``layout``), its
     natural-log LSE ``lse`` (B, Hq, L) and, if not None, its base-2 LSE ``lse2`` (the backward's:
@@ -43,8 +54,7 @@ def join_sinks(out, lse, lse2, sinks, layout: str):
     lse = f32(lse)
     new_lse = xp.logaddexp(lse, f32(sinks)[None, :, None])
     weight = xp.exp(lse - new_lse)  # 0 where lse = -inf
-    # 16-bit out times the float32 weight promotes to float32 (the product as of f32(out), without its copy)
-    new_out = as_dtype(xp, out * _rows(weight, layout, xp), out.dtype)
+    new_out = _times_rows(out, _rows(weight, layout, xp), xp)
     new_lse2 = None if lse2 is None else f32(lse2) + (new_lse - lse) * LOG2E
     return new_out, new_lse, new_lse2
 
