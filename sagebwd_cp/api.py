@@ -335,10 +335,13 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
                                   None if saved.k_mean is None else saved.k_mean.obj, varlen, saved.head_dims)
     else:
         grads = run_backward(p.q, p.k, p.v, saved.out, saved.lse2, do, options, prob=p, k_mean=saved.k_mean,
-                             varlen=varlen)
+                             varlen=varlen, want_delta=saved.sinks is not None)
     if saved.sinks is None:
         return grads
-    return tuple(grads) + (sinks_grad(saved.out.obj, saved.sink_lse, do, saved.sinks, p.layout),)
+    delta = None
+    if saved.head_dims is None:
+        grads, delta = grads
+    return tuple(grads) + (sinks_grad(saved.out.obj, saved.sink_lse, do, saved.sinks, p.layout, delta),)
 
 
 @jax_boundary
@@ -447,21 +450,25 @@ def _check_lse2(lse2: ArrayDesc, prob: AttentionProblem) -> None:
 
 
 def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: AttentionProblem | None = None,
-                 k_mean=None, varlen=None):
+                 k_mean=None, varlen=None, want_delta: bool = False):
     """(dq, dk, dv) of attention with ``options`` (an AttentionOptions, checked when made).  ``prob`` (with ``out``, ``lse2`` and ``k_mean`` descriptors) comes from a saved
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
-    compute it again.  CUDA arrays replay a cached plan as in ``run_forward``."""
+    compute it again.  CUDA arrays replay a cached plan as in ``run_forward``.  ``want_delta``: returns
+    ((dq, dk, dv), δ) instead, δ = rowsum(dO ∘ O) (B, Hq, Lq) float32 as the GPU's row statistics hold it (a view
+    of them), or None where there are none to share (host arrays, packed batches, a V head dim of its own)."""
     if prob is None and value_head_dim.differs(q, v):
-        return _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen)
+        grads = _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen)
+        return (grads, None) if want_delta else grads
     given = k_mean is not None
-    key_options = ("backward", options, given, None if varlen is None else tuple(varlen[2:]))
+    keep_stats = want_delta and varlen is None
+    key_options = ("backward", options, given, None if varlen is None else tuple(varlen[2:]), keep_stats)
     sig = _signatures(_with_offsets((q, k, v, out, lse2, do, k_mean) if given else (q, k, v, out, lse2, do), varlen))
     key = None
     if sig is not None:
         key = (key_options, sig[1])
         plan = cached_plan(key)
         if plan is not None:
-            return tuple(plan.run(sig[0])[0])
+            return _backward_results(plan.run(sig[0])[0], keep_stats, want_delta, plan.problem)
     if prob is None:
         prob = _problem(q, k, v, options, varlen)
         out, lse2 = check_output(out, prob), describe(lse2, "lse2")
@@ -479,9 +486,25 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
             key = (key_options, _signatures(descs)[1])
             plan = cached_plan(key)
         if plan is None:
-            plan = gpu_backward.backward_plan(prob, out, lse2, dd, options, k_mean)
+            plan = gpu_backward.backward_plan(prob, out, lse2, dd, options, k_mean, keep_stats=keep_stats)
             remember_plan(key, plan)
-        return tuple(plan.run([d.ptr for d in descs])[0])
+        return _backward_results(plan.run([d.ptr for d in descs])[0], keep_stats, want_delta, prob)
+    grads = _host_backward(prob, out, lse2, dd, options, k_mean if given else None)
+    return (grads, None) if want_delta else grads
+
+
+def _backward_results(results, keep_stats: bool, want_delta: bool, prob: AttentionProblem):
+    """A backward plan's (dq, dk, dv), or with ``want_delta`` ((dq, dk, dv), δ): with ``keep_stats`` the plan's first
+    output is its row statistics [B][Hq][Nq_pad][4], δ their third column (backward_rows.cu row_stats)."""
+    if not keep_stats:
+        return (tuple(results), None) if want_delta else tuple(results)
+    stats, *grads = results
+    return tuple(grads), stats[:, :, :prob.len_q, 2]
+
+
+def _host_backward(prob: AttentionProblem, out, lse2, dd, options: AttentionOptions, k_mean):
+    """(dq, dk, dv) on the emulator, for host arrays."""
+    given = k_mean is not None
     if prob.varlen:
         arrays = (np.asarray(host_numpy(d, n), dtype=np.float32) for d, n in
                   ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"), (dd, "do")))

@@ -59,13 +59,15 @@ def join_sinks(out, lse, lse2, sinks, layout: str):
     return new_out, new_lse, new_lse2
 
 
-def sinks_grad(out, lse, dout, sinks, layout: str):
-    """dσ (Hq,) in sinks' dtype: -Σ over batch and rows of exp(σ - λ')·rowsum(dO ∘ o'), from the sink
-    attention's output ``out`` and natural-log LSE ``lse``."""
+def sinks_grad(out, lse, dout, sinks, layout: str, delta=None):
+    """dσ (Hq,) in sinks' dtype: -Σ over batch and rows of exp(σ - λ')·δ, δ = rowsum(dO ∘ o'), from the sink
+    attention's output ``out`` and natural-log LSE ``lse``; ``delta``: δ (B, Hq, L) float32 where the backward's
+    row statistics hold it (api.run_backward), else formed here."""
     xp = array_namespace(out, "out")
     f32 = lambda x: as_dtype(xp, x, "float32")
-    delta = (f32(dout) * out).sum(axis=-1)  # (B, Hq, L) or (B, L, Hq); out promotes to float32
-    if layout != "HND":
-        delta = xp.moveaxis(delta, 1, 2)
+    if delta is None:
+        delta = (f32(dout) * out).sum(axis=-1)  # (B, Hq, L) or (B, L, Hq); out promotes to float32
+        if layout != "HND":
+            delta = xp.moveaxis(delta, 1, 2)
     p_sink = xp.exp(f32(sinks)[None, :, None] - f32(lse))
     return as_dtype(xp, -(p_sink * delta).sum(axis=(0, 2)), sinks.dtype)

@@ -219,3 +219,39 @@ def test_sinks_against_the_exact_reference(kernels, layout, window):
     for x, ref in zip((q, k, v), refs):
         assert rel_l2(to_hnd_numpy(x.grad, layout), ref) < 0.06
     assert rel_l2(sinks.grad.cpu().numpy(), refs[3]) < 0.06
+
+
+@pytest.mark.parametrize("layout,shape", [("HND", (2, 8, 2, 300, 257, 128)), ("NHD", (1, 4, 4, 77, 77, 64))])
+def test_the_sinks_gradient_reads_delta_from_the_row_statistics(layout, shape):
+    """A dense sink backward takes δ = rowsum(dO ∘ O) from the backward's own row statistics (api.run_backward
+    want_delta: a view of the kept `stats`, backward_rows.cu row_stats): δ within float32 sums of float64's, in
+    (B, Hq, Lq) whatever the layout, and dσ as the formula over O and dO gives it; through the neutral API
+    and torch's autograd alike."""
+    import torch
+
+    import sagebwd_cp.torch as st
+    from sagebwd_cp.api import run_backward
+    from sagebwd_cp.options import AttentionOptions
+    from sagebwd_cp.sinks import sinks_grad
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, "bfloat16", layout=layout, seed=31)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(3)).cuda()
+    out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, layout=layout, sinks=sinks, return_lse=True)
+    do = _grad_output(out, seed=32)
+    opts = AttentionOptions(causal=True, layout=layout)
+    with poisoned_workspaces():
+        grads, delta = run_backward(q, k, v, out, saved.lse2.obj, do, opts, k_mean=saved.k_mean.obj, want_delta=True)
+        plain = run_backward(q, k, v, out, saved.lse2.obj, do, opts, k_mean=saved.k_mean.obj)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(grads[0], plain[0], rtol=1e-2, atol=1e-2)  # dQ's reduction order is not fixed
+    assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
+    exact = (to_hnd_numpy(do, layout).astype(np.float64) * to_hnd_numpy(out, layout)).sum(-1)
+    assert delta.shape == (b, hq, lq)
+    np.testing.assert_allclose(delta.cpu().numpy(), exact, rtol=1e-4, atol=1e-4)
+    *_, dsinks = sagebwd_cp.attention_backward(saved, do)
+    formula = sinks_grad(out, lse, do, sinks, layout)
+    torch.testing.assert_close(dsinks, formula, rtol=1e-4, atol=1e-4)
+    sink_param = sinks.clone().requires_grad_()
+    st.attention(q, k, v, causal=True, layout=layout, sinks=sink_param).backward(do)
+    torch.testing.assert_close(sink_param.grad, formula, rtol=1e-4, atol=1e-4)

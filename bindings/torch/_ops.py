@@ -98,18 +98,23 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, ret
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
-                  options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
+                  options: AttentionOptions, want_delta: bool = False) -> tuple:
     """(dq, dk, dv), each in its input's layout and q's dtype.  An empty ``k_mean`` (a forward without
-    K-smoothing) is no μ_K."""
+    K-smoothing) is no μ_K.  ``want_delta``: ((dq, dk, dv), δ) with δ = rowsum(dO ∘ O) from the GPU's row
+    statistics, or None (api.run_backward)."""
     check_dout(dout, q)
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
-        dq, dk, dv = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean)
-        return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
+        if not want_delta:
+            dq, dk, dv = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean)
+            return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
+        grads, delta = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean, want_delta=True)
+        return tuple(_as_tensor(g) for g in grads), None if delta is None else _as_tensor(delta)
     grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), options,
                          k_mean=_host(mean) if mean is not None else None)
-    return tuple(_as_tensor(g, q.dtype) for g in grads)
+    grads = tuple(_as_tensor(g, q.dtype) for g in grads)
+    return (grads, None) if want_delta else grads
 
 
 # ------------------------------------------------------------------------------ shape checks for tracing

@@ -120,9 +120,10 @@ class _SinkAttention(torch.autograd.Function):
     @_once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse2, k_mean, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _ops.backward_impl(q, k, v, out, lse2, k_mean, dout, ctx.options)
         need = ctx.needs_input_grad
-        dsinks = sinks_grad(out, lse, dout, sinks, ctx.options.layout) if need[3] else None
+        grads = _ops.backward_impl(q, k, v, out, lse2, k_mean, dout, ctx.options, want_delta=need[3])
+        (dq, dk, dv), delta = grads if need[3] else (grads, None)
+        dsinks = sinks_grad(out, lse, dout, sinks, ctx.options.layout, delta) if need[3] else None
         return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dsinks, None
 
 

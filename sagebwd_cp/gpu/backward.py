@@ -122,11 +122,13 @@ BACKWARD_INPUTS = ("q", "k", "v", "out", "lse2", "do")  # then k_mean if given, 
 
 
 def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: ArrayDesc, options: AttentionOptions,
-                  k_mean: ArrayDesc | None = None) -> LaunchPlan:
+                  k_mean: ArrayDesc | None = None, keep_stats: bool = False) -> LaunchPlan:
     """The plan of one backward with ``options`` (its granularity and order; the rest are ``prob``'s):
     inputs BACKWARD_INPUTS (then "k_mean", the forward's μ_K, when
     given: K's token sums are then not taken again), outputs dq, dk, dv (new arrays in q's layout
-    and dtype)."""
+    and dtype); with ``keep_stats`` (dense batches) first "stats", the row statistics [B][Hq][Nq_pad][4] whose third
+    column is δ = rowsum(dO ∘ O) (attention sinks' gradient reads it: sinks.py)."""
+    assert not (keep_stats and prob.varlen), "a packed batch's statistics rows are its sequences' padded rows"
     inputs = list(zip(BACKWARD_INPUTS, (prob.q, prob.k, prob.v, out, lse2, do)))
     plan = PlanBuilder(prob.q.device_id, prob.q.framework,
                        inputs + ([("k_mean", k_mean)] if k_mean else []) + varlen_inputs(prob))
@@ -145,7 +147,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     qz = quantize_inputs(plan, prob, True, do, key_pad=tiles.key_pad, k_mean=k_mean, k_mean_given=k_mean is not None)
     nq, nk = qz.nq_pad, qz.nk_pad
 
-    stats = plan.workspace("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ) per query row
+    stats = (plan.output if keep_stats else plan.workspace)("stats", (S, Hq, nq, 4), "float32")  # (LSE2, s_Q, δ, s_Qᵀ)
     # dQ's accumulator and the deterministic turn counters start at zero: row_stats clears them (no memset).
     dq_row = tiles.dq_row(dp)
     dq_acc = plan.workspace("dq_acc", (S, Hq, nq, dq_row), "float32")
