@@ -186,7 +186,9 @@ SB_STRUCT(PackRowsParams, SB_PACK_ROWS_FIELDS)
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, D) \
     F(float, softmax_scale) \
     F(const float*, k_mean)                   /* [B][Hkv][D] μ_K, or null */ \
-    F(const float*, lse2) F(float*, lse) \
+    F(float*, lse2) F(float*, lse)            /* [B][Hq][Lq]: lse2 read (and with sinks rewritten), lse written */ \
+    F(const float*, sinks)                    /* [Hq] float32 sink logits joined here (sinks.py), or null */ \
+    F(u16*, out) F(i64, ob) F(i64, oh) F(i64, on) F(int, Dv)  /* with sinks: O, rescaled in place */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */
 SB_STRUCT(NaturalLseParams, SB_NATURAL_LSE_FIELDS)
 

@@ -21,7 +21,7 @@ from .gpu import backward as gpu_backward, forward as gpu_forward
 from .gpu.plan import cached_plan, remember_plan
 from .host import emulator, packed
 from .options import AttentionOptions, check_flag, window_options
-from .sinks import check_sinks, join_sinks, sinks_grad
+from .sinks import check_sinks, join_sinks, sink_logits, sinks_grad
 from .problem import AttentionProblem, check_output, check_wide_options, make_problem, make_varlen_problem
 
 
@@ -79,23 +79,30 @@ def _with_offsets(arrays: tuple, varlen) -> tuple:
 
 
 def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool = False, return_lse: bool = False,
-                want_saved: bool = False, k_mean=None, varlen=None):
+                want_saved: bool = False, k_mean=None, varlen=None, sinks=None):
     """(out, lse or None, saved) of attention with ``options`` (an AttentionOptions, checked when made).
     ``out``: a buffer to write, or None; ``training``: keep what the backward needs; ``return_lse``:
     also the natural-log LSE; ``want_saved``: that state as an AttentionSaved.  ``saved`` is an AttentionSaved (training and want_saved), the pair
     (base-2 LSE array, μ_K array or None without K-smoothing) (training only), or None.  ``k_mean``:
     a μ_K to quantize K with instead of K's own token mean (chunked attention shares one over the
     chunks; ALGORITHM.md, chunked attention), returned as the saved μ_K.  ``varlen``:
-    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, or None.
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, or None.  ``sinks``: (Hq,) sink
+    logits (sinks.py) joined into the output and both LSEs (with return_lse): on the GPU where the LSE is formed
+    (kernels/lse.cu natural_lse), on the host by join_sinks.
 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
     if value_head_dim.differs(q, v):
-        return _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen)
+        return _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen, sinks)
     given = k_mean is not None
-    key_options = ("forward", options, training, return_lse, given, None if varlen is None else tuple(varlen[2:]))
-    arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ())
+    if sinks is not None:
+        assert return_lse, "the sinks join where the returned LSE is formed"
+        sinks = sink_logits(sinks)
+    key_options = ("forward", options, training, return_lse, given, None if varlen is None else tuple(varlen[2:]),
+                   sinks is not None)
+    arrays = (q, k, v) + ((out,) if out is not None else ()) + ((k_mean,) if given else ()) + (
+        (sinks,) if sinks is not None else ())
     sig = _signatures(_with_offsets(arrays, varlen))
     key = None
     if sig is not None:
@@ -112,28 +119,54 @@ def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool 
         mean_desc = describe(k_mean, "k_mean")
         _check_k_mean(mean_desc, prob)
     if not prob.on_gpu:
-        return _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
+        result = _host_forward(prob, out, training, return_lse, want_saved, mean_desc)
+        return result if sinks is None else _host_sinks(result, sinks, out, prob)
     out_desc = check_output(out, prob) if out is not None else None
-    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc, prob.cu_q, prob.cu_k) if d is not None]
+    sinks_desc = describe(sinks, "sinks") if sinks is not None else None
+    descs = [d for d in (prob.q, prob.k, prob.v, out_desc, mean_desc, sinks_desc, prob.cu_q, prob.cu_k)
+             if d is not None]
     plan = None
     if key is None:  # arrays without a cheap signature (JAX, DLPack): key the plan by their descriptors
         key = (key_options, _signatures(descs)[1])
         plan = cached_plan(key)
     if plan is None:
-        plan = gpu_forward.forward_plan(prob, out_desc, training, return_lse, mean_desc)
+        plan = gpu_forward.forward_plan(prob, out_desc, training, return_lse, mean_desc, sinks_desc)
         remember_plan(key, plan)
     return _run_forward(plan, [d.ptr for d in descs], q, k, v, out, training, return_lse, want_saved,
                         mean_desc.obj if given else None, varlen)
 
 
-def _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen):
+def _host_sinks(result, sinks, out, prob: AttentionProblem):
+    """A host forward's (out, lse, saved) with the sinks joined (join_sinks): the output (into ``out`` when given),
+    the returned LSE and the saved base-2 LSE (a packed batch's as one batch entry of rows)."""
+    o, lse, saved = result
+    lse2 = saved.lse2.obj if isinstance(saved, AttentionSaved) else saved[0] if saved is not None else None
+    if prob.varlen:
+        o_joined, lse, lse2 = join_sinks(o[None], lse[None], None if lse2 is None else lse2[None], sinks, "NHD")
+        o_joined, lse, lse2 = o_joined[0], lse[0], None if lse2 is None else lse2[0]
+    else:
+        o_joined, lse, lse2 = join_sinks(o, lse, lse2, sinks, prob.layout)
+    if out is not None:
+        out[...] = o_joined
+        o_joined = out
+    if isinstance(saved, AttentionSaved):
+        out_desc = describe(o_joined, "out")
+        out_desc.dtype = saved.out.dtype
+        saved = dataclasses.replace(saved, out=out_desc, lse2=describe(lse2, "lse2"))
+    elif saved is not None:
+        saved = (lse2, saved[1])
+    return o_joined, lse, saved
+
+
+def _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen, sinks=None):
     """run_forward where V's head dim differs from Q·K's: at the wider one, the output sliced back."""
     dqk, dv = q.shape[-1], v.shape[-1]
     q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
     if k_mean is not None:
         k_mean = value_head_dim.pad_head_dim(k_mean, q.shape[-1])
     o, lse, saved = run_forward(q, k, v, value_head_dim.widened_options(options, scale, dqk, dv), training=training,
-                                return_lse=return_lse, want_saved=want_saved, k_mean=k_mean, varlen=varlen)
+                                return_lse=return_lse, want_saved=want_saved, k_mean=k_mean, varlen=varlen,
+                                sinks=sinks)
     sliced = o[..., :dv]
     if out is not None:
         out[...] = sliced
@@ -283,11 +316,7 @@ def _query_heads(q, layout: str) -> int:
 
 def _attention_with_sinks(q, k, v, options, out, return_lse, k_mean, sinks):
     check_sinks(sinks, _query_heads(q, options.layout), q)
-    o, lse, _ = run_forward(q, k, v, options, return_lse=True, k_mean=k_mean)
-    o, lse, _ = join_sinks(o, lse, None, sinks, options.layout)
-    if out is not None:
-        out[...] = o
-        o = out
+    o, lse, _ = run_forward(q, k, v, options, out=out, return_lse=True, k_mean=k_mean, sinks=sinks)
     return (o, lse) if return_lse else o
 
 
@@ -302,14 +331,9 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, smooth_k=Tru
                                         window_size, softcap, return_lse, accuracy_guard)
     if sinks is not None:
         check_sinks(sinks, _query_heads(q, options.layout), q)
-        o, lse, saved = run_forward(q, k, v, options, training=True, return_lse=True, want_saved=True, k_mean=k_mean)
-        o, lse, lse2 = join_sinks(o, lse, saved.lse2.obj, sinks, options.layout)
-        if out is not None:
-            out[...] = o
-            o = out
-        out_desc = describe(o, "out")
-        out_desc.dtype = saved.out.dtype  # CuPy holds bfloat16 outputs as uint16
-        saved = dataclasses.replace(saved, out=out_desc, lse2=describe(lse2, "lse2"), sinks=sinks, sink_lse=lse)
+        o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=True, want_saved=True,
+                                    k_mean=k_mean, sinks=sinks)
+        saved = dataclasses.replace(saved, sinks=sinks, sink_lse=lse)
         return (o, lse, saved) if return_lse else (o, saved)
     o, lse, saved = run_forward(q, k, v, options, out=out, training=True, return_lse=return_lse, want_saved=True,
                                 k_mean=k_mean)

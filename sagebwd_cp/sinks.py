@@ -34,6 +34,14 @@ def _rows(x, layout: str, xp):
     return (x if layout == "HND" else xp.moveaxis(x, 1, 2))[..., None]
 
 
+def sink_logits(sinks):
+    """The sinks as the kernels read them (kernels/lse.cu natural_lse): a contiguous float32 array in their own
+    framework (a copy only where they are not one already)."""
+    xp = array_namespace(sinks, "sinks")
+    x = as_dtype(xp, sinks, "float32")
+    return x.contiguous() if xp.__name__ == "torch" else xp.ascontiguousarray(x)
+
+
 def _times_rows(out, w, xp):
     """out·w rounded once to out's dtype: the float32 product of the 16-bit values (type promotion), stored straight
     into a 16-bit result where the namespace writes into a given array (torch, NumPy, CuPy: one pass over O, no

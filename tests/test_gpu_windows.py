@@ -255,3 +255,32 @@ def test_the_sinks_gradient_reads_delta_from_the_row_statistics(layout, shape):
     sink_param = sinks.clone().requires_grad_()
     st.attention(q, k, v, causal=True, layout=layout, sinks=sink_param).backward(do)
     torch.testing.assert_close(sink_param.grad, formula, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout,shape,window", [("HND", (2, 8, 2, 300, 257, 128), (-1, -1)),
+                                                 ("NHD", (1, 4, 4, 200, 200, 64), (50, -1))])
+def test_the_sinks_joined_where_the_lse_is_formed_match_join_sinks(layout, shape, window):
+    """kernels/lse.cu natural_lse joins the sinks in its pass (O rescaled in place, both LSEs moved): against
+    sinks.join_sinks applied to the same forward without sinks, O within one 16-bit rounding, the LSEs within
+    float32 rounding, rows that see no key (the window) included; the output buffer a caller passes is the one
+    rescaled."""
+    import torch
+
+    from sagebwd_cp.sinks import join_sinks
+
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, "bfloat16", layout=layout, seed=41)
+    sinks = (3 * torch.randn(hq, generator=torch.Generator().manual_seed(4))).cuda()
+    kw = dict(causal=True, layout=layout, window_size=window, return_lse=True)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, sinks=sinks, **kw)
+        o0, lse0, saved0 = sagebwd_cp.attention_forward(q, k, v, **kw)
+        buf = torch.full_like(out, float("nan"))
+        out_b, lse_b = sagebwd_cp.attention(q, k, v, sinks=sinks, out=buf, **kw)
+    torch.cuda.synchronize()
+    o_ref, lse_ref, lse2_ref = join_sinks(o0, lse0, saved0.lse2.obj, sinks, layout)
+    torch.testing.assert_close(out.float(), o_ref.float(), rtol=8e-3, atol=1e-6)
+    assert (out != o_ref).float().mean() < 1e-3
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(saved.lse2.obj, lse2_ref, rtol=1e-6, atol=1e-6)
+    assert out_b.data_ptr() == buf.data_ptr() and torch.equal(out_b, out) and torch.equal(lse_b, lse)

@@ -86,12 +86,16 @@ def _no_k_mean(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, return_lse: bool = False) -> tuple:
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, return_lse: bool = False,
+                 sinks: Optional[Tensor] = None) -> tuple:
     """(out, lse2, k_mean): the output, and what the backward needs besides the inputs: the base-2
     LSE (B, Hq, Lq) float32 and μ_K (B, Hkv, D) float32 (empty without K-smoothing); with ``return_lse``
-    also the natural-log LSE (B, Hq, Lq) float32, fourth."""
+    also the natural-log LSE (B, Hq, Lq) float32, fourth; with ``sinks`` (Hq,) all of them the sink attention's
+    (sagebwd_cp/sinks.py; return_lse)."""
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
-    out, lse, (lse2, k_mean) = run_forward(*args, options, training=True, return_lse=return_lse)
+    if sinks is not None and not q.is_cuda:
+        sinks = _host(sinks)
+    out, lse, (lse2, k_mean) = run_forward(*args, options, training=True, return_lse=return_lse, sinks=sinks)
     result = (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
               _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
     return result + (_as_tensor(lse),) if return_lse else result

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from sagebwd_cp import guard, value_head_dim
 from sagebwd_cp.options import FIELDS, AttentionOptions, check_flag, window_options
-from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
+from sagebwd_cp.sinks import check_sinks, sinks_grad
 
 from . import _ops
 from ._checks import check_tensors
@@ -100,9 +100,8 @@ class _EagerAttention(torch.autograd.Function):
 def _sink_forward(q, k, v, sinks, options: AttentionOptions) -> tuple:
     """The sink attention's output and what its backward needs (sagebwd_cp/sinks.py): (out, lse2, k_mean,
     lse), lse2 the base-2 LSE the kernels' backward reads and lse the natural-log one, both with the sinks."""
-    out, lse2, k_mean, lse = _ops.forward_impl(q, k, v, options, return_lse=True)
-    out, lse, lse2 = join_sinks(out, lse, lse2, sinks.detach(), options.layout)
-    return out, lse2.contiguous(), k_mean, lse
+    out, lse2, k_mean, lse = _ops.forward_impl(q, k, v, options, return_lse=True, sinks=sinks.detach())
+    return out, lse2, k_mean, lse
 
 
 class _SinkAttention(torch.autograd.Function):

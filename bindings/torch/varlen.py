@@ -20,7 +20,7 @@ from torch import Tensor
 from sagebwd_cp import value_head_dim
 from sagebwd_cp.api import run_backward, run_forward
 from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
-from sagebwd_cp.sinks import check_sinks, join_sinks, sinks_grad
+from sagebwd_cp.sinks import check_sinks, sinks_grad
 
 from ._checks import check_tensors
 from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
@@ -34,11 +34,14 @@ def _offsets(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, on_gpu: bool) -
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                 options: AttentionOptions, return_lse: bool = False) -> tuple:
-    """(out, lse2, k_mean), with ``return_lse`` also the natural-log LSE (Hq, total_q), fourth."""
+                 options: AttentionOptions, return_lse: bool = False, sinks: Tensor | None = None) -> tuple:
+    """(out, lse2, k_mean), with ``return_lse`` also the natural-log LSE (Hq, total_q), fourth; with ``sinks`` (Hq,)
+    all of them the sink attention's (return_lse)."""
     args = (q, k, v) if q.is_cuda else (_host(q), _host(k), _host(v))
+    if sinks is not None and not q.is_cuda:
+        sinks = _host(sinks)
     out, lse, (lse2, k_mean) = run_forward(*args, options, training=True, return_lse=return_lse,
-                                           varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda))
+                                           varlen=_offsets(cu_q, cu_k, max_q, max_k, q.is_cuda), sinks=sinks)
     result = (_as_tensor(out, None if q.is_cuda else q.dtype), _as_tensor(lse2),
               _as_tensor(k_mean) if k_mean is not None else _no_k_mean(q))
     return result + (_as_tensor(lse),) if return_lse else result
@@ -132,9 +135,7 @@ varlen_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def _sink_forward(q, k, v, sinks, offsets, options: AttentionOptions) -> tuple:
     """The sink attention of a packed batch (sagebwd_cp/sinks.py, its rows one batch of total_q): (out, lse2,
     k_mean, lse), both LSEs (Hq, total_q) with the sinks."""
-    out, lse2, k_mean, lse = forward_impl(q, k, v, *offsets, options, return_lse=True)
-    out, lse, lse2 = join_sinks(out[None], lse[None], lse2[None], sinks.detach(), "NHD")
-    return out[0], lse2[0].contiguous(), k_mean, lse[0]
+    return forward_impl(q, k, v, *offsets, options, return_lse=True, sinks=sinks.detach())
 
 
 class _VarlenSinkAttention(torch.autograd.Function):

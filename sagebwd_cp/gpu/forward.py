@@ -63,9 +63,11 @@ def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) 
     plan.launch(spec, "attention_forward", grid, (threads, 1, 1), args, shared=KERNEL_LAYOUT)
 
 
-def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, lse) -> None:
-    """lse: float32 natural-log LSE (prob.lse_shape()), K-smoothing's shift added back."""
+def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, lse, out=None, sinks=None) -> None:
+    """lse: float32 natural-log LSE (prob.lse_shape()), K-smoothing's shift added back; with ``sinks`` (float32
+    (Hq,)) their join too: ``out`` and ``lse2`` rewritten in place, lse the joined LSE (kernels/lse.cu)."""
     sb, sh, sn = prob.bhnd_strides(prob.q)
+    ob, oh, on = prob.bhnd_strides(out) if sinks is not None else (0, 0, 0)
     lengths = prob.kernel_lengths()
     del lengths["Lk"]
     plan.launch(specs.lse_spec(prob.dtype, prob.varlen), "natural_lse",
@@ -73,20 +75,24 @@ def natural_lse(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, lse2, 
                 (specs.LSE_THREADS, 1, 1),  # D_pad / 8 lanes a row (kernels/row_dot.cuh)
                 params.args("NaturalLseParams", q=prob.q, sb=sb, sh=sh, sn=sn, Hq=prob.heads_q, Hkv=prob.heads_kv,
                                D=prob.head_dim, softmax_scale=prob.softmax_scale, k_mean=qz.k_mean,
-                               lse2=lse2, lse=lse, **lengths))
+                               lse2=lse2, lse=lse, sinks=sinks, out=out if sinks is not None else None, ob=ob, oh=oh,
+                               on=on, Dv=prob.value_dim, **lengths))
 
 
 FORWARD_INPUTS = ("q", "k", "v", "out")  # then cu_seqlens_q, cu_seqlens_k for packed batches
 
 
 def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, return_lse: bool,
-                 given_mean: ArrayDesc | None = None) -> LaunchPlan:
+                 given_mean: ArrayDesc | None = None, sinks: ArrayDesc | None = None) -> LaunchPlan:
     """The plan of one forward.  Inputs: q, k, v (and out when the caller passes it, then μ_K when
-    given: K is quantized with it, its token sums not taken); outputs, in this order, those of
+    given: K is quantized with it, its token sums not taken, then the sinks' float32 logits when given: joined
+    where the LSE is formed, return_lse); outputs, in this order, those of
     "out", "lse2" (training), "k_mean" (training with K-smoothing and no μ_K given: μ_K, which the
     backward reuses) and "lse" (return_lse) that are allocated."""
+    assert sinks is None or return_lse, "the sinks join where the returned LSE is formed"
     inputs = [("q", prob.q), ("k", prob.k), ("v", prob.v)] + ([("out", out)] if out is not None else [])
     inputs += [("k_mean", given_mean)] if given_mean is not None else []
+    inputs += [("sinks", sinks)] if sinks is not None else []
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + varlen_inputs(prob))
     if out is None:
         out = plan.output("out", prob.query_shape(), prob.dtype)
@@ -104,5 +110,5 @@ def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, 
     qz = quantize_inputs(plan, prob, False, quantize_q=prob.smooth_q, k_mean=k_mean, k_mean_given=given_mean is not None)
     attend(plan, prob, qz, out, lse2)
     if return_lse:
-        natural_lse(plan, prob, qz, lse2, plan.output("lse", lse_shape, "float32"))
+        natural_lse(plan, prob, qz, lse2, plan.output("lse", lse_shape, "float32"), out, sinks)
     return plan.build(problem=prob)
