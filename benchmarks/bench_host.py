@@ -71,8 +71,8 @@ def main(argv=None):
     q, k, v, do = (torch.randn(shape, generator=g).half() for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out, _, (lse2, k_mean) = run_forward(q, k, v, AttentionOptions(causal=True), training=True)
-    # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense)
-    options = ("forward", AttentionOptions(causal=True), False, False, False, None)
+    # as sagebwd_cp.attention(causal=True): api.run_forward's options (inference, no LSE, no μ_K given, dense, no sinks)
+    options = ("forward", AttentionOptions(causal=True), False, False, False, None, False)
 
     def lookup():
         return plan.cached_plan((options, tuple(arrays.signature(x)[1] for x in (q, k, v))))

@@ -1,0 +1,60 @@
+"""Attention sinks around the kernels: the kernel time of one forward+backward by kernel name (torch's profiler, mean
+of 10 calls after 3 warm-up calls), the sinks joined where the LSE is formed and δ read from the backward's row
+statistics (this version), against the elementwise join and the sinks' gradient formed from O and dO (sinks.py's
+join_sinks and sinks_grad around a forward and backward without sinks, as the earlier versions ran them); bf16,
+causal.
+
+    python tools/experiments/sink_passes.py [BxHqxHkvxNxD ...]   # default 8x16x16x2048x128 2x64x8x4096x64
+"""
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import sagebwd_cp
+from sagebwd_cp.sinks import join_sinks, sinks_grad
+
+
+def kernel_times(step) -> dict:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] += e.device_time_total / 10
+    return per
+
+
+def main(shapes) -> None:
+    for text in shapes:
+        b, hq, hk, n, d = map(int, text.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        sinks = torch.randn(hq, device="cuda", generator=g)
+
+        def fused():
+            _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, sinks=sinks)
+            sagebwd_cp.attention_backward(saved, do)
+
+        def elementwise():
+            out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, return_lse=True)
+            out, lse, lse2 = join_sinks(out, lse, saved.lse2.obj, sinks, "HND")
+            sagebwd_cp.attention_backward_arrays(q, k, v, out, lse2, do, causal=True, k_mean=saved.k_mean.obj)
+            sinks_grad(out, lse, do, sinks, "HND")
+
+        for name, step in (("fused", fused), ("elementwise", elementwise)):
+            per = kernel_times(step)
+            top = ", ".join(f"{k[:22]} {us:.1f}" for k, us in sorted(per.items(), key=lambda kv: -kv[1])[:6])
+            print(f"{text} {name}: {sum(per.values()):.1f} µs ({top})", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["8x16x16x2048x128", "2x64x8x4096x64"])
