@@ -6,29 +6,13 @@ causal.
 
     python tools/experiments/sink_passes.py [BxHqxHkvxNxD ...]   # default 8x16x16x2048x128 2x64x8x4096x64
 """
-import collections
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sagebwd_cp
+from kernel_sums import kernel_times
 from sagebwd_cp.sinks import join_sinks, sinks_grad
-
-
-def kernel_times(step) -> dict:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] += e.device_time_total / 10
-    return per
 
 
 def main(shapes) -> None:

@@ -3,34 +3,22 @@ one forward+backward by kernel name (torch's profiler, mean of 5 calls after 3 w
 
     python tools/experiments/softcap_smoothing.py [BxHqxHkvxNxD ...]   # default 8x16x16x2048x128 2x16x4x8192x128
 """
-import collections
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sagebwd_cp
+from kernel_sums import kernel_times
 
 CAP = 30.0
 
 
-def kernel_times(q, k, v, do, smooth_k: bool) -> dict:
+def kernel_times_of(q, k, v, do, smooth_k: bool) -> dict:
     def step():
         _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, softcap=CAP, smooth_k=smooth_k)
         sagebwd_cp.attention_backward(saved, do)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] += e.device_time_total / 5
-    return per
+    return kernel_times(step, calls=5)
 
 
 def main(shapes) -> None:
@@ -41,7 +29,7 @@ def main(shapes) -> None:
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         do = torch.randn_like(q)
         for smooth in (False, True):
-            per = kernel_times(q, k, v, do, smooth)
+            per = kernel_times_of(q, k, v, do, smooth)
             top = ", ".join(f"{name[:24]} {us:.1f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
             print(f"{text} smooth_k={smooth}: {sum(per.values()):.1f} µs ({top})", flush=True)
 
