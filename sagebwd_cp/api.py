@@ -362,10 +362,12 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
                              varlen=varlen, want_delta=saved.sinks is not None)
     if saved.sinks is None:
         return grads
-    delta = None
+    delta, out = None, saved.out.obj
     if saved.head_dims is None:
         grads, delta = grads
-    return tuple(grads) + (sinks_grad(saved.out.obj, saved.sink_lse, do, saved.sinks, p.layout, delta),)
+    else:  # the saved output is widened to Q·K's head dim
+        out = out[..., :saved.head_dims[1]]
+    return tuple(grads) + (sinks_grad(out, saved.sink_lse, do, saved.sinks, p.layout, delta),)
 
 
 @jax_boundary

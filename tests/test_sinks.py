@@ -62,6 +62,26 @@ def test_the_neutral_api_with_sinks(layout, causal, window):
                 o_ref) > 0.05
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_sinks_with_a_value_head_dim_of_its_own(layout):
+    """Sinks where V's head dim (32) differs from Q·K's (64): the widened forward's joined output and LSE, and the
+    backward's four gradients (dσ from the output sliced back to V's head dim) against the FP64 reference."""
+    q, k, v, do, sinks = _inputs(3, lq=90, lk=70)
+    v, do = v[..., :32].copy(), do[..., :32].copy()
+    t = (lambda x: x) if layout == "HND" else (lambda x: x.transpose(0, 2, 1, 3).copy())
+    out, lse, saved = sagebwd_cp.attention_forward(t(q), t(k), t(v), causal=True, layout=layout, sinks=sinks,
+                                                   return_lse=True)
+    o_ref, lse_ref = attention_reference(q, k, v, causal=True, sinks=sinks)
+    assert out.shape[-1] == 32 and _rel(t(out), o_ref) < 0.03
+    np.testing.assert_allclose(lse, lse_ref, atol=0.05)
+    grads = sagebwd_cp.attention_backward(saved, t(do))
+    refs = attention_reference_backward(q, k, v, do, causal=True, sinks=sinks)
+    assert [g.shape[-1] for g in grads[:3]] == [64, 64, 32]
+    for g, ref in zip(grads[:3], refs[:3]):
+        assert _rel(t(g), ref) < 0.06
+    assert _rel(grads[3], refs[3]) < 0.06
+
+
 def test_torch_autograd_gives_the_sinks_gradient():
     torch = pytest.importorskip("torch")
     import sagebwd_cp.torch as st
