@@ -37,6 +37,7 @@ CASES = [
     (1, 2, 2, 130, 130, 256, False, "float16", {"deterministic": True}),
     (1, 2, 2, 100, 120, 256, True, "bfloat16", {"deterministic": True, "forward": {"softcap": 20.0, "window_size": (48, 0)}}),
     (1, 2, 2, 110, 90, 192, True, "bfloat16", {"value_dim": 128}),               # MLA's 192/128
+    (1, 4, 2, 100, 120, 192, True, "bfloat16", {"value_dim": 128, "sinks": True}),  # sinks joined on a widened O
     (1, 4, 2, 90, 130, 128, True, "bfloat16", {"packed": True}),                  # packed batch
     (1, 2, 2, 90, 130, 256, False, "float16", {"packed": True, "forward": {"window_size": (48, 16)}}),
 ]
