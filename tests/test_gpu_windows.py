@@ -284,3 +284,34 @@ def test_the_sinks_joined_where_the_lse_is_formed_match_join_sinks(layout, shape
     torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(saved.lse2.obj, lse2_ref, rtol=1e-6, atol=1e-6)
     assert out_b.data_ptr() == buf.data_ptr() and torch.equal(out_b, out) and torch.equal(lse_b, lse)
+
+
+def test_sinks_with_a_value_head_dim_of_its_own():
+    """Sinks on MLA's 192/128 (the join on the widened output, natural_lse's column count V's head dim): output, LSE
+    and the four gradients against FP64 on the host, through the neutral API and torch's autograd."""
+    import torch
+
+    import sagebwd_cp.torch as st
+
+    g = torch.Generator(device="cuda").manual_seed(51)
+    q, k = (torch.randn(1, 4, n, 192, generator=g, device="cuda").to(torch.bfloat16) for n in (300, 257))
+    v = torch.randn(1, 2, 257, 128, generator=g, device="cuda").to(torch.bfloat16)
+    k = k[:, :2]
+    sinks = torch.randn(4, generator=g, device="cuda")
+    do = torch.randn(1, 4, 300, 128, generator=g, device="cuda").to(torch.bfloat16)
+    with poisoned_workspaces():
+        out, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        grads = sagebwd_cp.attention_backward(saved, do)
+    torch.cuda.synchronize()
+    host = [x.float().cpu().double().numpy() for x in (q, k, v)]
+    s = sinks.cpu().double().numpy()
+    o_ref, lse_ref = reference.attention_reference(*host, causal=True, sinks=s)
+    refs = reference.attention_reference_backward(*host, do.float().cpu().numpy(), causal=True, sinks=s)
+    assert out.shape[-1] == 128 and rel_l2(out.float().cpu().numpy(), o_ref) < 0.03
+    np.testing.assert_allclose(lse.cpu().numpy(), lse_ref, atol=0.05)
+    for gr, ref in zip(grads, refs):
+        assert rel_l2(gr.float().cpu().numpy(), ref) < 0.06
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    st.attention(*leaves[:3], causal=True, sinks=leaves[3]).backward(do)
+    for leaf, gr in zip(leaves, grads):
+        torch.testing.assert_close(leaf.grad.float(), gr.float(), rtol=2e-2, atol=2e-2)
