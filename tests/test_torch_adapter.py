@@ -102,10 +102,10 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     seen = []
     real = _ops.run_backward
 
-    def spy(*args, k_mean=None):
+    def spy(*args, k_mean=None, **kw):
         (options,) = args[6:]  # after q, k, v, out, lse2, dout
         seen.append(tuple(options) + (None if k_mean is None else k_mean.shape,))
-        return real(*args, k_mean=k_mean)
+        return real(*args, k_mean=k_mean, **kw)
 
     monkeypatch.setattr(_ops, "run_backward", spy)
     q, k, v = qkv(lq=70, lk=80)

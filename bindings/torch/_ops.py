@@ -110,15 +110,13 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
-        if not want_delta:
-            dq, dk, dv = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean)
-            return _as_tensor(dq), _as_tensor(dk), _as_tensor(dv)
-        grads, delta = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean, want_delta=True)
-        return tuple(_as_tensor(g) for g in grads), None if delta is None else _as_tensor(delta)
-    grads = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), options,
-                         k_mean=_host(mean) if mean is not None else None)
-    grads = tuple(_as_tensor(g, q.dtype) for g in grads)
-    return (grads, None) if want_delta else grads
+        result = run_backward(q, k, v, out, lse2, dout, options, k_mean=mean, want_delta=want_delta)
+    else:
+        result = run_backward(_host(q), _host(k), _host(v), _host(out), _host(lse2), _host(dout), options,
+                              k_mean=_host(mean) if mean is not None else None, want_delta=want_delta)
+    grads, delta = result if want_delta else (result, None)
+    grads = tuple(_as_tensor(g, None if q.is_cuda else q.dtype) for g in grads)
+    return (grads, None if delta is None else _as_tensor(delta)) if want_delta else grads
 
 
 # ------------------------------------------------------------------------------ shape checks for tracing
