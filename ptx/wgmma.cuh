@@ -68,7 +68,7 @@ SB_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta
 #define SB_WG_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
     "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 16, 24, 32, 64, 128 or 192 (the
+// D (64xN s32) += A (64x32 s8, descriptor) · B (N x 32 s8, descriptor), N = 16, 24, 32, 64, 96, 128 or 192 (the
 // accumulator's n-tiles); accumulate = 0 overwrites.
 SB_DEVICE void wgmma_s8_ss(int (&d)[2][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -98,17 +98,31 @@ SB_DEVICE void wgmma_s8_ss(int (&d)[24][4], u64 a, u64 b, int accumulate) {
                  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}" ", %96, %97, p;\n}\n"
                  : SB_WG_ACC96("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
+#define SB_WG_ACC48(c, d) SB_WG_ACC32(c, d), SB_WG_ACC4(c, d, 8), SB_WG_ACC4(c, d, 9), SB_WG_ACC4(c, d, 10), SB_WG_ACC4(c, d, 11)
+SB_DEVICE void wgmma_s8_ss(int (&d)[12][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k32.s32.s8.s8 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}" ", %48, %49, p;\n}\n"
+                 : SB_WG_ACC48("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
 SB_DEVICE void wgmma_s8_ss(int (&d)[16][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " SB_WG_REGS64 ", %64, %65, p;\n}\n"
                  : SB_WG_ACC64("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// D (64x32 s32) += A (64x32 u8, descriptor) · B (32 x 32 s8, descriptor): unsigned codes from shared memory.
+// D (64xN s32) += A (64x32 u8, descriptor) · B (N x 32 s8, descriptor), N = 32 or 64: unsigned codes from shared
+// memory.
 SB_DEVICE void wgmma_u8s8_ss(int (&d)[4][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.s8 " SB_WG_REGS16 ", %16, %17, p;\n}\n"
                  : SB_WG_ACC16("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
+
+SB_DEVICE void wgmma_u8s8_ss(int (&d)[8][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 " SB_WG_REGS32 ", %32, %33, p;\n}\n"
+                 : SB_WG_ACC32("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // D (64xN s32) += A (64x32, registers: u8 if UNSIGNED_A, else s8) · B (N x 32 s8, descriptor).

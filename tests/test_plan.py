@@ -793,6 +793,11 @@ def test_backward_grid_goes_heads_first_where_causal_and_few_waves():
     q, k = np.zeros((16, 16, 4096, 8), np.float16), np.zeros((16, 16, 4096, 8), np.float16)
     wide = make_problem(q, k, k, AttentionOptions(causal=True))  # two-pass: chains of 64 CTAs, many waves
     assert backward_grid(wide, 128, False, True, 132, passes=2) == ((16, 64, 16), HEADS_FIRST)
+    # The pair kernel (64-key CTAs) keeps the batch in z where the others would put it beside the heads.
+    q, k = np.zeros((8, 16, 1024, 8), np.float16), np.zeros((8, 4, 1024, 8), np.float16)
+    mla = make_problem(q, k, k, AttentionOptions(causal=True))
+    assert backward_grid(mla, 64, False, True, 132) == ((4, 8, 16), HEADS_BATCH_FIRST)
+    assert backward_grid(mla, 64, False, True, 132, batch_beside_heads=False) == ((4, 16, 8), HEADS_FIRST)
     assert grid(8, 8, 2, 2048, False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, wgmma=False) == ((16, 2, 8), BLOCKS_FIRST)
     assert grid(8, 8, 2, 2048, True, det=True, wgmma=False) == ((2, 8, 16), HEADS_BATCH_FIRST)
@@ -868,9 +873,9 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         gpu.calls.clear()
         sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
         assert launched("attention_backward", "BackwardParams") == {"D": 192, "Dv": dv}
-        # The backward's passes split 192 columns and V's (specs.narrow_backward_tiles): Q̂ᵀ's boxes take 96 rows,
-        # dÔᵀ's half of V's head dim.
+        # The backward splits 192 columns and V's (specs.narrow_backward_tiles): V's 128 in the pair kernel's CTA
+        # (Q̂ᵀ's and dÔᵀ's boxes take all 192 and 128 rows), V's 192 in two passes (96 rows each).
         step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
-        assert f".qk192.v{dv}" in step.spec.key, step.spec.key
+        assert f".qk192.v{dv}" in step.spec.key and (".pair." in step.spec.key) == (dv == 128), step.spec.key
         boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and len(c[1].dims) == 2 and c[1].swizzle == 64}
-        assert boxes == {(64, 96), (64, dv // 2)}, boxes
+        assert boxes == ({(64, 192), (64, 128)} if dv == 128 else {(64, 96), (64, dv // 2)}), boxes

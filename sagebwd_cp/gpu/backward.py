@@ -80,7 +80,7 @@ FEW_WAVES = 4
 
 
 def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, wgmma: bool, sms: int,
-                  passes: int = 1) -> tuple[tuple, int]:
+                  passes: int = 1, batch_beside_heads: bool = True) -> tuple[tuple, int]:
     """The backward kernel's grid and its order (launch.attention_grid; BackwardParams.grid_order).
     Causal key blocks differ in work (the first sees every query), and the kernels start each (head,
     batch entry)'s blocks heaviest first. Where such a chain is shorter than a wave and the grid is a
@@ -99,7 +99,9 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     so only when deterministic, fixed at compile time (kernels/backward.cu): a grid-order argument
     costs it a register it does not have at d=64 (specs.backward_fixed_grid_order). ``passes`` CTAs a key
     block (specs.BackwardTiles.passes) lie next to one another on the blocks' axis, so that they read the
-    same tiles at about the same time (L2)."""
+    same tiles at about the same time (L2). ``batch_beside_heads`` False keeps HEADS_FIRST where HEADS_BATCH_FIRST
+    would be taken: the pair kernel (specs.BackwardTiles.pair) measured 0.81-0.86x under it at 8x16x4x1024, 192/128
+    (H200), where the two-pass kernel measured 1.03-1.07x (tools/experiments/grid_orders.py)."""
     blocks = -(-prob.len_k // block_keys)
     short = blocks * passes < sms  # a (head, batch entry)'s chain of key blocks is shorter than a wave
     few = blocks * passes * prob.heads_kv * prob.batch <= FEW_WAVES * sms and short
@@ -110,7 +112,8 @@ def backward_grid(prob: AttentionProblem, block_keys: int, deterministic: bool, 
     elif not banded:
         order = BLOCKS_FIRST
     elif few:
-        order = HEADS_BATCH_FIRST if deterministic or 2 * blocks * prob.heads_kv <= sms else HEADS_FIRST
+        batch = deterministic or (batch_beside_heads and 2 * blocks * prob.heads_kv <= sms)
+        order = HEADS_BATCH_FIRST if batch else HEADS_FIRST
     elif short:
         order = HEADS_FIRST
     else:
@@ -176,7 +179,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     maps = params.args("BackwardMaps", **_query_tile_maps(qz, do_rows, (db, dh, dn), dq_acc, prob, tiles)) if tiles.wgmma else []
     grid, grid_order = backward_grid(prob, tiles.block_keys, deterministic, tiles.wgmma, sm_count(dev),
-                                     tiles.passes(dp))
+                                     tiles.passes(dp), batch_beside_heads=not tiles.pair)
     plan.launch(spec, "attention_backward", grid, (tiles.threads, 1, 1),
                 params.args("BackwardParams", q8=qz.q8, q8t=qz.q8t, q_mean=qz.q_mean, k8=qz.k8, k8t=qz.k8t,
                                k_scale=qz.k_scale, kt_scale=qz.kt_scale, bias=qz.bias, v=v_rows, dout=do_rows,

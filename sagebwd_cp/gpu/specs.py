@@ -54,6 +54,7 @@ KEY_TEXT = {
     "SB_WS": lambda v: ".ws" if v else "",
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_QUAD": lambda v: ".quad" if v else "",
+    "SB_PAIR": lambda v: ".pair" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
     "SB_DQK": lambda v: f".qk{v}",
     "SB_DPV": lambda v: f".v{v}",
@@ -381,6 +382,9 @@ class BackwardTiles:
     ws: bool = False  # wgmma: a producer warpgroup beside the two computing ones (SB_WS; backward_tiles says where)
     dq_tiles: int = 1  # wgmma: dQ partial tiles in shared memory (SB_DQ_TILES; 2 needs ws: dq_tiles_for)
     quad: bool = False  # wgmma at head dim 128: kernels/backward_quad.cu (four warpgroups split by queries)
+    # wgmma above head dim 128: kernels/backward_pair.cu (a CTA of 64 keys, two warpgroups splitting the queries for
+    # the scores and the head dims for the gradients; narrow_backward_tiles says where)
+    pair: bool = False
     # wgmma above head dim 128: the Q·K and V head dims the passes split where narrower than the padded one (SB_DQK,
     # SB_DPV; narrow_backward_tiles), else 0
     qk_cols: int = 0
@@ -388,19 +392,25 @@ class BackwardTiles:
 
     @property
     def filename(self) -> str:
+        if self.pair:
+            return "backward_pair.cu"
         return "backward_quad.cu" if self.quad else "backward_wgmma.cu" if self.wgmma else "backward.cu"
 
     @property
     def threads(self) -> int:
         """The launch's: mma.sync 4 key groups x 2 query halves of a 64x64 tile; wgmma 128 per warpgroup, and
-        the producer's 128 (ws); quad four warpgroups."""
+        the producer's 128 (ws); quad four warpgroups, pair two."""
         if self.quad:
             return 4 * 128
+        if self.pair:
+            return 2 * 128
         return 128 * (WGMMA_GROUPS + self.ws) if self.wgmma else 256
 
     @property
     def block_keys(self) -> int:
         """Keys per CTA (the grid's x extent is the key length over this)."""
+        if self.pair:
+            return numerics.BLOCK_KV
         return WGMMA_GROUPS * numerics.BLOCK_KV if self.wgmma else numerics.BLOCK_KV
 
     @property
@@ -418,17 +428,18 @@ class BackwardTiles:
         dÔᵀ (a pass's rows, ``pass_dims``, of a query block's bytes), dO (a query block's rows x TMA_DO_COLS
         16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes; and the dQ
         accumulator's box that a pass's partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero
-        ones, unswizzled)."""
+        ones, unswizzled; the pair kernel's warpgroups add half of them each)."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
+        dq_cols = self.pass_dims(dp) // (2 if self.pair else 1)
         return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
                 "value_cols": TmaBox((bq, self.value_pass_dims(dp)), bq),
-                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((self.pass_dims(dp) + 8, bq), 0)}
+                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((dq_cols + 8, bq), 0)}
 
     def passes(self, dp: int) -> int:
         """CTAs a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim columns: two for the wgmma
         kernel above head dim 128 (kernels/backward_wgmma.cu PASSES; neighbours on the grid's blocks axis),
-        else one (the mma.sync kernel takes its halves in passes of its own)."""
-        return 2 if self.wgmma and dp > numerics.WIDE_HEAD_DIM else 1
+        else one (the mma.sync kernel takes its halves in passes of its own, the pair kernel in its warpgroups)."""
+        return 2 if self.wgmma and not self.pair and dp > numerics.WIDE_HEAD_DIM else 1
 
     def pass_dims(self, dp: int) -> int:
         """dK's and dQ's columns a CTA (Q̂ᵀ's and K̂ᵀ's rows)."""
@@ -442,7 +453,7 @@ class BackwardTiles:
         narrow = {"SB_DQK": self.qk_cols, "SB_DPV": self.value_cols} if self.qk_cols else {}
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
                 **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {}),
-                **({"SB_QUAD": 1} if self.quad else {}), **narrow}
+                **({"SB_QUAD": 1} if self.quad else {}), **({"SB_PAIR": 1} if self.pair else {}), **narrow}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -457,7 +468,7 @@ class BackwardTiles:
                        SB_TMA_QT_ROWS=maps["cols"].box[1], SB_TMA_DO_COLS=maps["grad"].box[0], SB_TMA_DQ_COLS=maps["dq"].box[0],
                        SB_TMA_SWIZZLE_Q=maps["rows"].swizzle, SB_TMA_SWIZZLE_QT=maps["cols"].swizzle,
                        SB_TMA_SWIZZLE_DO=maps["grad"].swizzle)
-            if self.qk_cols:
+            if self.qk_cols or self.pair:
                 out.update(SB_TMA_DOT_ROWS=maps["value_cols"].box[1])
         return out
 
@@ -500,9 +511,12 @@ NARROW_QK_COLS = 192
 
 
 def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int,
-                          options: AttentionOptions) -> BackwardTiles:
+                          options: AttentionOptions, pair: bool | None = None) -> BackwardTiles:
     """``tiles`` for a wide wgmma backward of ``options`` whose head dim ``head_dim`` (V's ``value_dim``) fits
-    NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``."""
+    NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. Where V's
+    head dim fits 128, the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
+    H200, bf16, causal GQA 4:1 at 192/128: fwd+bwd 1.05-1.12x the two-pass kernel at 2K-8K keys), unless ``pair``
+    is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel)."""
     value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
         return tiles
@@ -510,7 +524,12 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
     if not cols:
         return tiles
     # Two stages where they fit (V's 128 columns: 204,528 bytes), measured 1.04-1.05x one split stage at 192/128.
-    return dataclasses.replace(tiles, qk_cols=NARROW_QK_COLS, value_cols=cols[0], stages=2 if cols[0] == 128 else 1)
+    narrow = dataclasses.replace(tiles, qk_cols=NARROW_QK_COLS, value_cols=cols[0], stages=2 if cols[0] == 128 else 1)
+    if pair is None:
+        pair = env_choice("SAGEBWD_BACKWARD_PAIR", (0, 1)) != 0
+    if cols[0] == 128 and pair:  # (two stages, no producer warpgroup)
+        return dataclasses.replace(narrow, pair=True, ws=False, dq_tiles=1, stages=2)
+    return narrow
 
 
 def dq_tiles_for(ws: bool) -> int:
@@ -534,6 +553,10 @@ def backward_kernel(dp: int, dtype: str, options: AttentionOptions, tiles: Backw
         # The four-warpgroup kernel takes dense batches, fine granularity, no Q-smoothing or soft cap (packed, it
         # spilled 4-8 bytes under NVRTC 13.0): elsewhere the two-warpgroup kernel of the same tiles.
         tiles = dataclasses.replace(tiles, quad=False)
+    if tiles.pair and (not options.fine or options.smooth_q or options.softcap or options.deterministic):
+        # The pair kernel takes fine granularity without Q-smoothing, soft cap or a deterministic order: elsewhere
+        # the wide kernel of the same head dims, with its producer.
+        tiles = dataclasses.replace(tiles, pair=False, ws=True)
     if tiles.ws and dp == 128 and (not options.fine or options.smooth_q):
         # With the producer's registers taken, the paper granularity's tile maxima spilled 4-8 bytes, and causal
         # Q-smoothing 8 bytes (NVRTC 13.0).
@@ -625,9 +648,11 @@ def all_specs(arch: str | None = None) -> list:
                             if wide_refusal(dp, det) is None:  # (the same tiles)
                                 specs.append(backward_kernel(dp, dt, det, wide_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
-                                narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd)
-                                if narrow != wide_tiles:
-                                    specs.append(backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1])
+                                for pair in (True, False):  # (False: SAGEBWD_BACKWARD_PAIR=0's two-pass kernel)
+                                    narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd, pair)
+                                    spec = backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1]
+                                    if narrow != wide_tiles and spec not in specs:
+                                        specs.append(spec)
                         continue
                     if arch in WGMMA_ARCHS:
                         for key_tile in (64, 128):

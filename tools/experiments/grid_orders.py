@@ -1,8 +1,8 @@
 """The wgmma backward pass's time (pre- and post-kernels included) under each causal grid order, forced by patching
 backward.backward_grid; bf16; rounds interleave the orders; prints ms a round and heads-first / blocks-first.
 
-    [DET=1] python tools/experiments/grid_orders.py BxHqxHkvxNxD ...  # e.g. 8x16x16x2048x128 2x32x8x8192x128
-(DET=1: the deterministic backward)."""
+    [DET=1] python tools/experiments/grid_orders.py BxHqxHkvxNxD[xDv] ...  # e.g. 8x16x16x2048x128 2x32x8x8192x128
+(DET=1: the deterministic backward; Dv: V's head dim where it differs, e.g. 8x16x4x1024x192x128)."""
 import os
 import sys
 
@@ -15,19 +15,20 @@ real = backward.backward_grid
 
 
 def forced(order):
-    def grid(prob, block_keys, deterministic, wgmma, sms, passes=1):
-        g, o = real(prob, block_keys, deterministic, wgmma, sms, passes)
+    def grid(prob, block_keys, deterministic, wgmma, sms, passes=1, **kw):
+        g, o = real(prob, block_keys, deterministic, wgmma, sms, passes, **kw)
         return launch.attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k", passes), order
     return grid
 
 
 def run(shape, reps=20, rounds=5):
-    b, hq, hk, n, d = shape
+    b, hq, hk, n, d = shape[:5]
+    dv = shape[5] if len(shape) > 5 else d
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, n, hq, d, generator=g, device="cuda").bfloat16()
     k = torch.randn(b, n, hk, d, generator=g, device="cuda").bfloat16()
-    v = torch.randn(b, n, hk, d, generator=g, device="cuda").bfloat16()
-    do = torch.randn(b, n, hq, d, generator=g, device="cuda").bfloat16()
+    v = torch.randn(b, n, hk, dv, generator=g, device="cuda").bfloat16()
+    do = torch.randn(b, n, hq, dv, generator=g, device="cuda").bfloat16()
     res = {}
     for r in range(rounds):
         for name, order in (("blocks", launch.BLOCKS_FIRST), ("heads", launch.HEADS_FIRST),

@@ -6,7 +6,9 @@ process (GPU).
 GQA, causal and packed cases at 192/128, 192 and 136/64, both dtypes (gradients poisoned with NaN first).
 ``time``: ms of forward+backward, the variants interleaved over rounds, beside cuDNN's SDPA. Variants: ``old`` (256
 columns), ``new`` (narrow, the tiles the library picks), ``s1``/``s2`` (narrow with one split stage / two stages),
-``s2q2`` (two stages and two dQ tiles).
+``s2q2`` (two stages and two dQ tiles), ``pair`` and ``twopass`` (where V's head dim fits 128: kernels/backward_pair.cu,
+a CTA of 64 keys, each score formed once, the library's default; or the two-pass kernel; ``s1``, ``s2`` and ``s2q2``
+vary the two-pass kernel).
 ``one``: three forward+backward calls of one shape by one variant, for ncu to profile the third backward.
 
     python tools/experiments/narrow_backward.py check
@@ -45,8 +47,8 @@ def _variant(name: str) -> None:
     def tiles(t, dp, head_dim, value_dim, options):
         if name == "old":
             return t
-        t = lib(t, dp, head_dim, value_dim, options)
-        if not t.qk_cols or name == "new":
+        t = lib(t, dp, head_dim, value_dim, options, pair=None if name == "new" else name == "pair")
+        if not t.qk_cols or name in ("new", "pair", "twopass"):
             return t
         return dataclasses.replace(t, stages=1 if name == "s1" else 2, dq_tiles=2 if name == "s2q2" else 1)
 
@@ -99,18 +101,22 @@ def _grads() -> dict:
     return out
 
 
-def check(variant: str) -> int:
-    _variant("old")
+def check(variant: str, base: str = "old") -> int:
+    _variant(base)
     old = _grads()
     _variant(variant)
     new = _grads()
     bad = 0
+    rel = lambda x, y: float((x - y).norm() / x.norm().clamp_min(1e-30))  # noqa: E731
     for key, (a, b) in ((k, (old[k], new[k])) for k in old):
-        dq_err = float((a[0] - b[0]).norm() / a[0].norm().clamp_min(1e-30))
+        dq_err = rel(a[0], b[0])
         same_kv = all(bool(x.isfinite().all()) and bool((x == y).all()) for x, y in zip(a[1:], b[1:]))
-        ok = same_kv and dq_err < 1e-4 and bool(b[0].isfinite().all())
+        kv_err = max(rel(x, y) for x, y in zip(a[1:], b[1:]))
+        # pair: the causal sweep's fold order differs (64-key CTAs start their rotation elsewhere)
+        kv_ok = same_kv or (variant == "pair" and kv_err < 1e-5 and all(bool(y.isfinite().all()) for y in b[1:]))
+        ok = kv_ok and dq_err < 1e-4 and bool(b[0].isfinite().all())
         bad += not ok
-        print(f"{'ok' if ok else 'DIFFERS'} {key}: dK, dV equal {same_kv}, dQ rel-L2 {dq_err:.2e}")
+        print(f"{'ok' if ok else 'DIFFERS'} {key}: dK, dV equal {same_kv} (rel-L2 {kv_err:.1e}), dQ rel-L2 {dq_err:.2e}")
     print(f"{len(old) - bad} of {len(old)} cases agree")
     return 1 if bad else 0
 
@@ -151,7 +157,8 @@ def one(shape: str, variant: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("check", "time", "one"))
-    ap.add_argument("--variant", default="new", help="check, one: the variant against old / profiled")
+    ap.add_argument("--variant", default="new", help="check, one: the variant against --base / profiled")
+    ap.add_argument("--base", default="old", help="check: the variant it is compared with")
     ap.add_argument("--variants", nargs="+", default=["old", "new"])
     ap.add_argument("--shapes", nargs="+", default=["2x16x4x4096x192x128", "1x16x4x8192x192x128", "2x16x4x4096x192"])
     ap.add_argument("--rounds", type=int, default=3)
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
     if args.mode == "one":
         return one(args.shapes[0], args.variant)
     if args.mode == "check":
-        return check(args.variant)
+        return check(args.variant, args.base)
     return time_shapes(args.shapes, args.variants, args.rounds, args.reps)
 
 
