@@ -2,8 +2,8 @@
 and variant on tiny shapes (forward, backward, the quantizer, the row kernels, μ_K's token sums,
 Q-smoothing's bias, the returned LSE, the packed copy of misaligned rows; sliding windows, soft caps,
 sinks, head dims above 128 and a V head dim of its own, packed batches), on every kernel path (the
-default; mma.sync through SAGEBWD_WGMMA=0 on Hopper; 64-key forward tiles; and the opt-in
-warp-specialized, four-warpgroup and 192-key variants), causal and not, GQA, deterministic, ragged N
+default; mma.sync through SAGEBWD_WGMMA=0 on Hopper; 64-key forward tiles; the opt-in
+warp-specialized, four-warpgroup and 192-key variants; the two-pass backward in place of the pair kernel at 192/128), causal and not, GQA, deterministic, ragged N
 and Lq != Lk. Prints one line per case.
 
     python benchmarks/sanitize_cases.py [--quick]
@@ -38,11 +38,13 @@ CASES = [
     (1, 2, 2, 100, 120, 256, True, "bfloat16", {"deterministic": True, "forward": {"softcap": 20.0, "window_size": (48, 0)}}),
     (1, 2, 2, 110, 90, 192, True, "bfloat16", {"value_dim": 128}),               # MLA's 192/128
     (1, 4, 2, 100, 120, 192, True, "bfloat16", {"value_dim": 128, "sinks": True}),  # sinks joined on a widened O
+    (1, 2, 1, 70, 150, 192, False, "float16", {"value_dim": 128}),                # MLA's, MQA, Lq < Lk
+    (1, 4, 2, 90, 130, 192, True, "bfloat16", {"value_dim": 128, "packed": True}),  # MLA's, packed
     (1, 4, 2, 90, 130, 128, True, "bfloat16", {"packed": True}),                  # packed batch
     (1, 2, 2, 90, 130, 256, False, "float16", {"packed": True, "forward": {"window_size": (48, 16)}}),
 ]
 SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64"},
-            {"SAGEBWD_FORWARD_WS": "1", "SAGEBWD_BACKWARD_WS": "1"},
+            {"SAGEBWD_FORWARD_WS": "1", "SAGEBWD_BACKWARD_WS": "1", "SAGEBWD_BACKWARD_PAIR": "0"},
             {"SAGEBWD_FORWARD_WS": "1", "SAGEBWD_FORWARD_WS_KEYS": "192", "SAGEBWD_BACKWARD_QUAD": "1"}]
 VARIABLES = sorted({name for setting in SETTINGS for name in setting})
 
@@ -55,12 +57,13 @@ def run_packed(case, rand, device: str):
     import sagebwd_cp
 
     _, hq, hkv, lq, lk, d, causal, _, opts = case
+    dv = opts.get("value_dim", d)
     lens_q, lens_k = [lq, lk, 1], [lk, lq, 1]
     def cu(lens):
         return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
 
-    q, do = rand(sum(lens_q), hq, d), rand(sum(lens_q), hq, d)
-    k, v = rand(sum(lens_k), hkv, d), rand(sum(lens_k), hkv, d)
+    q, do = rand(sum(lens_q), hq, d), rand(sum(lens_q), hq, dv)
+    k, v = rand(sum(lens_k), hkv, d), rand(sum(lens_k), hkv, dv)
     fwd = dict(opts.get("forward", {}))
     args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
     _, saved = sagebwd_cp.attention_varlen_forward(q, k, v, *args, causal=causal, **fwd)
