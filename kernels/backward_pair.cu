@@ -13,7 +13,8 @@
 // partial goes through a shared [64][DH+8] f32 tile to one TMA reduction into dq_acc (its 8 zero columns land
 // in the other half's or the padding), issued by one of its threads during the next iteration's products.
 // (Measured, H200: products of 32 columns, two in flight, 0.97-1.00x; the next stage loaded after the maxima
-// exchange, with no barrier at the iteration's start, 0.85-0.88x at 4K and 8K keys: its load then lands late.)
+// exchange, with no barrier at the iteration's start, 0.85-0.88x at 4K and 8K keys: its load then lands late; the
+// next iteration's Sᵀ issued before this one's dK and dQ are folded, 0.90-0.97x.)
 //
 // Compile-time parameters: SB_DP 256 (Q̂ and K̂ rows of 256 bytes in 128-byte column blocks), SB_DQK and SB_DPV
 // (the Q·K and V head dims the warpgroups split; specs.BackwardTiles.qk_cols, value_cols), SB_BF16, SB_CAUSAL
