@@ -21,7 +21,7 @@
 // (and the window's SB_WINDOW), SB_VARLEN; fine granularity, no Q-smoothing, soft cap or deterministic order
 // (specs.backward_kernel keeps those on backward_wgmma.cu). From specs.BackwardTiles.implied: SB_THREADS (256),
 // SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH, and the query-side tensor maps' boxes (BackwardTiles.query_maps).
-#include "backward_common.cuh"
+#include "backward_halves.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
 #include "cp_async.cuh"
@@ -36,8 +36,8 @@ static_assert(DP == 256 && BQ == 64 && BKV == 64 && CTA_KEYS == BKV && THREADS =
 static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC,
               "fine granularity, no Q-smoothing, no soft cap, not deterministic");
 static_assert(DQK % 64 == 0 && DQK <= DP && DPV % 64 == 0 && DPV <= DQK, "each warpgroup's columns in 32-column chunks");
-constexpr int QH = BQ / 2;          // queries of a warpgroup's scores
-constexpr int NT = QH / 8;          // n-tiles of its Sᵀ and dPᵀ
+constexpr int QH = HALF_Q;          // queries of a warpgroup's scores
+constexpr int NT = HALF_NT;         // n-tiles of its Sᵀ and dPᵀ
 constexpr int DH = DQK / 2;         // dK and dQ columns of a warpgroup
 constexpr int DHV = DPV / 2;        // dV columns of a warpgroup
 constexpr int NK = DH / 8, NV = DHV / 8;  // their n-tiles (one product each: m64n96, m64n64 at 192/128)
@@ -266,35 +266,13 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             m[2] = mz[0];
             m[3] = mz[1];
         }
-        if (t == 0) {
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                sh.red_key[x][wgu][krow] = m[2 * x];
-                sh.red_key[x][wgu][krow + 8] = m[2 * x + 1];
-            }
-        }
+        publish_key_maxima(sh.red_key, m, wgu, krow, t);
         // Every thread is done with the last iteration too: its stage (loaded next), codes, Ŷ and factors, and its
         // dQ partials are in their tiles. (Without a barrier at the top of the loop, the warpgroups overlap the
         // iterations' ends and starts; the maxima's single buffer is safe: the last reads precede the barrier
         // before the gradient products.)
         __syncthreads();
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-            m[2 * x] = max_nan(m[2 * x], sh.red_key[x][wgu ^ 1][krow]);
-            m[2 * x + 1] = max_nan(m[2 * x + 1], sh.red_key[x][wgu ^ 1][krow + 8]);
-        }
-        // Codes of x (this warp's 16 keys x the half's 32 queries) into a [64 keys][64 q] A tile: pack_a's words,
-        // at their fragment token order's bytes (16-byte chunk 2·qh + r of the row, bytes 4t..4t+3).
-        auto store_codes = [&](i8* tile, const float (&x)[NT][4], const float (&inv)[2]) {
-            u32 w4[4];
-            pack_a(w4, x, inv, 0);
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    *reinterpret_cast<u32*>(tile + swizzled_offset<64, true>(krow + 8 * half, 2 * qh + r) + 4 * t) =
-                        w4[2 * r + half];
-        };
+        join_key_maxima(m, sh.red_key, wgu ^ 1, krow);
         // P̂ᵀ (unsigned codes) and Ẑᵀ per key.
         float fac_v[2], fac_k[2];
         {
@@ -302,7 +280,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const float inv[2] = {p0.inv, p1.inv};
             fac_v[0] = p0.scale * s_do;
             fac_v[1] = p1.scale * s_do;
-            store_codes(sh.pt, p, inv);
+            store_half_codes(sh.pt, p, inv, krow, qh, t);
         }
         {
             const Psi z0 = psi(m[2]), z1 = psi(m[3]);
@@ -310,35 +288,14 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const float s_qt = stats_s[0].w;  // Q̂ᵀ's scale of the query block
             fac_k[0] = z0.scale * s_qt;
             fac_k[1] = z1.scale * s_qt;
-            store_codes(sh.zt, ds, inv);
+            store_half_codes(sh.zt, ds, inv, krow, qh, t);
         }
-        // Ŷ per query over the 64 keys: the warp's 16 (spread_max8: lane (g, t) holds column yc), then the
-        // warpgroup's four warps; stored [query][key] in 64-byte rows.
+        // Ŷ per query over the 64 keys, stored [query][key] in 64-byte rows (the warp's keys: chunk wv).
         {
-            float colmax[8];
-#pragma unroll
-            for (int y = 0; y < 8; ++y) colmax[y] = max_nan(fabsf(ds[y / 2][y % 2]), fabsf(ds[y / 2][2 + y % 2]));
-            const int yc = (g >> 1) * 8 + 2 * t + (g & 1);
-            sh.red_y[wgu][wv][yc] = spread_max8(colmax, g);
-            named_barrier<128>(BAR_WG + wgu);
-            float my = sh.red_y[wgu][0][yc];
-#pragma unroll
-            for (int x = 1; x < 4; ++x) my = max_nan(my, sh.red_y[wgu][x][yc]);
-            const Psi ys = psi(my);
+            int yc;
+            const Psi ys = half_query_psi(ds, sh.red_y, wgu, wv, g, t, BAR_WG + wgu, yc);
             if (wv == 0) sh.yscale[QH * qh + yc] = ys.scale * kt_scale;
-            // Query row 32·qh + 8n + 2t + c, keys 16·wv + g (+8): 16-byte chunk wv of the row, whose 64-byte swizzle
-            // key (row >> 1) & 3 is t whatever n and c: two offsets address every byte.
-            const int y_off[2] = {(QH * qh + 2 * t) * 64 + ((wv ^ t) << 4) + g,
-                                  (QH * qh + 2 * t + 1) * 64 + ((wv ^ t) << 4) + g};
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float inv = __shfl_sync(0xffffffffu, ys.inv, (2 * n + c) * 4 + t);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        sh.ds[y_off[c] + n * 8 * 64 + 8 * half] = static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
-                }
+            store_half_y<64>(sh.ds, ds, ys.inv, wv, qh, g, t);
         }
         cp_async_wait<0>();   // K̂ᵀ is in (a no-op after the first iteration)
         fence_proxy_async();  // the codes, Ŷ and K̂ᵀ's copies are read by wgmma

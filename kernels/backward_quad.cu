@@ -19,7 +19,7 @@
 // no Q-smoothing, soft cap or deterministic order (specs.backward_kernel keeps those on backward_wgmma.cu).
 // From specs.BackwardTiles.implied: SB_THREADS (512), SB_CTA_KEYS (128), SB_KEY_PAD, SB_DQ_PITCH, SB_GRID_ORDER
 // and the query-side tensor maps' boxes (the same as backward_wgmma.cu's at head dim 128).
-#include "backward_common.cuh"
+#include "backward_halves.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
 #include "cp_async.cuh"
@@ -32,8 +32,8 @@ constexpr int CTA_KEYS = SB_CTA_KEYS, THREADS = SB_THREADS;
 static_assert(DP == 128 && BQ == 64 && BKV == 64 && CTA_KEYS == 128 && THREADS == 512, "four warpgroups at head dim 128");
 static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC && !SB_VARLEN,
               "fine granularity, no Q-smoothing, no soft cap, not deterministic, dense batches");
-constexpr int QH = BQ / 2;          // queries of a warpgroup
-constexpr int NT = QH / 8;          // n-tiles of its Sᵀ and dPᵀ
+constexpr int QH = HALF_Q;          // queries of a warpgroup
+constexpr int NT = HALF_NT;         // n-tiles of its Sᵀ and dPᵀ
 constexpr int DH = DP / 2;          // dK and dV columns of a warpgroup
 constexpr int CH = DH / 32;         // their 32-column chunks
 constexpr int DQ_COLS = DP / 4;     // dQ columns of a warpgroup
@@ -240,31 +240,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             m[2] = mz[0];
             m[3] = mz[1];
         }
-        if (t == 0) {
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                sh.red_key[x][wgu][krow] = m[2 * x];
-                sh.red_key[x][wgu][krow + 8] = m[2 * x + 1];
-            }
-        }
+        publish_key_maxima(sh.red_key, m, wgu, krow, t);
         named_barrier<256>(BAR_PAIR + kb);
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-            m[2 * x] = max_nan(m[2 * x], sh.red_key[x][wgu ^ 1][krow]);
-            m[2 * x + 1] = max_nan(m[2 * x + 1], sh.red_key[x][wgu ^ 1][krow + 8]);
-        }
-        // Codes of x (this warp's 16 keys x the half's 32 queries) into a [64 keys][64 q] A tile: pack_a's words,
-        // at their fragment token order's bytes (16-byte chunk 2·qh + m of the row, bytes 4t..4t+3).
-        auto store_codes = [&](i8* tile, const float (&x)[NT][4], const float (&inv)[2]) {
-            u32 w4[4];
-            pack_a(w4, x, inv, 0);
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    *reinterpret_cast<u32*>(tile + swizzled_offset<64, true>(krow + 8 * half, 2 * qh + r) + 4 * t) =
-                        w4[2 * r + half];
-        };
+        join_key_maxima(m, sh.red_key, wgu ^ 1, krow);
         // P̂ᵀ (unsigned codes) and Ẑᵀ per key.
         float fac_v[2], fac_k[2];
         {
@@ -272,42 +250,21 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const float inv[2] = {p0.inv, p1.inv};
             fac_v[0] = p0.scale * s_do;
             fac_v[1] = p1.scale * s_do;
-            store_codes(sh.pt[kb], p, inv);
+            store_half_codes(sh.pt[kb], p, inv, krow, qh, t);
         }
         {
             const Psi z0 = psi(m[2]), z1 = psi(m[3]);
             const float inv[2] = {z0.inv, z1.inv};
             fac_k[0] = z0.scale;
             fac_k[1] = z1.scale;
-            store_codes(sh.zt[kb], ds, inv);
+            store_half_codes(sh.zt[kb], ds, inv, krow, qh, t);
         }
-        // Ŷ per query over the key block's 64 keys: the warp's 16 (spread_max8: lane (g, t) holds column yc), then
-        // the warpgroup's four warps; stored [query][key of the CTA].
+        // Ŷ per query over the key block's 64 keys, stored [query][key of the CTA] (the warp's keys: chunk 4·kb + wv).
         {
-            float colmax[8];
-#pragma unroll
-            for (int y = 0; y < 8; ++y) colmax[y] = max_nan(fabsf(ds[y / 2][y % 2]), fabsf(ds[y / 2][2 + y % 2]));
-            const int yc = (g >> 1) * 8 + 2 * t + (g & 1);
-            sh.red_y[wgu][wv][yc] = spread_max8(colmax, g);
-            named_barrier<128>(BAR_WG + wgu);
-            float my = sh.red_y[wgu][0][yc];
-#pragma unroll
-            for (int x = 1; x < 4; ++x) my = max_nan(my, sh.red_y[wgu][x][yc]);
-            const Psi ys = psi(my);
+            int yc;
+            const Psi ys = half_query_psi(ds, sh.red_y, wgu, wv, g, t, BAR_WG + wgu, yc);
             if (wv == 0) sh.yscale[kb][QH * qh + yc] = ys.scale * sh.kt_scale[kb];
-            // Query row 8n + 2t + c has swizzle key 2t + c whatever n: two offsets address every byte.
-            const int ychunk = 4 * kb + wv;
-            const int y_off[2] = {swizzled_offset<128, true>(2 * t, ychunk) + g + QH * qh * 128,
-                                  swizzled_offset<128, true>(2 * t + 1, ychunk) + g + QH * qh * 128};
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float inv = __shfl_sync(0xffffffffu, ys.inv, (2 * n + c) * 4 + t);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        sh.ds[y_off[c] + n * 8 * 128 + 8 * half] = static_cast<i8>(quant_byte(ds[n][2 * half + c], inv) & 0xffu);
-                }
+            store_half_y<128>(sh.ds, ds, ys.inv, 4 * kb + wv, qh, g, t);
         }
         fence_proxy_async();  // the codes and Ŷ are read by wgmma
         named_barrier<256>(BAR_PAIR + kb);  // both halves' P̂ᵀ and Ẑᵀ are in
