@@ -322,7 +322,7 @@ def _flash_attn_gradients(q, k, v, do, options: dict, packed: bool) -> list:
         cu_q = torch.arange(0, (b + 1) * lq, lq, device="cuda", dtype=torch.int32)
         cu_k = torch.arange(0, (b + 1) * lk, lk, device="cuda", dtype=torch.int32)
         flat = [x.reshape(-1, *x.shape[2:]) for x in leaves]
-        out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(q.shape)
+        out = st.flash_attn_varlen_func(*flat, cu_q, cu_k, lq, lk, **options).reshape(do.shape)
     else:
         out = st.flash_attn_func(*leaves, **options)
     out.backward(do)
@@ -412,6 +412,38 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
             else:
                 assert torch.equal(a, r), (name, packed, (a.float() - r.float()).abs().max().item())
     monkeypatch.delenv("SAGEBWD_BACKWARD_QUAD", raising=False)
+    plan.clear_plans()
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 192, 128), (1, 4, 1, 700, 130, 136, 64),
+                                   (1, 8, 2, 1100, 1100, 192, 128), (2, 4, 4, 1, 300, 192, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, causal):
+    """Where Q·K's head dim is at most 192 and V's at most 128 (MLA's 192/128), kernels/backward_pair.cu
+    (SAGEBWD_BACKWARD_PAIR=1, the default there: a CTA of 64 keys, each score formed once) computes what the two-pass
+    wgmma backward (=0) computes: dK and dV bit for bit (its causal sweep is the two-pass kernel's 128-key CTA's), dQ
+    within its accumulation order's rounding; packed batches too. Hopper only."""
+    import torch
+
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the pair backward is an sm_90 kernel")
+    b, hq, hk, lq, lk, dqk, dv = shape
+    g = torch.Generator(device="cuda").manual_seed(lq + lk + dqk)
+    q, k, v, do = (torch.randn(s, generator=g, device="cuda").to(getattr(torch, dtype))
+                   for s in ((b, lq, hq, dqk), (b, lk, hk, dqk), (b, lk, hk, dv), (b, lq, hq, dv)))
+    for packed in (False, True):
+        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_PAIR", q, k, v, do, dict(causal=causal), packed)
+        for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.isfinite(a).all(), (name, packed)
+            if name == "dq":
+                assert rel_l2(a.float().cpu().numpy(), r.float().cpu().numpy()) < 1e-3, (name, packed)
+            else:
+                assert torch.equal(a, r), (name, packed, (a.float() - r.float()).abs().max().item())
+    monkeypatch.delenv("SAGEBWD_BACKWARD_PAIR", raising=False)
     plan.clear_plans()
 
 
