@@ -35,7 +35,7 @@ constexpr int CTA_KEYS = SB_CTA_KEYS, THREADS = SB_THREADS;
 static_assert(DP == 256 && BQ == 64 && BKV == 64 && CTA_KEYS == BKV && THREADS == 256, "two warpgroups, 64 keys");
 static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC,
               "fine granularity, no Q-smoothing, no soft cap, not deterministic");
-static_assert(DQK % 64 == 0 && DQK <= DP && DPV % 64 == 0 && DPV <= DQK, "each warpgroup's columns in 32-column chunks");
+static_assert(DQK % 64 == 0 && DQK <= DP && DPV % 64 == 0 && DPV <= DQK, "each warpgroup's columns a whole number of n-tiles");
 constexpr int QH = HALF_Q;          // queries of a warpgroup's scores
 constexpr int NT = HALF_NT;         // n-tiles of its Sᵀ and dPᵀ
 constexpr int DH = DQK / 2;         // dK and dQ columns of a warpgroup
