@@ -515,7 +515,7 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
     """``tiles`` for a wide wgmma backward of ``options`` whose head dim ``head_dim`` (V's ``value_dim``) fits
     NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. Where V's
     head dim fits 128, the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
-    H200, bf16, causal GQA 4:1 at 192/128: fwd+bwd 1.05-1.12x the two-pass kernel at 2K-8K keys), unless ``pair``
+    H200, bf16, causal at 192/128: fwd+bwd 1.02-1.12x the two-pass kernel at 1K-8K keys), unless ``pair``
     is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel)."""
     value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
