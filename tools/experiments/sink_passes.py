@@ -11,18 +11,14 @@ import sys
 import torch
 
 import sagebwd_cp
-from kernel_sums import kernel_times
+from kernel_sums import bhnd_inputs, kernel_times
 from sagebwd_cp.sinks import join_sinks, sinks_grad
 
 
 def main(shapes) -> None:
     for text in shapes:
-        b, hq, hk, n, d = map(int, text.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-        sinks = torch.randn(hq, device="cuda", generator=g)
+        q, k, v, do, g = bhnd_inputs(text)
+        sinks = torch.randn(q.shape[1], device="cuda", generator=g)
 
         def fused():
             _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, sinks=sinks)
@@ -35,7 +31,7 @@ def main(shapes) -> None:
             sinks_grad(out, lse, do, sinks, "HND")
 
         for name, step in (("fused", fused), ("elementwise", elementwise)):
-            per = kernel_times(step)
+            per = kernel_times(step, 10)
             top = ", ".join(f"{k[:22]} {us:.1f}" for k, us in sorted(per.items(), key=lambda kv: -kv[1])[:6])
             print(f"{text} {name}: {sum(per.values()):.1f} µs ({top})", flush=True)
 

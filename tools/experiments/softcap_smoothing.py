@@ -5,10 +5,8 @@ one forward+backward by kernel name (torch's profiler, mean of 5 calls after 3 w
 """
 import sys
 
-import torch
-
 import sagebwd_cp
-from kernel_sums import kernel_times
+from kernel_sums import bhnd_inputs, kernel_times
 
 CAP = 30.0
 
@@ -18,16 +16,12 @@ def kernel_times_of(q, k, v, do, smooth_k: bool) -> dict:
         _, saved = sagebwd_cp.attention_forward(q, k, v, causal=True, softcap=CAP, smooth_k=smooth_k)
         sagebwd_cp.attention_backward(saved, do)
 
-    return kernel_times(step, calls=5)
+    return kernel_times(step, 5)
 
 
 def main(shapes) -> None:
     for text in shapes:
-        b, hq, hk, n, d = map(int, text.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        do = torch.randn_like(q)
+        q, k, v, do, _ = bhnd_inputs(text)
         for smooth in (False, True):
             per = kernel_times_of(q, k, v, do, smooth)
             top = ", ".join(f"{name[:24]} {us:.1f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
