@@ -465,7 +465,7 @@ def test_the_backward_grid_orders_give_the_same_gradients(monkeypatch, shape, de
     chosen = backward.backward_grid
 
     def forced(order):
-        def grid(prob, block_keys, deterministic, wgmma, sms, passes=1):
+        def grid(prob, block_keys, deterministic, wgmma, sms, passes=1, **_):  # the chosen order's inputs unused
             return (launch.attention_grid(prob.len_k, block_keys, prob.heads_kv, prob.batch, order, "k", passes), order)
         return grid
 

@@ -3,6 +3,7 @@ serial calls; a damaged kernel cache is recompiled with a warning and the CUDA c
 workspace that does not fit raises the framework's own out-of-memory error and the next call works; a
 failed launch names its kernel, the shapes and the options."""
 import contextlib
+import os
 import shutil
 import sys
 import threading
@@ -262,9 +263,12 @@ def test_a_cubin_damaged_after_its_check_is_rejected_by_the_driver_then_recompil
 @contextlib.contextmanager
 def filled_memory(headroom=False):
     """The device full for the block (``_fill_memory``), its memory back to the driver afterwards (for
-    CuPy's pool and the later tests)."""
+    CuPy's pool and the later tests). Skipped where other pytest-xdist workers share the device: their
+    tests would run out of memory meanwhile (run these with ``-n 0``)."""
     import torch
 
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("fills the whole device, so other test workers on it would fail: run with -n 0")
     blocks = _fill_memory(headroom)
     try:
         yield
