@@ -41,6 +41,7 @@ constexpr int NT = HALF_NT;         // n-tiles of its Sᵀ and dPᵀ
 constexpr int DH = DQK / 2;         // dK and dQ columns of a warpgroup
 constexpr int DHV = DPV / 2;        // dV columns of a warpgroup
 constexpr int NK = DH / 8, NV = DHV / 8;  // their n-tiles (one product each: m64n96, m64n64 at 192/128)
+constexpr int NVC = NV > 8 ? NV / 2 : NV;  // dV's n-tiles a product: two products above 64 columns (registers)
 constexpr int KS8 = DQK / 32;       // Sᵀ's INT8 k-steps (those past the head dim D are skipped)
 constexpr int KS16 = DPV / 16;      // dPᵀ's 16-bit k-steps (those past V's head dim Dv are skipped)
 constexpr int DQ_PITCH = SB_DQ_PITCH;
@@ -50,17 +51,24 @@ static_assert(SB_TMA_QROWS == BQ && SB_TMA_Q_COLS == 128 && SB_TMA_QT_ROWS == DQ
               SB_TMA_DO_COLS == 64, "Q̂ a query block's column blocks; Q̂ᵀ and dÔᵀ every row; dO 64-column boxes");
 static_assert(SB_TMA_SWIZZLE_Q == 128 && SB_TMA_SWIZZLE_QT == 64 && SB_TMA_SWIZZLE_DO == 128, "each box in its rows' swizzle");
 
+// Above V's 128 columns two whole stages exceed shared memory: Q̂ᵀ and dÔᵀ, which only the gradient products read,
+// then sit in one buffer, loaded at each iteration's start for that iteration (the stages keep Q̂ and dO, which Sᵀ and
+// dPᵀ read first).
+constexpr bool SPLIT = DPV > 128;
 struct PairStage {
     i8 q[BQ * DP];        // Q̂   [64 q][DP] int8, 128-byte column blocks
+    u16 dout[BQ * DPV];   // dO  [64 q][DPV] 16-bit, 128-byte column blocks
+};
+struct GradTiles {
     i8 qt[DQK * BQ];      // Q̂ᵀ  [DQK][64 q] int8, fragment token order
     i8 dot[DPV * BQ];     // dÔᵀ [DPV][64 q] int8, fragment token order
-    u16 dout[BQ * DPV];   // dO  [64 q][DPV] 16-bit, 128-byte column blocks
 };
 struct PairShared {
     i8 k[BKV * DP];                 // K̂  [64 keys][DP], 128-byte column blocks
     i8 kt[DQK * BKV];               // K̂ᵀ [DQK][64 keys]
     u16 v[BKV * DPV];               // V  [64 keys][DPV] 16-bit, 128-byte column blocks
     PairStage stage[2];
+    GradTiles grad[SPLIT ? 1 : 2];  // each stage's, or (SPLIT) the iteration's
     i8 pt[BKV * BQ];                // P̂ᵀ [64 keys][64 q] u8, 64-byte rows in fragment token order
     i8 zt[BKV * BQ];                // Ẑᵀ, the same
     i8 ds[BQ * BKV];                // Ŷ  [64 q][64 keys]
@@ -69,22 +77,26 @@ struct PairShared {
     float red_y[2][4][QH];          // [warpgroup][warp][query of the half]: per-query maxima of |dS|
     float yscale[BQ];               // Ŷ's factor per query (its scale times K̂ᵀ's)
     float4 stats[2][BQ];            // (LSE2, s_Q, δ, s_Qᵀ) per query of each stage
-    unsigned long long bar[2];      // each stage's TMA loads
+    unsigned long long bar[2];      // each stage's TMA loads (with its GradTiles unless SPLIT)
+    unsigned long long grad_bar;    // SPLIT: the GradTiles' loads
 };
 constexpr int TILE_ALIGN = 1024;
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(PairShared) + (TILE_ALIGN - 128);
 // Offsets in a stage, and of the members that need their alignment (members follow one another unpadded).
-constexpr int SQT = sizeof(PairStage::q), SDOT = SQT + sizeof(PairStage::qt), SDO = SDOT + sizeof(PairStage::dot);
+constexpr int SDO = sizeof(PairStage::q), GDOT = sizeof(GradTiles::qt);
 constexpr int STAGE0 = sizeof(PairShared::k) + sizeof(PairShared::kt) + sizeof(PairShared::v);
-constexpr int PT_OFF = STAGE0 + sizeof(PairShared::stage), DS_OFF = PT_OFF + 2 * sizeof(PairShared::pt);
+constexpr int GRAD0 = STAGE0 + sizeof(PairShared::stage);
+constexpr int PT_OFF = GRAD0 + sizeof(PairShared::grad), DS_OFF = PT_OFF + 2 * sizeof(PairShared::pt);
 constexpr int DQ_OFF = DS_OFF + sizeof(PairShared::ds);
 static_assert(sizeof(PairShared::k) % TILE_ALIGN == 0 && (STAGE0 - sizeof(PairShared::v)) % TILE_ALIGN == 0 &&
               STAGE0 % TILE_ALIGN == 0 && sizeof(PairStage) % TILE_ALIGN == 0 && SDO % TILE_ALIGN == 0 &&
+              GRAD0 % TILE_ALIGN == 0 && sizeof(GradTiles) % TILE_ALIGN == 0 && GDOT % TILE_ALIGN == 0 &&
               PT_OFF % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0 && DQ_OFF % 128 == 0 &&
               (BQ * DQ_TILE_PITCH * 4) % 128 == 0 && sizeof(PairStage) == SDO + sizeof(PairStage::dout),
               "wgmma tiles on their swizzle atoms, the dQ tiles on 128 bytes");
 static_assert(DYNAMIC_SHARED_BYTES <= 232448, "one CTA an SM");
-constexpr u32 STAGE_LOAD_BYTES = sizeof(PairStage) + 16 * BQ;
+constexpr u32 GRAD_LOAD_BYTES = sizeof(GradTiles);
+constexpr u32 STAGE_LOAD_BYTES = sizeof(PairStage) + 16 * BQ + (SPLIT ? 0 : GRAD_LOAD_BYTES);
 constexpr int BAR_WG = 1;  // named barrier 1 + w: warpgroup w (128 threads)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -111,12 +123,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
         load_tile<DP, BKV, THREADS, true>(smem_u32(sh.k), a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
         const u16* vsrc = a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS);
-        constexpr int VCH = 2 * DPV / 16, VROWS = THREADS / VCH;  // 16-byte chunks of a row; rows a pass
-        static_assert(THREADS % VCH == 0 && BKV % VROWS == 0, "whole rows a pass");
-        const int r0 = tid / VCH, c = tid % VCH;
+        constexpr int VCH = 2 * DPV / 16;  // 16-byte chunks of a row
+        static_assert(BKV * VCH % THREADS == 0, "whole passes of the threads");
 #pragma unroll
-        for (int k = 0; k < BKV / VROWS; ++k) {
-            const int r = r0 + k * VROWS;
+        for (int k = 0; k < BKV * VCH / THREADS; ++k) {
+            const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
             const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
             cp_async_16(smem_u32(sh.v) + wgmma_tile_offset<2 * DPV, BKV>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc,
                         ok ? 16 : 0);
@@ -126,13 +137,17 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         cp_async_commit();
     }
 
+    auto load_grad = [&](int h, int i, int slot, u32 bar) {  // Q̂ᵀ and dÔᵀ
+        const u32 gt = smem_u32(&sh.grad[slot]);
+        const int qt_row = static_cast<int>(seq.qt_row0(h, DP));
+        tma_load_2d(gt, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
+        tma_load_2d(gt + GDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
+    };
     auto load_stage = [&](int h, int i, int slot) {
         const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.bar[slot]);
         mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
         tma_load_3d(st, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
-        const int qt_row = static_cast<int>(seq.qt_row0(h, DP));
-        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
-        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
+        if (!SPLIT) load_grad(h, i, slot, bar);
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
         // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
 #pragma unroll
@@ -155,6 +170,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (tid == 0) {
         mbarrier_init(smem_u32(&sh.bar[0]), 1);
         mbarrier_init(smem_u32(&sh.bar[1]), 1);
+        if (SPLIT) mbarrier_init(smem_u32(&sh.grad_bar), 1);
         fence_mbarrier_init();
         prefetch_tensor_map(tm_q);
         prefetch_tensor_map(tm_qt);
@@ -205,6 +221,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     for (int it = 0; it < n_it; ++it, advance(h, i)) {
         __syncthreads();  // the last iteration's stage, codes, Ŷ and maxima are read; its dQ partials are in their tiles
         if (tid == 0 && it + 1 < n_it) load_stage(nh, ni, (it + 1) & 1);
+        if (SPLIT && tid == 0) {  // this iteration's Q̂ᵀ and dÔᵀ: the last one's gradient products are done
+            mbarrier_arrive_expect_tx(smem_u32(&sh.grad_bar), GRAD_LOAD_BYTES);
+            load_grad(h, i, 0, smem_u32(&sh.grad_bar));
+        }
         if (it + 1 < n_it) advance(nh, ni);
         const float s_do = a.do_scale[seq.q_block0(h) + i];
         const int slot = it & 1;
@@ -301,6 +321,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         fence_proxy_async();  // the codes, Ŷ and K̂ᵀ's copies are read by wgmma
         if (reducer) bulk_wait_read<0>();  // the dQ tile may be rewritten after the barrier
         __syncthreads();      // both halves' P̂ᵀ, Ẑᵀ, Ŷ and Ŷ's factors are in
+        if (SPLIT) mbarrier_wait(smem_u32(&sh.grad_bar), it & 1);  // and this iteration's Q̂ᵀ and dÔᵀ
 
         // The gradient products, one each over the block's 64 queries (dV, dK) or its 64 keys (dQ): dV and dK issued
         // together, dQ once dV is folded, dQ's partial stored to the warpgroup's tile once dK is folded.
@@ -308,36 +329,60 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             const int ft = static_cast<int>(fresh_tid()), rows = (ft >> 5 & 3) * 16 + (ft >> 2 & 7);
             const u32 pt_lo = wgmma_desc_lo<64>(smem_u32(sh.pt)), zt_lo = wgmma_desc_lo<64>(smem_u32(sh.zt));
             const u32 ds_lo = wgmma_desc_lo<64>(smem_u32(sh.ds));
-            const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT) + DHV * qh * BQ / 16;
-            const u32 qt_lo = wgmma_desc_lo<64>(st + SQT) + DH * qh * BQ / 16;
+            const u32 gt = smem_u32(&sh.grad[SPLIT ? 0 : slot]);
+            const u32 dot_lo = wgmma_desc_lo<64>(gt + GDOT) + DHV * qh * BQ / 16;
+            const u32 qt_lo = wgmma_desc_lo<64>(gt) + DH * qh * BQ / 16;
             const u32 kt_lo = wgmma_desc_lo<64>(smem_u32(sh.kt)) + DH * qh * BKV / 16;
-            int pv[NV][4], pk[NK][4], pq[NK][4];
-            wgmma_fence();
+            int pv[NVC][4], pk[NK][4], pq[NK][4];
+            auto dv_product = [&](int c) {  // dV's columns c·NVC·8.. of the warpgroup's
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk)
-                wgmma_u8s8_ss(pv, wgmma_desc<64>(pt_lo, 32 * kk), wgmma_desc<64>(dot_lo, 32 * kk), kk);
-            wgmma_commit();
+                for (int kk = 0; kk < 2; ++kk)
+                    wgmma_u8s8_ss(pv, wgmma_desc<64>(pt_lo, 32 * kk), wgmma_desc<64>(dot_lo + c * NVC * BQ / 2, 32 * kk), kk);
+                wgmma_commit();
+            };
+            auto dv_fold = [&](int c) {
+                wgmma_hold_all(pv);
+#pragma unroll
+                for (int n = 0; n < NVC; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dv[c * NVC + n][e] = fmaf(static_cast<float>(pv[n][e]), fac_v[e >> 1], dv[c * NVC + n][e]);
+            };
+            auto dq_product = [&] {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk)
+                    wgmma_s8_ss(pq, wgmma_desc<64>(ds_lo, 32 * kk), wgmma_desc<64>(kt_lo, 32 * kk), kk);
+                wgmma_commit();
+            };
+            auto dk_fold = [&] {
+                wgmma_hold_all(pk);
+#pragma unroll
+                for (int n = 0; n < NK; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dk[n][e] = fmaf(static_cast<float>(pk[n][e]), fac_k[e >> 1], dk[n][e]);
+            };
+            wgmma_fence();
+            dv_product(0);
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk)
                 wgmma_s8_ss(pk, wgmma_desc<64>(zt_lo, 32 * kk), wgmma_desc<64>(qt_lo, 32 * kk), kk);
             wgmma_commit();
             wgmma_wait<1>();
-            wgmma_hold_all(pv);
-#pragma unroll
-            for (int n = 0; n < NV; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dv[n][e] = fmaf(static_cast<float>(pv[n][e]), fac_v[e >> 1], dv[n][e]);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; ++kk)
-                wgmma_s8_ss(pq, wgmma_desc<64>(ds_lo, 32 * kk), wgmma_desc<64>(kt_lo, 32 * kk), kk);
-            wgmma_commit();
-            wgmma_wait<1>();
-            wgmma_hold_all(pk);
-#pragma unroll
-            for (int n = 0; n < NK; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dk[n][e] = fmaf(static_cast<float>(pk[n][e]), fac_k[e >> 1], dk[n][e]);
+            dv_fold(0);
+            if constexpr (NV > NVC) {  // dV's second half while dK is folded, dQ's product while it is
+                wgmma_fence();
+                dv_product(1);
+                wgmma_wait<1>();
+                dk_fold();
+                dq_product();
+                wgmma_wait<1>();
+                dv_fold(1);
+            } else {
+                dq_product();
+                wgmma_wait<1>();
+                dk_fold();
+            }
             wgmma_wait<0>();
             wgmma_hold_all(pq);
             float* dq_row = sh.dq[qh] + rows * DQ_TILE_PITCH + 2 * (ft & 3);

@@ -111,7 +111,7 @@ SB_DEVICE void wgmma_s8_ss(int (&d)[16][4], u64 a, u64 b, int accumulate) {
                  : SB_WG_ACC64("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// D (64xN s32) += A (64x32 u8, descriptor) · B (N x 32 s8, descriptor), N = 32 or 64: unsigned codes from shared
+// D (64xN s32) += A (64x32 u8, descriptor) · B (N x 32 s8, descriptor), N = 32, 48 or 64: unsigned codes from shared
 // memory.
 SB_DEVICE void wgmma_u8s8_ss(int (&d)[4][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -119,6 +119,13 @@ SB_DEVICE void wgmma_u8s8_ss(int (&d)[4][4], u64 a, u64 b, int accumulate) {
                  : SB_WG_ACC16("+r", d) : "l"(a), "l"(b), "r"(accumulate));
 }
 
+#define SB_WG_ACC24(c, d) SB_WG_ACC16(c, d), SB_WG_ACC4(c, d, 4), SB_WG_ACC4(c, d, 5)
+SB_DEVICE void wgmma_u8s8_ss(int (&d)[6][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k32.s32.u8.s8 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, %24, %25, p;\n}\n"
+                 : SB_WG_ACC24("+r", d) : "l"(a), "l"(b), "r"(accumulate));
+}
 SB_DEVICE void wgmma_u8s8_ss(int (&d)[8][4], u64 a, u64 b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 " SB_WG_REGS32 ", %32, %33, p;\n}\n"

@@ -555,35 +555,39 @@ def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them
     """Head dims up to 192 (MLA's 192/128, 192, 136/64) under the plain masks: the wide backward's two CTAs a key
     block take 96 columns of dK and dQ each and half of V's (SB_DQK 192, SB_DPV 128 or 192), not 128 of 256; with
     V's 128 columns two stages fit. Windowed and soft-capped calls and head dims above 192 keep the 256-column
-    kernel. Where V's head dim fits 128 the pair kernel (kernels/backward_pair.cu: one CTA a 64-key block, its two
-    warpgroups splitting the 192 and 128 columns) takes the place of the two passes, unless asked not to. Every such
-    spec is listed, compiles without spills and fits the shared memory of an sm_90 block."""
+    kernel. There the pair kernel (kernels/backward_pair.cu: one CTA a 64-key block, its two warpgroups splitting
+    the columns; at V's 192 Q̂ᵀ and dÔᵀ in one buffer) takes the place of the two passes, unless
+    asked not to. Every such spec is listed, compiles without spills and fits the shared memory of an sm_90 block."""
     wide = specs.backward_tiles(256, "sm_90")
     plain, window = AttentionOptions(causal=True), AttentionOptions(causal=True, window_left=8)
     for head_dim, value_dim, want in ((192, 128, (192, 128, 2)), (192, 192, (192, 192, 1)), (136, 64, (192, 128, 2)),
                                       (136, 136, (192, 192, 1)), (200, 200, (0, 0, 1)), (256, 128, (0, 0, 1))):
         for pair in (None, False):
             tiles = specs.narrow_backward_tiles(wide, 256, head_dim, value_dim, plain, pair)
-            assert (tiles.qk_cols, tiles.value_cols, tiles.stages) == (want[:2] + (2,) if want[1] == 128 else want)
-            assert tiles.pair == (want[1] == 128 and pair is None), (head_dim, value_dim, pair)
+            assert (tiles.qk_cols, tiles.value_cols, tiles.stages) == (want[:2] + (2,) if tiles.pair or want[1] == 128 else want)
+            assert tiles.pair == (bool(want[0]) and pair is None), (head_dim, value_dim, pair)
             passes = 1 if tiles.pair else 2
             assert tiles.pass_dims(256) == (want[0] or 256) // passes
             assert tiles.value_pass_dims(256) == (want[1] or 256) // passes
     assert specs.narrow_backward_tiles(wide, 256, 192, 128, window) == wide
     assert specs.narrow_backward_tiles(specs.backward_tiles(128, "sm_90"), 128, 128, 128, plain).qk_cols == 0
     narrow = [s for s in specs.all_specs("sm_90") if "SB_DQK" in dict(s.defines)]
-    assert len(narrow) == 2 * 2 * 2 * (len(specs.NARROW_VALUE_COLS) + 1)  # (V's 128 columns: the pair kernel too)
+    # dtype x mask x packed x V's columns x (the pair kernel, the two passes)
+    assert len(narrow) == 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS) * 2
     assert not any(dict(s.defines).get("SB_WINDOW") or dict(s.defines).get("SB_SOFTCAP") for s in narrow)
-    for spec in narrow[:3]:  # the pair kernel, the two passes at V's 128 columns and at its 192
+    firsts = {}
+    for spec in narrow:
+        firsts.setdefault((spec.filename, dict(spec.defines)["SB_DPV"]), spec)
+    assert set(firsts) == {(f, v) for f in ("backward_pair.cu", "backward_wgmma.cu") for v in specs.NARROW_VALUE_COLS}
+    for (filename, value_cols), spec in firsts.items():
         d = dict(spec.defines)
-        if spec.filename == "backward_pair.cu":
-            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == 128 and d["SB_TMA_DQ_COLS"] == 104
+        if filename == "backward_pair.cu":
+            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == value_cols and d["SB_TMA_DQ_COLS"] == 104
         else:
-            assert d["SB_TMA_QT_ROWS"] == 96 and d["SB_TMA_DOT_ROWS"] == d["SB_DPV"] // 2 and d["SB_TMA_DQ_COLS"] == 104
+            assert d["SB_TMA_QT_ROWS"] == 96 and d["SB_TMA_DOT_ROWS"] == value_cols // 2 and d["SB_TMA_DQ_COLS"] == 104
         report = compiler.compile_spec(spec, "sm_90").reports.get("attention_backward")  # (None: from the cache)
         assert report is None or (report.spill_stores == 0 and report.stack_bytes == 0), (spec.key, report)
         assert compiler.dynamic_shared_bytes(spec, "sm_90") <= specs.ARCH_SHARED_LIMIT["sm_90"], spec.key
-    assert {s.filename for s in narrow[:3]} == {"backward_pair.cu", "backward_wgmma.cu"}
 
 
 def test_the_deterministic_wide_backward_is_built_for_sm90_alone():
@@ -616,10 +620,10 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wide = [s for s in wg if ".hd256." in s.key]
     assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
     # Backward: a fine kernel per mask and batch splitting 256 columns, deterministic too, and for the plain masks
-    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles) and the pair kernel at V's 128.
-    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * (5 + 5) * 2 + 2 * 2 * 2 * (len(specs.NARROW_VALUE_COLS) + 1)
+    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles) and the pair kernel at each.
+    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * (5 + 5) * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS) * 2
     assert all(dict(s.defines)["SB_PASSES"] == (1 if ".pair" in s.key else 2)
-               and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key else 1)
+               and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key or ".pair" in s.key else 1)
                and (".pair" not in s.key or dict(s.defines)["SB_THREADS"] == 256)
                for s in wide if s.key.startswith("backward."))
     wg = [s for s in wg if s not in wide]

@@ -420,14 +420,15 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 192, 128), (1, 4, 1, 700, 130, 136, 64),
-                                   (1, 8, 2, 1100, 1100, 192, 128), (2, 4, 4, 1, 300, 192, 128)],
+                                   (1, 8, 2, 1100, 1100, 192, 128), (2, 4, 4, 1, 300, 192, 128),
+                                   (2, 4, 2, 513, 300, 192, 192)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, causal):
-    """Where Q·K's head dim is at most 192 and V's at most 128 (MLA's 192/128), kernels/backward_pair.cu
-    (SAGEBWD_BACKWARD_PAIR=1, the default there: a CTA of 64 keys, each score formed once) computes what the two-pass
-    wgmma backward (=0) computes: dK and dV bit for bit (its causal sweep is the two-pass kernel's 128-key CTA's), dQ
+    """Where Q·K's and V's head dims are at most 192 (MLA's 192/128; the default where V's fits 128),
+    kernels/backward_pair.cu (SAGEBWD_BACKWARD_PAIR=1: a CTA of 64 keys, each score formed once) computes what the
+    two-pass wgmma backward (=0) computes: dK and dV bit for bit (its causal sweep is the two-pass kernel's 128-key CTA's), dQ
     within its accumulation order's rounding; packed batches too. Hopper only."""
     import torch
 

@@ -873,9 +873,9 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         gpu.calls.clear()
         sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
         assert launched("attention_backward", "BackwardParams") == {"D": 192, "Dv": dv}
-        # The backward splits 192 columns and V's (specs.narrow_backward_tiles): V's 128 in the pair kernel's CTA
-        # (Q̂ᵀ's and dÔᵀ's boxes take all 192 and 128 rows), V's 192 in two passes (96 rows each).
+        # The backward splits 192 columns and V's (specs.narrow_backward_tiles) in the pair kernel's CTA: Q̂ᵀ's and
+        # dÔᵀ's boxes take all 192 rows and V's.
         step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
-        assert f".qk192.v{dv}" in step.spec.key and (".pair." in step.spec.key) == (dv == 128), step.spec.key
+        assert f".qk192.v{dv}" in step.spec.key and ".pair." in step.spec.key, step.spec.key
         boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and len(c[1].dims) == 2 and c[1].swizzle == 64}
-        assert boxes == ({(64, 192), (64, 128)} if dv == 128 else {(64, 96), (64, dv // 2)}), boxes
+        assert boxes == {(64, 192), (64, dv)}, boxes

@@ -513,10 +513,10 @@ NARROW_QK_COLS = 192
 def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int,
                           options: AttentionOptions, pair: bool | None = None) -> BackwardTiles:
     """``tiles`` for a wide wgmma backward of ``options`` whose head dim ``head_dim`` (V's ``value_dim``) fits
-    NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. Where V's
-    head dim fits 128, the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
-    H200, bf16, causal at 192/128: fwd+bwd 1.02-1.12x the two-pass kernel at 1K-8K keys), unless ``pair``
-    is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel)."""
+    NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. There (both
+    head dims fit 192) the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
+    H200, bf16, causal: fwd+bwd 1.02-1.13x the two-pass kernel at 192/128 and 1K-8K keys, 1.11-1.14x at d=192 and
+    4K-8K), unless ``pair`` is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel)."""
     value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
         return tiles
@@ -527,7 +527,7 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
     narrow = dataclasses.replace(tiles, qk_cols=NARROW_QK_COLS, value_cols=cols[0], stages=2 if cols[0] == 128 else 1)
     if pair is None:
         pair = env_choice("SAGEBWD_BACKWARD_PAIR", (0, 1)) != 0
-    if cols[0] == 128 and pair:  # (two stages, no producer warpgroup)
+    if pair:  # (two stages, no producer warpgroup; at V's 192 columns Q̂ᵀ and dÔᵀ in one buffer: SPLIT)
         return dataclasses.replace(narrow, pair=True, ws=False, dq_tiles=1, stages=2)
     return narrow
 
@@ -648,7 +648,7 @@ def all_specs(arch: str | None = None) -> list:
                             if wide_refusal(dp, det) is None:  # (the same tiles)
                                 specs.append(backward_kernel(dp, dt, det, wide_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
-                                for pair in (True, False):  # (False: SAGEBWD_BACKWARD_PAIR=0's two-pass kernel)
+                                for pair in (True, False):  # (the pair kernel, or the two passes)
                                     narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd, pair)
                                     spec = backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1]
                                     if narrow != wide_tiles and spec not in specs:
