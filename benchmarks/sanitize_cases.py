@@ -40,6 +40,8 @@ CASES = [
     (1, 4, 2, 100, 120, 192, True, "bfloat16", {"value_dim": 128, "sinks": True}),  # sinks joined on a widened O
     (1, 2, 1, 70, 150, 192, False, "float16", {"value_dim": 128}),                # MLA's, MQA, Lq < Lk
     (1, 4, 2, 90, 130, 192, True, "bfloat16", {"value_dim": 128, "packed": True}),  # MLA's, packed
+    (1, 4, 2, 110, 90, 192, True, "float16", {}),                                 # d=192 (the pair kernel's split stage)
+    (1, 2, 1, 90, 130, 192, False, "bfloat16", {"packed": True}),                 # d=192, packed
     (1, 4, 2, 90, 130, 128, True, "bfloat16", {"packed": True}),                  # packed batch
     (1, 2, 2, 90, 130, 256, False, "float16", {"packed": True, "forward": {"window_size": (48, 16)}}),
 ]
