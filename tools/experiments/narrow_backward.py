@@ -6,9 +6,9 @@ process (GPU).
 GQA, causal and packed cases at 192/128, 192 and 136/64, both dtypes (gradients poisoned with NaN first).
 ``time``: ms of forward+backward, the variants interleaved over rounds, beside cuDNN's SDPA. Variants: ``old`` (256
 columns), ``new`` (narrow, the tiles the library picks), ``s1``/``s2`` (narrow with one split stage / two stages),
-``s2q2`` (two stages and two dQ tiles), ``pair`` and ``twopass`` (where V's head dim fits 128: kernels/backward_pair.cu,
-a CTA of 64 keys, each score formed once, the library's default; or the two-pass kernel; ``s1``, ``s2`` and ``s2q2``
-vary the two-pass kernel).
+``s2q2`` (two stages and two dQ tiles), ``pair`` and ``twopass`` (kernels/backward_pair.cu, a CTA of 64 keys, each
+score formed once, the library's default; or the two-pass kernel; ``s1``, ``s2`` and ``s2q2`` vary the two-pass
+kernel).
 ``one``: three forward+backward calls of one shape by one variant, for ncu to profile the third backward.
 
     python tools/experiments/narrow_backward.py check
