@@ -4,7 +4,8 @@ where not); FlexAttention (compiled) with a causal block mask. Forward and forwa
 events, median).
 
     python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--peers ours cudnn]
-                                              [--json PATH]
+                                              [--json PATH]       # and its Markdown table, PATH.md beside it
+    python benchmarks/bench_wide_head_dims.py --render PATH.json  # the Markdown table of a run's records
 
 A shape's optional sixth number is V's head dim (multi-head latent attention's 192/128). ``--window W`` (a causal
 sliding window of W keys to the left) and ``--softcap C`` (logit soft-capping, with K-smoothing) time Gemma 2's
@@ -80,6 +81,37 @@ def shape_inputs(text: str):
     return q, k, v, torch.randn((b, hq, n, dv), generator=g, device="cuda", dtype=torch.bfloat16)
 
 
+PEER_NAMES = {"ours": "ours", "cudnn": "cuDNN", "fa2": "FlashAttention-2", "flex": "FlexAttention"}
+
+
+def _shape_text(shape: str) -> str:
+    """"2x16x4x4096x192x128" as "2×16/4×4096, 192/128" (B×Hq/Hkv×N, Q·K's head dim / V's)."""
+    b, hq, hk, n, *dims = shape.split("x")
+    return f"{b}×{hq}/{hk}×{n}, " + "/".join(dims)
+
+
+def markdown(data: dict) -> str:
+    """The records of one run as a Markdown table: ms forward / forward+backward for each peer timed (a peer that
+    does not take the shape: n/a), and our forward+backward time over each peer's (below 1: ours is faster)."""
+    recs = data["records"]
+    peers = [p for p in PEER_NAMES if any(p in r for r in recs)]
+    others = [p for p in peers if p != "ours"]
+    mask = "causal" + (f", window {data['window']}" if data.get("window", -1) >= 0 else "") + (
+        f", soft cap {data['softcap']:g}" if data.get("softcap") else "")
+    head = ["B×Hq/Hkv×N, d"] + [PEER_NAMES[p] for p in peers] + [f"our time ÷ {PEER_NAMES[p]}'s" for p in others]
+    lines = [f"{data['device']}, torch {data['torch']}: bf16, {mask}; ms forward / forward+backward, one run; the "
+             "time ratios are of forward+backward (below 1: ours is faster).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    timed_ok = lambda r, p: p in r and "fwd_ms" in r[p]  # noqa: E731
+    for r in recs:
+        cells = [_shape_text(r["shape"])]
+        cells += [f"{r[p]['fwd_ms']:.3f} / {r[p]['fwdbwd_ms']:.3f}" if timed_ok(r, p) else "n/a" for p in peers]
+        cells += [f"{r['ours']['fwdbwd_ms'] / r[p]['fwdbwd_ms']:.2f}" if timed_ok(r, p) and timed_ok(r, "ours") else ""
+                  for p in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxD[xDv]")
@@ -88,7 +120,15 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=-1, help="a causal sliding window of this many keys (-1: none)")
     ap.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping's c (0: none)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None, help="write the Markdown table of a results JSON beside it, and stop")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            table = markdown(json.load(f))
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(table)
+        print(table)
+        return 0
     import torch
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  (bf16, causal; ms fwd / fwd+bwd)")
@@ -108,10 +148,12 @@ def main(argv=None) -> int:
                  for k, r in rec.items() if isinstance(r, dict)]
         print(f"{text}: " + "  ".join(cells))
     if args.json:
+        data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "window": args.window,
+                "softcap": args.softcap, "records": records}
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "window": args.window,
-                       "softcap": args.softcap, "records": records}, f,
-                      indent=1)
+            json.dump(data, f, indent=1)
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+            f.write(markdown(data))
     return 0
 
 

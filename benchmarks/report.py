@@ -5,9 +5,10 @@ dims above 128, in one call (what the measuring scripts share is in report_commo
 
 ``--all`` runs report_speed.py, report_accuracy.py, report_memory.py, bench_windows.py and, for head dims
 above 128, bench_wide_head_dims.py and report_accuracy.py at d=192 and 256 (each writes one JSON file into
-DIR/<device>/, DIR defaulting to benchmarks/results; the windows' with its Markdown table beside it,
-windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN; wide_head_dims.json and
-accuracy_wide_head_dims.json), then renders the Markdown tables and
+DIR/<device>/, DIR defaulting to benchmarks/results; the windows' and the wide head dims' with their Markdown
+tables beside them, windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN; wide_head_dims.md:
+d=256, 192 and 192/128 against cuDNN, FlashAttention-2 and FlexAttention; and accuracy_wide_head_dims.json), then
+renders the Markdown tables and
 charts next to them (README.md is left alone here: run render_report.py for that).  ``--install``
 first installs the checkout (editable, no dependencies) and any wheel in benchmarks/wheels/.
 """
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
         times[part] = time.time() - start
         if rc:
             failed.append(part)
-    if not args.no_render and set(parts) & {"speed", "accuracy", "memory"}:  # (bench_windows renders its own)
+    if not args.no_render and set(parts) & {"speed", "accuracy", "memory"}:  # (the bench_ scripts render their own)
         try:
             render_report.render(target, readme=None)
             loaded = [render_report.load(os.path.join(target, f"{n}.json")) for n in ("speed", "accuracy", "memory")]
