@@ -667,6 +667,9 @@ def render(results_dir: str, readme: str | None = README, charts: bool = True) -
         write("speed.md", speed_markdown(speed, charts=[os.path.basename(p) for p in pngs]))
     if accuracy:
         write("accuracy.md", accuracy_markdown(accuracy))
+    wide_accuracy = load(os.path.join(results_dir, "accuracy_wide_head_dims.json"))  # (report.py --wide-head-dims)
+    if wide_accuracy:
+        write("accuracy_wide_head_dims.md", accuracy_markdown(wide_accuracy))
     if memory:
         write("memory.md", memory_markdown(memory))
     if readme is not None:

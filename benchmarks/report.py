@@ -7,8 +7,8 @@ dims above 128, in one call (what the measuring scripts share is in report_commo
 above 128, bench_wide_head_dims.py and report_accuracy.py at d=192 and 256 (each writes one JSON file into
 DIR/<device>/, DIR defaulting to benchmarks/results; the windows' and the wide head dims' with their Markdown
 tables beside them, windows.md: windows and a soft cap of 30 against FlexAttention and cuDNN; wide_head_dims.md:
-d=256, 192 and 192/128 against cuDNN, FlashAttention-2 and FlexAttention; and accuracy_wide_head_dims.json), then
-renders the Markdown tables and
+d=256, 192 and 192/128 against cuDNN, FlashAttention-2 and FlexAttention; accuracy_wide_head_dims.json and its
+table), then renders the Markdown tables and
 charts next to them (README.md is left alone here: run render_report.py for that).  ``--install``
 first installs the checkout (editable, no dependencies) and any wheel in benchmarks/wheels/.
 """
@@ -89,6 +89,10 @@ def main(argv=None) -> int:
         for c in cmds:
             log("$ " + " ".join(c))
             rc = subprocess.call(c, cwd=ROOT) or rc
+        if part == "wide_head_dims" and not rc and not args.no_render:  # the d=192 and 256 accuracy's table
+            accuracy = render_report.load(os.path.join(target, "accuracy_wide_head_dims.json"))
+            with open(os.path.join(target, "accuracy_wide_head_dims.md"), "w") as f:
+                f.write(render_report.accuracy_markdown(accuracy))
         times[part] = time.time() - start
         if rc:
             failed.append(part)

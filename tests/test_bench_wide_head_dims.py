@@ -25,3 +25,20 @@ def test_the_table_reads_each_peers_time_and_our_ratio_to_it():
             rendered = bench_wide_head_dims.markdown(json.load(f))
         with open(path[:-len(".json")] + ".md") as f:
             assert f.read() == rendered  # the committed table is the committed records'
+
+
+def test_the_committed_wide_accuracy_table_is_its_records_and_render_writes_it(tmp_path):
+    """report.py --wide-head-dims's accuracy at d=192 and 256 gets the accuracy table of render_report.py (also
+    written by render_report.render where the JSON is in the folder)."""
+    import render_report
+
+    folder = os.path.join(REPO, "benchmarks", "results", "NVIDIA_H200")
+    data = render_report.load(os.path.join(folder, "accuracy_wide_head_dims.json"))
+    table = render_report.accuracy_markdown(data)
+    assert "d=192" in table and "d=256" in table
+    with open(os.path.join(folder, "accuracy_wide_head_dims.md")) as f:
+        assert f.read() == table
+    for name in ("accuracy.json", "accuracy_wide_head_dims.json"):
+        (tmp_path / name).write_text(json.dumps(render_report.load(os.path.join(folder, name))))
+    render_report.render(str(tmp_path), readme=None, charts=False)
+    assert (tmp_path / "accuracy_wide_head_dims.md").read_text() == table
