@@ -38,6 +38,7 @@ SCRIPTS = {  # a GPU or minutes: the script exists and takes the README's option
     "python benchmarks/bench_attention.py --seqlens 4096 16384 --head-dims 64 128 --passes fwd bwd",
     "python -m sagebwd_cp",
     "python -m sagebwd_cp compile --all-archs",
+    "python -m sagebwd_cp compile",
 }
 TORCHRUN = {  # several processes (GPUs, or minutes on the CPU): the script exists and takes the options
     "torchrun --nproc-per-node 2 benchmarks/bench_distributed.py",
