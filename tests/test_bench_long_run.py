@@ -13,7 +13,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_long_run  # noqa: E402
 
 
-def test_a_short_run_on_the_emulator_records_every_window_and_passes(tmp_path, capsys):
+def test_a_short_run_on_the_emulator_records_every_window_and_passes(tmp_path, capsys, monkeypatch):
+    # A kernel cache of its own: the run checks that its cache stops growing, and the session's cache is shared with
+    # the other test workers, which compile into it meanwhile.
+    monkeypatch.setenv("SAGEBWD_CP_CACHE_DIR", str(tmp_path / "kernel-cache"))
     out = tmp_path / "run.json"
     rc = bench_long_run.main(["--device", "cpu", "--steps", "3", "--every", "1", "--hidden", "32", "--layers", "1",
                               "--head-dim", "8", "--contexts", "32", "--tokens-per-step", "32",
