@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import timed  # noqa: E402
-from bench_windows import _torch_pair  # noqa: E402
+from bench_windows import _torch_pair, write_markdown  # noqa: E402
 
 DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192", "2x16x4x4096x192x128")
 
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
-            table = markdown(json.load(f))
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(table)
-        print(table)
+            print(write_markdown(args.render, json.load(f), markdown))
         return 0
     import torch
 
@@ -152,8 +149,7 @@ def main(argv=None) -> int:
                 "softcap": args.softcap, "records": records}
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
-        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-            f.write(markdown(data))
+        write_markdown(args.json, data, markdown)
     return 0
 
 

@@ -123,6 +123,14 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_markdown(json_path: str, data: dict, render) -> str:
+    """``render(data)``, the Markdown table of a run's records, written beside its JSON (PATH.md); returned."""
+    table = render(data)
+    with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+        f.write(table)
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxHqxHkvxNxWINDOW, d = 128")
@@ -134,10 +142,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
-            table = markdown(json.load(f))
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(table)
-        print(table)
+            print(write_markdown(args.render, json.load(f), markdown))
         return 0
     import torch
 
@@ -178,8 +183,7 @@ def main(argv=None) -> int:
         data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
-        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-            f.write(markdown(data))
+        write_markdown(args.json, data, markdown)
     return 0
 
 
