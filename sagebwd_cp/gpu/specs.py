@@ -55,6 +55,7 @@ KEY_TEXT = {
     "SB_DQ_TILES": lambda v: f".dq{v}" if v > 1 else "",
     "SB_QUAD": lambda v: ".quad" if v else "",
     "SB_PAIR": lambda v: ".pair" if v else "",
+    "SB_PHASES": lambda v: ".phases" if v else "",
     "SB_TILE_KEYS": lambda v: f".k{v}" if v != numerics.BLOCK_KV else "",
     "SB_DQK": lambda v: f".qk{v}",
     "SB_DPV": lambda v: f".v{v}",
@@ -385,6 +386,9 @@ class BackwardTiles:
     # wgmma above head dim 128: kernels/backward_pair.cu (a CTA of 64 keys, two warpgroups splitting the queries for
     # the scores and the head dims for the gradients; narrow_backward_tiles says where)
     pair: bool = False
+    # the pair kernel's warpgroups specialized by phase (kernels/backward_phases.cu: one forms the scores and codes, the
+    # other the gradient products an iteration behind; V's head dim at most 128; narrow_backward_tiles says where)
+    phases: bool = False
     # wgmma above head dim 128: the Q·K and V head dims the passes split where narrower than the padded one (SB_DQK,
     # SB_DPV; narrow_backward_tiles), else 0
     qk_cols: int = 0
@@ -393,7 +397,7 @@ class BackwardTiles:
     @property
     def filename(self) -> str:
         if self.pair:
-            return "backward_pair.cu"
+            return "backward_phases.cu" if self.phases else "backward_pair.cu"
         return "backward_quad.cu" if self.quad else "backward_wgmma.cu" if self.wgmma else "backward.cu"
 
     @property
@@ -428,12 +432,13 @@ class BackwardTiles:
         dÔᵀ (a pass's rows, ``pass_dims``, of a query block's bytes), dO (a query block's rows x TMA_DO_COLS
         16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes; and the dQ
         accumulator's box that a pass's partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero
-        ones, unswizzled; the pair kernel's warpgroups add half of them each)."""
+        ones, unswizzled; the pair kernel's warpgroups add half of them each; its phase-specialized form adds all of
+        them and 4 zero ones, which fit its shared memory where 8 do not)."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
-        dq_cols = self.pass_dims(dp) // (2 if self.pair else 1)
+        dq_cols = self.pass_dims(dp) // (2 if self.pair and not self.phases else 1)
         return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
                 "value_cols": TmaBox((bq, self.value_pass_dims(dp)), bq),
-                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((dq_cols + 8, bq), 0)}
+                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((dq_cols + (4 if self.phases else 8), bq), 0)}
 
     def passes(self, dp: int) -> int:
         """CTAs a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim columns: two for the wgmma
@@ -453,7 +458,8 @@ class BackwardTiles:
         narrow = {"SB_DQK": self.qk_cols, "SB_DPV": self.value_cols} if self.qk_cols else {}
         return {"SB_STAGES": self.stages, "SB_WGMMA": int(self.wgmma),
                 **({"SB_WS": int(self.ws), "SB_DQ_TILES": self.dq_tiles} if self.wgmma else {}),
-                **({"SB_QUAD": 1} if self.quad else {}), **({"SB_PAIR": 1} if self.pair else {}), **narrow}
+                **({"SB_QUAD": 1} if self.quad else {}), **({"SB_PAIR": 1} if self.pair else {}),
+                **({"SB_PHASES": 1} if self.phases else {}), **narrow}
 
     def implied(self, dp: int, causal: bool, deterministic: bool) -> dict:
         """The kernel's CTA (SB_THREADS threads over SB_CTA_KEYS keys), its key-side padding, dQ's row
@@ -511,12 +517,14 @@ NARROW_QK_COLS = 192
 
 
 def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_dim: int,
-                          options: AttentionOptions, pair: bool | None = None) -> BackwardTiles:
+                          options: AttentionOptions, pair: bool | None = None,
+                          phases: bool | None = None) -> BackwardTiles:
     """``tiles`` for a wide wgmma backward of ``options`` whose head dim ``head_dim`` (V's ``value_dim``) fits
     NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. There (both
     head dims fit 192) the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
     H200, bf16, causal: fwd+bwd 1.02-1.13x the two-pass kernel at 192/128 and 1K-8K keys, 1.11-1.14x at d=192 and
-    4K-8K), unless ``pair`` is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel)."""
+    4K-8K), unless ``pair`` is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel). ``phases`` (None:
+    SAGEBWD_BACKWARD_PHASES=1) takes the pair kernel's phase-specialized form where V's tiles hold 128 columns."""
     value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
         return tiles
@@ -528,7 +536,9 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
     if pair is None:
         pair = env_choice("SAGEBWD_BACKWARD_PAIR", (0, 1)) != 0
     if pair:  # (two stages, no producer warpgroup; at V's 192 columns Q̂ᵀ and dÔᵀ in one buffer: SPLIT)
-        return dataclasses.replace(narrow, pair=True, ws=False, dq_tiles=1, stages=2)
+        if phases is None:
+            phases = env_choice("SAGEBWD_BACKWARD_PHASES", (0, 1)) == 1
+        return dataclasses.replace(narrow, pair=True, phases=phases and cols[0] == 128, ws=False, dq_tiles=1, stages=2)
     return narrow
 
 

@@ -8,7 +8,8 @@ GQA, causal and packed cases at 192/128, 192 and 136/64, both dtypes (gradients 
 columns), ``new`` (narrow, the tiles the library picks), ``s1``/``s2`` (narrow with one split stage / two stages),
 ``s2q2`` (two stages and two dQ tiles), ``pair`` and ``twopass`` (kernels/backward_pair.cu, a CTA of 64 keys, each
 score formed once, the library's default; or the two-pass kernel; ``s1``, ``s2`` and ``s2q2`` vary the two-pass
-kernel).
+kernel), ``phases`` (kernels/backward_phases.cu, the pair kernel's warpgroups specialized by phase, where V's head dim
+is at most 128; the pair kernel elsewhere).
 ``one``: three forward+backward calls of one shape by one variant, for ncu to profile the third backward.
 
     python tools/experiments/narrow_backward.py check
@@ -47,8 +48,9 @@ def _variant(name: str) -> None:
     def tiles(t, dp, head_dim, value_dim, options):
         if name == "old":
             return t
-        t = lib(t, dp, head_dim, value_dim, options, pair=None if name == "new" else name == "pair")
-        if not t.qk_cols or name in ("new", "pair", "twopass"):
+        t = lib(t, dp, head_dim, value_dim, options, pair=None if name == "new" else name in ("pair", "phases"),
+                phases=None if name == "new" else name == "phases")
+        if not t.qk_cols or name in ("new", "pair", "phases", "twopass"):
             return t
         return dataclasses.replace(t, stages=1 if name == "s1" else 2, dq_tiles=2 if name == "s2q2" else 1)
 

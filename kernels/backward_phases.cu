@@ -1,0 +1,389 @@
+// SageBwd backward on Hopper (sm_90a) at MLA's 192/128: backward_pair.cu's CTA of 64 keys and its numerics, with the
+// two warpgroups specialized by phase instead of splitting each phase in halves.
+//   warpgroup 0 (scores): Sᵀ and dPᵀ of the 64 keys x the block's 64 queries (m64n64), Pᵀ and dSᵀ, P̂ᵀ and Ẑᵀ per key
+//   (its rows hold every query: no exchange), Ŷ per query over the 64 keys (through shared memory, inside the
+//   warpgroup); the codes, Ŷ's and the per-key factors go to one of two code slots.
+//   warpgroup 1 (gradients): dV, dK and dQ of every column from a slot's codes, one iteration behind, in n64 products
+//   two in flight; dQ's partial through one shared tile to one TMA reduction an iteration; the stage loads.
+// In pair's kernel both warpgroups run each phase at once, held in step by three CTA barriers an iteration; here they
+// wait for each other only through mbarriers: a slot's codes full (scores -> gradients), the slot empty (gradients ->
+// scores), and the stages' TMA loads, which the gradients' warpgroup issues for the iteration after next once it has
+// read a stage (the scores' warpgroup read its Q̂, dO and statistics before it filled the codes the gradients wait
+// for). dK and dV are pair's bit for bit (the same integer products, folded in the same order).
+//
+// Compile-time parameters: pair's (SB_DP 256, SB_DQK, SB_DPV <= 128, SB_BF16, SB_CAUSAL, SB_WINDOW, SB_VARLEN; fine
+// granularity, no Q-smoothing, soft cap or deterministic order); from specs.BackwardTiles.implied: SB_THREADS (256),
+// SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH and the query-side tensor maps' boxes (dQ's: every column and its tile's
+// zero padding).
+#include "backward_halves.cuh"
+#include "wgmma.cuh"
+#include "bulk.cuh"
+#include "cp_async.cuh"
+#include "swizzle.cuh"
+#include "tma.cuh"
+
+constexpr int DP = SB_DP;
+constexpr int DQK = SB_DQK, DPV = SB_DPV;
+constexpr int BQ = SB_BLOCK_Q, BKV = SB_BLOCK_KV;
+constexpr int CTA_KEYS = SB_CTA_KEYS, THREADS = SB_THREADS;
+static_assert(DP == 256 && BQ == 64 && BKV == 64 && CTA_KEYS == BKV && THREADS == 256, "two warpgroups, 64 keys");
+static_assert(SB_FINE && !SB_BIAS && !SB_SOFTCAP && !SB_DETERMINISTIC,
+              "fine granularity, no Q-smoothing, no soft cap, not deterministic");
+static_assert(DQK % 64 == 0 && DQK <= DP && DPV % 64 == 0 && DPV <= 128 && DPV <= DQK,
+              "n64 products; two whole stages (V's head dim at most 128)");
+constexpr int NT = BQ / 8;          // n-tiles of Sᵀ and dPᵀ (every query of the block)
+constexpr int NK = DQK / 8, NV = DPV / 8;  // dK's (and dQ's) and dV's n-tiles
+constexpr int CHUNK = 8;            // n-tiles a gradient product (m64n64)
+constexpr int KS8 = DQK / 32;       // Sᵀ's INT8 k-steps (those past the head dim D are skipped)
+constexpr int KS16 = DPV / 16;      // dPᵀ's 16-bit k-steps (those past V's head dim Dv are skipped)
+constexpr int DQ_PITCH = SB_DQ_PITCH;
+constexpr int DQ_TILE_PITCH = SB_TMA_DQ_COLS;  // dQ's tile rows: every column and zero padding (tm_dq's box)
+static_assert(DQ_PITCH == DP + 8 && DQ_TILE_PITCH >= DQK && DQ_TILE_PITCH <= DQK + 8, "dQ's tile is tm_dq's box");
+static_assert(SB_TMA_QROWS == BQ && SB_TMA_Q_COLS == 128 && SB_TMA_QT_ROWS == DQK && SB_TMA_DOT_ROWS == DPV &&
+              SB_TMA_DO_COLS == 64, "Q̂ a query block's column blocks; Q̂ᵀ and dÔᵀ every row; dO 64-column boxes");
+static_assert(SB_TMA_SWIZZLE_Q == 128 && SB_TMA_SWIZZLE_QT == 64 && SB_TMA_SWIZZLE_DO == 128, "each box in its rows' swizzle");
+
+struct PhaseStage {
+    i8 q[BQ * DP];        // Q̂   [64 q][DP] int8, 128-byte column blocks
+    u16 dout[BQ * DPV];   // dO  [64 q][DPV] 16-bit, 128-byte column blocks
+    i8 qt[DQK * BQ];      // Q̂ᵀ  [DQK][64 q] int8, fragment token order
+    i8 dot[DPV * BQ];     // dÔᵀ [DPV][64 q] int8, fragment token order
+};
+struct CodeSlot {
+    i8 pt[BKV * BQ];      // P̂ᵀ [64 keys][64 q] u8, 64-byte rows in fragment token order
+    i8 zt[BKV * BQ];      // Ẑᵀ, the same
+    i8 ds[BQ * BKV];      // Ŷ  [64 q][64 keys]
+};
+struct PhaseShared {
+    i8 k[BKV * DP];                 // K̂  [64 keys][DP], 128-byte column blocks
+    i8 kt[DQK * BKV];               // K̂ᵀ [DQK][64 keys]
+    u16 v[BKV * DPV];               // V  [64 keys][DPV] 16-bit, 128-byte column blocks
+    PhaseStage stage[2];
+    CodeSlot code[2];
+    float dq[BQ * DQ_TILE_PITCH];   // dQ's partial tile
+    float4 stats[2][BQ];            // (LSE2, s_Q, δ, s_Qᵀ) per query of each stage
+    float fac[2][2][BKV];           // [slot][dV or dK][key]: the folds' factors (P̂ᵀ's scale·s_dO, Ẑᵀ's·s_Qᵀ)
+    float yscale[2][BQ];            // [slot][query]: Ŷ's factor (its scale times K̂ᵀ's)
+    float red_y[2][4][32];          // [query half][warp][query]: per-query maxima of |dS| (halves alternate)
+    unsigned long long stage_full[2], codes_full[2], codes_empty[2];
+};
+constexpr int TILE_ALIGN = 1024;
+constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(PhaseShared) + (TILE_ALIGN - 128);
+constexpr int SDO = sizeof(PhaseStage::q), SQT = SDO + sizeof(PhaseStage::dout), SDOT = SQT + sizeof(PhaseStage::qt);
+constexpr int STAGE0 = sizeof(PhaseShared::k) + sizeof(PhaseShared::kt) + sizeof(PhaseShared::v);
+constexpr int CODE0 = STAGE0 + sizeof(PhaseShared::stage);
+constexpr int DQ_OFF = CODE0 + sizeof(PhaseShared::code);
+static_assert(sizeof(PhaseShared::k) % TILE_ALIGN == 0 && (STAGE0 - sizeof(PhaseShared::v)) % TILE_ALIGN == 0 &&
+              STAGE0 % TILE_ALIGN == 0 && sizeof(PhaseStage) % TILE_ALIGN == 0 && SDO % TILE_ALIGN == 0 &&
+              SQT % TILE_ALIGN == 0 && SDOT % TILE_ALIGN == 0 && CODE0 % TILE_ALIGN == 0 &&
+              sizeof(CodeSlot) % TILE_ALIGN == 0 && BKV * BQ % TILE_ALIGN == 0 && DQ_OFF % 128 == 0,
+              "wgmma tiles on their swizzle atoms, the dQ tile on 128 bytes");
+static_assert(DYNAMIC_SHARED_BYTES <= 232448, "one CTA an SM");
+constexpr u32 STAGE_LOAD_BYTES = sizeof(PhaseStage) + 16 * BQ;
+constexpr int BAR_SCORES = 1, BAR_GRADS = 2;  // named barriers of each warpgroup (128 threads)
+constexpr int LOADER = 128;                    // the gradients' thread that issues the stage loads
+constexpr int REDUCER = 160;                   // and the one that issues dQ's reductions (another warp)
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKWARD_MAPS)) {
+    const BackwardParams a = SB_KERNEL_VIEW(BackwardParams, SB_BACKWARD_FIELDS);
+    SB_REQUIRE_SM80();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((TILE_ALIGN - smem_u32(smem_raw) % TILE_ALIGN) % TILE_ALIGN);
+    PhaseShared& sh = *reinterpret_cast<PhaseShared*>(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wv = warp & 3;
+    const GridCell cell = backward_cell(a.grid_order);
+    const int j = cell.j, hk = cell.hk, b = cell.b;
+    const int group = a.Hq / a.Hkv;
+    const BackwardSeq seq(a, b);
+    const int hi = seq.band_hi();
+    static_assert(CTA_KEYS == BACKWARD_CTA_KEYS, "backward_common.cuh's key count");
+    if (SB_VARLEN && j * CTA_KEYS >= seq.len_k()) return;  // packed: the grid covers the longest sequence
+    const QueryBlocks qb = query_blocks(j * CTA_KEYS, CTA_KEYS, seq);
+    const int i0 = qb.i0, n_i = qb.n_i, n_it = group * n_i;
+
+    // K̂, V and K̂ᵀ by cp.async, every thread.
+    {
+        const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
+        load_tile<DP, BKV, THREADS, true>(smem_u32(sh.k), a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
+        const u16* vsrc = a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS);
+        constexpr int VCH = 2 * DPV / 16;  // 16-byte chunks of a row
+        static_assert(BKV * VCH % THREADS == 0, "whole passes of the threads");
+#pragma unroll
+        for (int k = 0; k < BKV * VCH / THREADS; ++k) {
+            const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
+            const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
+            cp_async_16(smem_u32(sh.v) + wgmma_tile_offset<2 * DPV, BKV>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc,
+                        ok ? 16 : 0);
+        }
+        load_tile<64, DQK, THREADS, true>(smem_u32(sh.kt), a.k8t + seq.kt_base(hk, DP) + j * CTA_KEYS, seq.nk_pad());
+        cp_async_commit();
+    }
+
+    auto load_stage = [&](int h, int i, int slot) {
+        const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.stage_full[slot]);
+        mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
+        tma_load_3d(st, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
+        const int qt_row = static_cast<int>(seq.qt_row0(h, DP));
+        tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
+        tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
+        // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
+        // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
+#pragma unroll
+        for (int cb = 0; cb < DPV / 64; ++cb)
+            tma_load_4d(st + SDO + cb * BQ * 128, tm_do, 64 * cb, seq.q_start() + i * BQ, h, SB_VARLEN ? 0 : seq.b, bar);
+        bulk_load(smem_u32(&sh.stats[slot][0]), a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
+    };
+    const int h_first = hk * group, i_last = i0 + n_i - 1;
+    // Causal: pair's sweep (backward_wgmma.cu's 128-key CTA j / 2's rotation), so that dK and dV are its bit for bit.
+    int i_start = i0;
+    if (SB_CAUSAL) {
+        const int n_wide = query_blocks((j >> 1) * 2 * CTA_KEYS, 2 * CTA_KEYS, seq).n_i;
+        i_start = i_last - (j >> 1) % SWEEP_ROTATE % max(n_wide, 1);
+        if (i_start < i0) i_start = i_last;
+    }
+    auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            mbarrier_init(smem_u32(&sh.stage_full[s]), 1);
+            mbarrier_init(smem_u32(&sh.codes_full[s]), 128);
+            mbarrier_init(smem_u32(&sh.codes_empty[s]), 128);
+        }
+        fence_mbarrier_init();
+        prefetch_tensor_map(tm_q);
+        prefetch_tensor_map(tm_qt);
+        prefetch_tensor_map(tm_dot);
+        prefetch_tensor_map(tm_do);
+        prefetch_tensor_map(tm_dq);
+        int h = h_first, i = i_start;
+        for (int s = 0; s < 2 && s < n_it; ++s, advance(h, i)) load_stage(h, i, s);
+    }
+    if (tid < BQ) {  // the dQ tile's padding columns, which tm_dq's box adds too: zeros
+#pragma unroll
+        for (int c = DQK; c < DQ_TILE_PITCH; ++c) sh.dq[tid * DQ_TILE_PITCH + c] = 0.f;
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();  // cp.async wrote K̂, V and K̂ᵀ, and the threads the dQ tile's zeros, which the async proxy reads
+    __syncthreads();      // and the mbarriers are initialized
+
+    const int krow = wv * 16 + g;  // this thread's key rows: krow, krow + 8
+    const int key0 = j * CTA_KEYS;
+    if (warpgroup_uniform() == 0) {
+        // ---- Scores: Sᵀ, dPᵀ, the softmax, dSᵀ and the codes of iteration it into slot it & 1.
+        float s_k[2];
+        {
+            const i64 k0 = seq.k_row0(hk) + key0 + krow;
+            s_k[0] = a.k_scale[k0];
+            s_k[1] = a.k_scale[k0 + 8];
+        }
+        const float kt_scale = a.kt_scale[seq.k_block0(hk) + j];  // K̂ᵀ's scale of the key block
+        int h = h_first, i = i_start;
+        for (int it = 0; it < n_it; ++it, advance(h, i)) {
+            const int slot = it & 1;
+            const float s_do = a.do_scale[seq.q_block0(h) + i];
+            const u32 st = smem_u32(&sh.stage[slot]);
+            const float4* stats_s = sh.stats[slot];
+            mbarrier_wait(smem_u32(&sh.stage_full[slot]), (it >> 1) & 1);
+            const int q0 = i * BQ;
+            const bool need_mask = q0 + BQ > (SB_VARLEN ? seq.len_q() : a.Lq) ||
+                                   key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) ||
+                                   (SB_CAUSAL && key0 + BKV - 1 > q0 + hi) ||
+                                   (SB_WINDOW && key0 + a.win_width < q0 + BQ - 1 + hi);
+            float p[NT][4], ds[NT][4];
+            {
+                int s[NT][4];
+                wgmma_fence();
+                const u32 k_desc = wgmma_desc_lo<DP>(smem_u32(sh.k));
+                const u32 q_desc = wgmma_desc_lo<DP>(st);
+#pragma unroll
+                for (int ks = 0; ks < KS8; ++ks)
+                    if (ks == 0 || 32 * ks < a.D)
+                        wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, BKV>(ks)),
+                                    wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
+                wgmma_commit();
+                const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v));
+                const u32 do_desc = wgmma_desc_lo<128>(st + SDO);
+#pragma unroll
+                for (int ks = 0; ks < KS16; ++ks)
+                    if (ks == 0 || 16 * ks < a.Dv)
+                        wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DPV, BKV>(ks)),
+                                              wgmma_desc<128>(do_desc, kstep_offset<2 * DPV, BQ>(ks)), ks);
+                wgmma_commit();
+                wgmma_wait<1>();
+                wgmma_hold_all(s);
+                const float no_bias[2] = {0.f, 0.f};
+                probabilities(p, s, s_k, no_bias, stats_s, 0, t, key0 + krow, q0, need_mask, seq, hi);
+            }
+            float m[4];  // per key (rows krow, krow + 8): the maxima of Pᵀ and |dSᵀ| over the block's 64 queries
+            {
+                float mp[2];
+                row_max<false>(mp, p);
+                m[0] = mp[0];
+                m[1] = mp[1];
+            }
+            wgmma_wait<0>();
+            wgmma_hold_all(ds);
+            ds_from_dp(ds, p, stats_s, 0, t, a);
+            {
+                float mz[2];
+                row_max<true>(mz, ds);
+                m[2] = mz[0];
+                m[3] = mz[1];
+            }
+            const float s_qt = stats_s[0].w;  // Q̂ᵀ's scale of the query block
+            if (it >= 2) mbarrier_wait(smem_u32(&sh.codes_empty[slot]), ((it >> 1) & 1) ^ 1);  // iteration it - 2's read
+            CodeSlot& cs = sh.code[slot];
+            {  // P̂ᵀ (unsigned codes) and Ẑᵀ per key, with the folds' factors
+                const Psi p0 = psi_unsigned(m[0]), p1 = psi_unsigned(m[1]), z0 = psi(m[2]), z1 = psi(m[3]);
+                const float inv_p[2] = {p0.inv, p1.inv}, inv_z[2] = {z0.inv, z1.inv};
+                if (t == 0) {
+                    sh.fac[slot][0][krow] = p0.scale * s_do;
+                    sh.fac[slot][0][krow + 8] = p1.scale * s_do;
+                    sh.fac[slot][1][krow] = z0.scale * s_qt;
+                    sh.fac[slot][1][krow + 8] = z1.scale * s_qt;
+                }
+#pragma unroll
+                for (int qh = 0; qh < 2; ++qh) {
+                    store_half_codes(cs.pt, reinterpret_cast<const float(&)[HALF_NT][4]>(p[HALF_NT * qh]), inv_p, krow, qh, t);
+                    store_half_codes(cs.zt, reinterpret_cast<const float(&)[HALF_NT][4]>(ds[HALF_NT * qh]), inv_z, krow, qh, t);
+                }
+            }
+            // Ŷ per query over the 64 keys, stored [query][key] in 64-byte rows (the warp's keys: chunk wv), a half of
+            // the queries at a time (each half's maxima buffer is rewritten only after the other half's barrier).
+#pragma unroll
+            for (int qh = 0; qh < 2; ++qh) {
+                const float(&dsh)[HALF_NT][4] = reinterpret_cast<const float(&)[HALF_NT][4]>(ds[HALF_NT * qh]);
+                int yc;
+                const Psi ys = half_query_psi(dsh, sh.red_y, qh, wv, g, t, BAR_SCORES, yc);
+                if (wv == 0) sh.yscale[slot][HALF_Q * qh + yc] = ys.scale * kt_scale;
+                store_half_y<64>(cs.ds, dsh, ys.inv, wv, qh, g, t);
+            }
+            fence_proxy_async();  // the codes and Ŷ are read by wgmma
+            mbarrier_arrive(smem_u32(&sh.codes_full[slot]));
+        }
+        return;
+    }
+
+    // ---- Gradients: dV, dK and dQ of iteration it from slot it & 1, then the stage load of iteration it + 2.
+    // Keys krow, krow + 8 x columns 8n + 2t, +1.
+    float dk[NK][4], dv[NV][4];
+#pragma unroll
+    for (int n = 0; n < NK; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[n][e] = 0.f;
+            if (n < NV) dv[n][e] = 0.f;
+        }
+    const int gt = tid - 128;
+    const int rows = (gt >> 5) * 16 + (gt >> 2 & 7);  // this thread's dQ rows: rows, rows + 8
+    int h = h_first, i = i_start, nh = h_first, ni = i_start;
+    advance(nh, ni);
+    advance(nh, ni);  // (the iteration after next: the prologue loaded two)
+    i64 pending_row = -1;
+    for (int it = 0; it < n_it; ++it, advance(h, i)) {
+        const int slot = it & 1;
+        mbarrier_wait(smem_u32(&sh.codes_full[slot]), (it >> 1) & 1);
+        mbarrier_wait(smem_u32(&sh.stage_full[slot]), (it >> 1) & 1);  // (passed: the scores waited for it)
+        const CodeSlot& cs = sh.code[slot];
+        const u32 st = smem_u32(&sh.stage[slot]);
+        const u32 pt_lo = wgmma_desc_lo<64>(smem_u32(cs.pt)), zt_lo = wgmma_desc_lo<64>(smem_u32(cs.zt));
+        const u32 ds_lo = wgmma_desc_lo<64>(smem_u32(cs.ds));
+        const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT), qt_lo = wgmma_desc_lo<64>(st + SQT);
+        const u32 kt_lo = wgmma_desc_lo<64>(smem_u32(sh.kt));
+        const float fac_v[2] = {sh.fac[slot][0][krow], sh.fac[slot][0][krow + 8]};
+        const float fac_k[2] = {sh.fac[slot][1][krow], sh.fac[slot][1][krow + 8]};
+        const float fq[2] = {sh.yscale[slot][rows], sh.yscale[slot][rows + 8]};
+        // The products in n64 chunks, c = 0..NC-1: dV's NV/8, then dK's NK/8, then dQ's NK/8; chunk c + 1 is issued
+        // before chunk c is folded.
+        constexpr int CV = NV / CHUNK, CK = NK / CHUNK, NC = CV + 2 * CK;
+        int acc[2][CHUNK][4];
+        auto issue = [&](int c) {
+            int(&d)[CHUNK][4] = acc[c & 1];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                if (c < CV)
+                    wgmma_u8s8_ss(d, wgmma_desc<64>(pt_lo, 32 * kk), wgmma_desc<64>(dot_lo + c * CHUNK * 8 * BQ / 16, 32 * kk), kk);
+                else if (c < CV + CK)
+                    wgmma_s8_ss(d, wgmma_desc<64>(zt_lo, 32 * kk), wgmma_desc<64>(qt_lo + (c - CV) * CHUNK * 8 * BQ / 16, 32 * kk), kk);
+                else
+                    wgmma_s8_ss(d, wgmma_desc<64>(ds_lo, 32 * kk), wgmma_desc<64>(kt_lo + (c - CV - CK) * CHUNK * 8 * BKV / 16, 32 * kk), kk);
+            }
+            wgmma_commit();
+        };
+        auto fold = [&](int c) {
+            int(&d)[CHUNK][4] = acc[c & 1];
+            wgmma_hold_all(d);
+            if (c < CV) {
+#pragma unroll
+                for (int n = 0; n < CHUNK; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dv[c * CHUNK + n][e] = fmaf(static_cast<float>(d[n][e]), fac_v[e >> 1], dv[c * CHUNK + n][e]);
+            } else if (c < CV + CK) {
+#pragma unroll
+                for (int n = 0; n < CHUNK; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dk[(c - CV) * CHUNK + n][e] = fmaf(static_cast<float>(d[n][e]), fac_k[e >> 1], dk[(c - CV) * CHUNK + n][e]);
+            } else {
+                float* dq_row = sh.dq + rows * DQ_TILE_PITCH + 2 * t + (c - CV - CK) * CHUNK * 8;
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int n = 0; n < CHUNK; ++n)
+                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_TILE_PITCH + 8 * n) =
+                            make_float2(static_cast<float>(d[n][2 * half]) * fq[half],
+                                        static_cast<float>(d[n][2 * half + 1]) * fq[half]);
+            }
+        };
+        issue(0);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            if (c + 1 < NC) {
+                if (c + 1 == CV + CK) {  // dQ's first chunk rewrites the tile: last iteration's reduction has read it
+                    if (tid == REDUCER && pending_row >= 0) bulk_wait_read<0>();
+                    named_barrier<128>(BAR_GRADS);
+                }
+                issue(c + 1);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            fold(c);
+        }
+        // The slot's codes and the stage are read: the scores may refill the slot, the stage takes iteration it + 2.
+        mbarrier_arrive(smem_u32(&sh.codes_empty[slot]));
+        fence_proxy_async();  // the TMA reduction reads the dQ tile's stores
+        named_barrier<128>(BAR_GRADS);
+        if (tid == LOADER && it + 2 < n_it) load_stage(nh, ni, slot);
+        if (it + 2 < n_it) advance(nh, ni);
+        pending_row = seq.q_row0(h) + i * BQ;
+        if (tid == REDUCER) {
+            tma_reduce_add_2d(tm_dq, 0, static_cast<int>(pending_row), smem_u32(sh.dq));
+            bulk_commit();
+        }
+    }
+    if (tid == REDUCER && pending_row >= 0) bulk_wait_read<0>();
+
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys; dV's columns past V's tile
+    // (value_head_dim's zero padding) zero.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = key0 + krow + 8 * half;
+        if (key >= seq.len_k()) continue;
+        u16* kr = a.dk + seq.key_token(a.kb, a.kh, a.kn, hk, key);
+        u16* vr = a.dv + seq.key_token(a.wb, a.wh, a.wn, hk, key);
+#pragma unroll
+        for (int n = 0; n < NK; ++n) {
+            const int col = n * 8 + 2 * t;
+            if (col < a.D)
+                *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f,
+                                                                       dk[n][2 * half + 1] * 0.6931471805599453f);
+            if (n < NV && col < a.D) *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
+            if (n >= NV && col < a.D) *reinterpret_cast<u32*>(vr + col) = 0u;
+        }
+    }
+}
