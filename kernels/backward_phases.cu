@@ -65,7 +65,10 @@ struct PhaseShared {
     float fac[2][2][BKV];           // [slot][dV or dK][key]: the folds' factors (P̂ᵀ's scale·s_dO, Ẑᵀ's·s_Qᵀ)
     float yscale[2][BQ];            // [slot][query]: Ŷ's factor (its scale times K̂ᵀ's)
     float red_y[2][4][32];          // [query half][warp][query]: per-query maxima of |dS| (halves alternate)
-    unsigned long long stage_full[2], codes_full[2], codes_empty[2];
+    // each stage's loads: the scores' half (Q̂, dO, statistics) and the gradients' (Q̂ᵀ, dÔᵀ), each warpgroup loading
+    // its own half of the iteration after next once it has read it
+    unsigned long long q_full[2], g_full[2];
+    unsigned long long codes_full[2], codes_empty[2];
 };
 constexpr int TILE_ALIGN = 1024;
 constexpr unsigned long long DYNAMIC_SHARED_BYTES = sizeof(PhaseShared) + (TILE_ALIGN - 128);
@@ -79,9 +82,9 @@ static_assert(sizeof(PhaseShared::k) % TILE_ALIGN == 0 && (STAGE0 - sizeof(Phase
               sizeof(CodeSlot) % TILE_ALIGN == 0 && BKV * BQ % TILE_ALIGN == 0 && DQ_OFF % 128 == 0,
               "wgmma tiles on their swizzle atoms, the dQ tile on 128 bytes");
 static_assert(DYNAMIC_SHARED_BYTES <= 232448, "one CTA an SM");
-constexpr u32 STAGE_LOAD_BYTES = sizeof(PhaseStage) + 16 * BQ;
+constexpr u32 Q_LOAD_BYTES = SQT + 16 * BQ, G_LOAD_BYTES = sizeof(PhaseStage) - SQT;
 constexpr int BAR_SCORES = 1, BAR_GRADS = 2;  // named barriers of each warpgroup (128 threads)
-constexpr int LOADER = 128;                    // the gradients' thread that issues the stage loads
+constexpr int LOADER = 128;                    // the gradients' thread that issues their stage loads
 constexpr int REDUCER = 160;                   // and the one that issues dQ's reductions (another warp)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -121,13 +124,17 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         cp_async_commit();
     }
 
-    auto load_stage = [&](int h, int i, int slot) {
-        const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.stage_full[slot]);
-        mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES);
-        tma_load_3d(st, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
+    auto load_grad = [&](int h, int i, int slot) {  // Q̂ᵀ and dÔᵀ
+        const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.g_full[slot]);
+        mbarrier_arrive_expect_tx(bar, G_LOAD_BYTES);
         const int qt_row = static_cast<int>(seq.qt_row0(h, DP));
         tma_load_2d(st + SQT, tm_qt, seq.qt_col0() + i * BQ, qt_row, bar);
         tma_load_2d(st + SDOT, tm_dot, seq.qt_col0() + i * BQ, qt_row, bar);
+    };
+    auto load_query = [&](int h, int i, int slot) {  // Q̂, dO and the statistics
+        const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.q_full[slot]);
+        mbarrier_arrive_expect_tx(bar, Q_LOAD_BYTES);
+        tma_load_3d(st, tm_q, 0, static_cast<int>(seq.q_row0(h)) + i * BQ, 0, bar);  // its column blocks in one box
         // Packed: dO is one [1][Hq][total][D] tensor; rows past this sequence's end are the next one's, which
         // padded rows' P = 0 (LSE2 = +inf, δ = 0 there) keeps out of every product.
 #pragma unroll
@@ -147,7 +154,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
-            mbarrier_init(smem_u32(&sh.stage_full[s]), 1);
+            mbarrier_init(smem_u32(&sh.q_full[s]), 1);
+            mbarrier_init(smem_u32(&sh.g_full[s]), 1);
             mbarrier_init(smem_u32(&sh.codes_full[s]), 128);
             mbarrier_init(smem_u32(&sh.codes_empty[s]), 128);
         }
@@ -158,7 +166,10 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         prefetch_tensor_map(tm_do);
         prefetch_tensor_map(tm_dq);
         int h = h_first, i = i_start;
-        for (int s = 0; s < 2 && s < n_it; ++s, advance(h, i)) load_stage(h, i, s);
+        for (int s = 0; s < 2 && s < n_it; ++s, advance(h, i)) {
+            load_query(h, i, s);
+            load_grad(h, i, s);
+        }
     }
     if (tid < BQ) {  // the dQ tile's padding columns, which tm_dq's box adds too: zeros
 #pragma unroll
@@ -171,7 +182,9 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int krow = wv * 16 + g;  // this thread's key rows: krow, krow + 8
     const int key0 = j * CTA_KEYS;
     if (warpgroup_uniform() == 0) {
-        // ---- Scores: Sᵀ, dPᵀ, the softmax, dSᵀ and the codes of iteration it into slot it & 1.
+        // ---- Scores: Sᵀ, dPᵀ, the softmax, dSᵀ and the codes of iteration it into slot it & 1. The next iteration's
+        // Sᵀ and dPᵀ are issued once this one's dSᵀ is formed, in flight over its codes (two register sets, the loop
+        // unrolled by two), and the warpgroup reloads its half of a stage once it has read it.
         float s_k[2];
         {
             const i64 k0 = seq.k_row0(hk) + key0 + krow;
@@ -179,43 +192,44 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             s_k[1] = a.k_scale[k0 + 8];
         }
         const float kt_scale = a.kt_scale[seq.k_block0(hk) + j];  // K̂ᵀ's scale of the key block
-        int h = h_first, i = i_start;
-        for (int it = 0; it < n_it; ++it, advance(h, i)) {
+        auto issue_scores = [&](int slot, int (&s)[NT][4], float (&dp)[NT][4]) {
+            const u32 st = smem_u32(&sh.stage[slot]);
+            wgmma_fence();
+            const u32 k_desc = wgmma_desc_lo<DP>(smem_u32(sh.k));
+            const u32 q_desc = wgmma_desc_lo<DP>(st);
+#pragma unroll
+            for (int ks = 0; ks < KS8; ++ks)
+                if (ks == 0 || 32 * ks < a.D)
+                    wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, BKV>(ks)),
+                                wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
+            const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v));
+            const u32 do_desc = wgmma_desc_lo<128>(st + SDO);
+#pragma unroll
+            for (int ks = 0; ks < KS16; ++ks)
+                if (ks == 0 || 16 * ks < a.Dv)
+                    wgmma_f16_ss<SB_BF16>(dp, wgmma_desc<128>(v_desc, kstep_offset<2 * DPV, BKV>(ks)),
+                                          wgmma_desc<128>(do_desc, kstep_offset<2 * DPV, BQ>(ks)), ks);
+            wgmma_commit();
+        };
+        int h = h_first, i = i_start, lh = h_first, li = i_start;  // this iteration's block, and the load's
+        advance(lh, li);
+        advance(lh, li);  // (the iteration after next: the prologue loaded two)
+        // Iteration it, its Sᵀ and dPᵀ issued into (s, dp); the next one's go to (s2, dp2).
+        auto step = [&](int it, int (&s)[NT][4], float (&dp)[NT][4], int (&s2)[NT][4], float (&dp2)[NT][4]) {
             const int slot = it & 1;
             const float s_do = a.do_scale[seq.q_block0(h) + i];
-            const u32 st = smem_u32(&sh.stage[slot]);
             const float4* stats_s = sh.stats[slot];
-            mbarrier_wait(smem_u32(&sh.stage_full[slot]), (it >> 1) & 1);
             const int q0 = i * BQ;
             const bool need_mask = q0 + BQ > (SB_VARLEN ? seq.len_q() : a.Lq) ||
                                    key0 + BKV > (SB_VARLEN ? seq.len_k() : a.Lk) ||
                                    (SB_CAUSAL && key0 + BKV - 1 > q0 + hi) ||
                                    (SB_WINDOW && key0 + a.win_width < q0 + BQ - 1 + hi);
-            float p[NT][4], ds[NT][4];
-            {
-                int s[NT][4];
-                wgmma_fence();
-                const u32 k_desc = wgmma_desc_lo<DP>(smem_u32(sh.k));
-                const u32 q_desc = wgmma_desc_lo<DP>(st);
-#pragma unroll
-                for (int ks = 0; ks < KS8; ++ks)
-                    if (ks == 0 || 32 * ks < a.D)
-                        wgmma_s8_ss(s, wgmma_desc<DP>(k_desc, kstep_offset<DP, BKV>(ks)),
-                                    wgmma_desc<DP>(q_desc, kstep_offset<DP, BQ>(ks)), ks);
-                wgmma_commit();
-                const u32 v_desc = wgmma_desc_lo<128>(smem_u32(sh.v));
-                const u32 do_desc = wgmma_desc_lo<128>(st + SDO);
-#pragma unroll
-                for (int ks = 0; ks < KS16; ++ks)
-                    if (ks == 0 || 16 * ks < a.Dv)
-                        wgmma_f16_ss<SB_BF16>(ds, wgmma_desc<128>(v_desc, kstep_offset<2 * DPV, BKV>(ks)),
-                                              wgmma_desc<128>(do_desc, kstep_offset<2 * DPV, BQ>(ks)), ks);
-                wgmma_commit();
-                wgmma_wait<1>();
-                wgmma_hold_all(s);
-                const float no_bias[2] = {0.f, 0.f};
-                probabilities(p, s, s_k, no_bias, stats_s, 0, t, key0 + krow, q0, need_mask, seq, hi);
-            }
+            float p[NT][4];
+            wgmma_wait<0>();  // this iteration's Sᵀ and dPᵀ (issued by the last one, or the prologue)
+            wgmma_hold_all(s);
+            wgmma_hold_all(dp);
+            const float no_bias[2] = {0.f, 0.f};
+            probabilities(p, s, s_k, no_bias, stats_s, 0, t, key0 + krow, q0, need_mask, seq, hi);
             float m[4];  // per key (rows krow, krow + 8): the maxima of Pᵀ and |dSᵀ| over the block's 64 queries
             {
                 float mp[2];
@@ -223,8 +237,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 m[0] = mp[0];
                 m[1] = mp[1];
             }
-            wgmma_wait<0>();
-            wgmma_hold_all(ds);
+            float(&ds)[NT][4] = dp;
             ds_from_dp(ds, p, stats_s, 0, t, a);
             {
                 float mz[2];
@@ -233,6 +246,17 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 m[3] = mz[1];
             }
             const float s_qt = stats_s[0].w;  // Q̂ᵀ's scale of the query block
+            // Every thread has read the slot's Q̂, dO (the products are done) and statistics: the slot takes the
+            // iteration after next, and the next iteration's products go out (its slot loaded an iteration ago).
+            named_barrier<128>(BAR_SCORES);
+            if (it + 2 < n_it) {
+                if (tid == 0) load_query(lh, li, slot);
+                advance(lh, li);
+            }
+            if (it + 1 < n_it) {
+                mbarrier_wait(smem_u32(&sh.q_full[slot ^ 1]), ((it + 1) >> 1) & 1);
+                issue_scores(slot ^ 1, s2, dp2);
+            }
             if (it >= 2) mbarrier_wait(smem_u32(&sh.codes_empty[slot]), ((it >> 1) & 1) ^ 1);  // iteration it - 2's read
             CodeSlot& cs = sh.code[slot];
             {  // P̂ᵀ (unsigned codes) and Ẑᵀ per key, with the folds' factors
@@ -262,7 +286,20 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
             fence_proxy_async();  // the codes and Ŷ are read by wgmma
             mbarrier_arrive(smem_u32(&sh.codes_full[slot]));
+            advance(h, i);
+        };
+        int sa[NT][4], sb[NT][4];
+        float da[NT][4], db[NT][4];
+        if (n_it > 0) {
+            mbarrier_wait(smem_u32(&sh.q_full[0]), 0);
+            issue_scores(0, sa, da);
         }
+        int it = 0;
+        for (; it + 1 < n_it; it += 2) {  // (every path into the loop's top with Sᵀ and dPᵀ in flight in (sa, da))
+            step(it, sa, da, sb, db);
+            step(it + 1, sb, db, sa, da);
+        }
+        if (it < n_it) step(it, sa, da, sb, db);
         return;
     }
 
@@ -278,23 +315,29 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
     const int gt = tid - 128;
     const int rows = (gt >> 5) * 16 + (gt >> 2 & 7);  // this thread's dQ rows: rows, rows + 8
-    int h = h_first, i = i_start, nh = h_first, ni = i_start;
-    advance(nh, ni);
-    advance(nh, ni);  // (the iteration after next: the prologue loaded two)
-    i64 pending_row = -1;
-    for (int it = 0; it < n_it; ++it, advance(h, i)) {
+    // Iteration it's (query head, block), sweep_advance's order formed from it where one thread needs it (no
+    // registers carried through the loop).
+    auto sweep_at = [&](int it, int& hh, int& ii) {
+        if (SB_CAUSAL) {
+            hh = h_first + it % group;
+            ii = i_start - it / group;
+            if (ii < i0) ii += n_i;
+        } else {
+            hh = h_first + it / n_i;
+            ii = i0 + it % n_i;
+        }
+    };
+    for (int it = 0; it < n_it; ++it) {
         const int slot = it & 1;
         mbarrier_wait(smem_u32(&sh.codes_full[slot]), (it >> 1) & 1);
-        mbarrier_wait(smem_u32(&sh.stage_full[slot]), (it >> 1) & 1);  // (passed: the scores waited for it)
+        mbarrier_wait(smem_u32(&sh.g_full[slot]), (it >> 1) & 1);
         const CodeSlot& cs = sh.code[slot];
         const u32 st = smem_u32(&sh.stage[slot]);
         const u32 pt_lo = wgmma_desc_lo<64>(smem_u32(cs.pt)), zt_lo = wgmma_desc_lo<64>(smem_u32(cs.zt));
         const u32 ds_lo = wgmma_desc_lo<64>(smem_u32(cs.ds));
         const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT), qt_lo = wgmma_desc_lo<64>(st + SQT);
         const u32 kt_lo = wgmma_desc_lo<64>(smem_u32(sh.kt));
-        const float fac_v[2] = {sh.fac[slot][0][krow], sh.fac[slot][0][krow + 8]};
-        const float fac_k[2] = {sh.fac[slot][1][krow], sh.fac[slot][1][krow + 8]};
-        const float fq[2] = {sh.yscale[slot][rows], sh.yscale[slot][rows + 8]};
+        // (the factors are read from the slot where each fold needs them: registers)
         // The products in n64 chunks, c = 0..NC-1: dV's NV/8, then dK's NK/8, then dQ's NK/8; chunk c + 1 is issued
         // before chunk c is folded.
         constexpr int CV = NV / CHUNK, CK = NK / CHUNK, NC = CV + 2 * CK;
@@ -313,22 +356,31 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
             wgmma_commit();
         };
-        auto fold = [&](int c) {
+        // Chunk c's factors per row (dV's and dK's per key, dQ's per query), read before its product is waited for.
+        auto factors = [&](int c, float (&f)[2]) {
+            const float* src = c < CV ? &sh.fac[slot][0][krow] : c < CV + CK ? &sh.fac[slot][1][krow] : &sh.yscale[slot][rows];
+            f[0] = src[0];
+            f[1] = src[8];
+        };
+        auto fold = [&](int c, const float (&f)[2]) {
             int(&d)[CHUNK][4] = acc[c & 1];
             wgmma_hold_all(d);
             if (c < CV) {
+                const float(&fac_v)[2] = f;
 #pragma unroll
                 for (int n = 0; n < CHUNK; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         dv[c * CHUNK + n][e] = fmaf(static_cast<float>(d[n][e]), fac_v[e >> 1], dv[c * CHUNK + n][e]);
             } else if (c < CV + CK) {
+                const float(&fac_k)[2] = f;
 #pragma unroll
                 for (int n = 0; n < CHUNK; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         dk[(c - CV) * CHUNK + n][e] = fmaf(static_cast<float>(d[n][e]), fac_k[e >> 1], dk[(c - CV) * CHUNK + n][e]);
             } else {
+                const float(&fq)[2] = f;
                 float* dq_row = sh.dq + rows * DQ_TILE_PITCH + 2 * t + (c - CV - CK) * CHUNK * 8;
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
@@ -342,9 +394,11 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         issue(0);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
+            float f[2];
+            factors(c, f);
             if (c + 1 < NC) {
                 if (c + 1 == CV + CK) {  // dQ's first chunk rewrites the tile: last iteration's reduction has read it
-                    if (tid == REDUCER && pending_row >= 0) bulk_wait_read<0>();
+                    if (tid == REDUCER && it > 0) bulk_wait_read<0>();
                     named_barrier<128>(BAR_GRADS);
                 }
                 issue(c + 1);
@@ -352,21 +406,25 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             } else {
                 wgmma_wait<0>();
             }
-            fold(c);
+            fold(c, f);
         }
         // The slot's codes and the stage are read: the scores may refill the slot, the stage takes iteration it + 2.
         mbarrier_arrive(smem_u32(&sh.codes_empty[slot]));
         fence_proxy_async();  // the TMA reduction reads the dQ tile's stores
         named_barrier<128>(BAR_GRADS);
-        if (tid == LOADER && it + 2 < n_it) load_stage(nh, ni, slot);
-        if (it + 2 < n_it) advance(nh, ni);
-        pending_row = seq.q_row0(h) + i * BQ;
+        if (tid == LOADER && it + 2 < n_it) {
+            int hh, ii;
+            sweep_at(it + 2, hh, ii);
+            load_grad(hh, ii, slot);
+        }
         if (tid == REDUCER) {
-            tma_reduce_add_2d(tm_dq, 0, static_cast<int>(pending_row), smem_u32(sh.dq));
+            int hh, ii;
+            sweep_at(it, hh, ii);
+            tma_reduce_add_2d(tm_dq, 0, static_cast<int>(seq.q_row0(hh) + ii * BQ), smem_u32(sh.dq));
             bulk_commit();
         }
     }
-    if (tid == REDUCER && pending_row >= 0) bulk_wait_read<0>();
+    if (tid == REDUCER && n_it > 0) bulk_wait_read<0>();
 
     // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys; dV's columns past V's tile
     // (value_head_dim's zero padding) zero.
