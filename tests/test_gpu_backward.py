@@ -447,6 +447,32 @@ def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, caus
     plan.clear_plans()
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 257, 192, 128), (1, 4, 1, 700, 130, 136, 64),
+                                   (1, 8, 2, 1100, 1100, 192, 128), (2, 4, 4, 1, 300, 192, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_phase_specialized_pair_backward_equals_the_pair(monkeypatch, shape, dtype, causal):
+    """kernels/backward_phases.cu (SAGEBWD_BACKWARD_PHASES=1, where V's tiles hold 128 columns: one warpgroup forms
+    the scores and codes, the other the gradient products an iteration behind) computes what the pair kernel (=0)
+    computes: dK and dV bit for bit, dQ within its accumulation order's rounding; packed batches too. Hopper only."""
+    import torch
+
+    from sagebwd_cp.gpu import device, plan
+
+    if device.device_arch(torch.cuda.current_device()) != "sm_90":
+        pytest.skip("the pair backward is an sm_90 kernel")
+    b, hq, hk, lq, lk, dqk, dv = shape
+    g = torch.Generator(device="cuda").manual_seed(lq + lk + dqk + 1)
+    q, k, v, do = (torch.randn(s, generator=g, device="cuda").to(getattr(torch, dtype))
+                   for s in ((b, lq, hq, dqk), (b, lk, hk, dqk), (b, lk, hk, dv), (b, lq, hq, dv)))
+    for packed in (False, True):
+        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_PHASES", q, k, v, do, dict(causal=causal), packed)
+        _assert_same_gradients(got, ref, packed)
+    monkeypatch.delenv("SAGEBWD_BACKWARD_PHASES", raising=False)
+    plan.clear_plans()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("shape", [(4, 16, 16, 2048, 64), (2, 16, 4, 2000, 128)], ids=lambda s: "x".join(map(str, s)))
 def test_the_backward_grid_orders_give_the_same_gradients(monkeypatch, shape, deterministic):

@@ -879,3 +879,26 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         assert f".qk192.v{dv}" in step.spec.key and ".pair." in step.spec.key, step.spec.key
         boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and len(c[1].dims) == 2 and c[1].swizzle == 64}
         assert boxes == {(64, 192), (64, dv)}, boxes
+
+
+def test_the_phase_specialized_pair_backward_is_opt_in_where_v_fits_128(gpu, monkeypatch):
+    """SAGEBWD_BACKWARD_PHASES=1 takes kernels/backward_phases.cu at MLA's 192/128 (V's tiles of 128 columns), with
+    dQ's box every one of the 192 columns and 4 zero ones; V's 192 columns keep the pair kernel; unset, the pair."""
+    from sagebwd_cp.api import run_forward
+    from sagebwd_cp.options import AttentionOptions
+
+    for env, value_head_dim, phases in (("1", 128, True), ("1", 0, False), (None, 128, False)):
+        if env is None:
+            monkeypatch.delenv("SAGEBWD_BACKWARD_PHASES", raising=False)
+        else:
+            monkeypatch.setenv("SAGEBWD_BACKWARD_PHASES", env)
+        plan._plans.clear()
+        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192)
+        options = AttentionOptions(causal=True, smooth_k=False, value_head_dim=value_head_dim)
+        _, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
+        gpu.calls.clear()
+        sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+        step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
+        assert (step.spec.filename == "backward_phases.cu") == phases and ".pair" in step.spec.key, step.spec.key
+        dq_boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and len(c[1].dims) == 2 and c[1].swizzle == 0}
+        assert dq_boxes == ({(196, 64)} if phases else {(104, 64)}), dq_boxes

@@ -658,8 +658,9 @@ def all_specs(arch: str | None = None) -> list:
                             if wide_refusal(dp, det) is None:  # (the same tiles)
                                 specs.append(backward_kernel(dp, dt, det, wide_tiles, arch, limit, varlen)[1])
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only)
-                                for pair in (True, False):  # (the pair kernel, or the two passes)
-                                    narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd, pair)
+                                # (the pair kernel, its phase-specialized form, or the two passes)
+                                for pair, phases in ((True, False), (True, True), (False, False)):
+                                    narrow = narrow_backward_tiles(wide_tiles, dp, NARROW_QK_COLS, cols, fwd, pair, phases)
                                     spec = backward_kernel(dp, dt, fwd, narrow, arch, limit, varlen)[1]
                                     if narrow != wide_tiles and spec not in specs:
                                         specs.append(spec)
