@@ -572,17 +572,21 @@ def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them
     assert specs.narrow_backward_tiles(wide, 256, 192, 128, window) == wide
     assert specs.narrow_backward_tiles(specs.backward_tiles(128, "sm_90"), 128, 128, 128, plain).qk_cols == 0
     narrow = [s for s in specs.all_specs("sm_90") if "SB_DQK" in dict(s.defines)]
-    # dtype x mask x packed x V's columns x (the pair kernel, the two passes)
-    assert len(narrow) == 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS) * 2
+    # dtype x mask x packed x (V's columns x (the pair kernel, the two passes), and the phase-specialized pair
+    # kernel at V's 128)
+    assert len(narrow) == 2 * 2 * 2 * (len(specs.NARROW_VALUE_COLS) * 2 + 1)
+    assert {dict(s.defines)["SB_DPV"] for s in narrow if s.filename == "backward_phases.cu"} == {128}
     assert not any(dict(s.defines).get("SB_WINDOW") or dict(s.defines).get("SB_SOFTCAP") for s in narrow)
     firsts = {}
     for spec in narrow:
         firsts.setdefault((spec.filename, dict(spec.defines)["SB_DPV"]), spec)
-    assert set(firsts) == {(f, v) for f in ("backward_pair.cu", "backward_wgmma.cu") for v in specs.NARROW_VALUE_COLS}
+    assert set(firsts) == {(f, v) for f in ("backward_pair.cu", "backward_wgmma.cu") for v in specs.NARROW_VALUE_COLS} | \
+        {("backward_phases.cu", 128)}
     for (filename, value_cols), spec in firsts.items():
         d = dict(spec.defines)
-        if filename == "backward_pair.cu":
-            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == value_cols and d["SB_TMA_DQ_COLS"] == 104
+        if filename in ("backward_pair.cu", "backward_phases.cu"):  # (the phases' dQ tile: every column and 4 zeros)
+            dq_cols = 104 if filename == "backward_pair.cu" else 196
+            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == value_cols and d["SB_TMA_DQ_COLS"] == dq_cols
         else:
             assert d["SB_TMA_QT_ROWS"] == 96 and d["SB_TMA_DOT_ROWS"] == value_cols // 2 and d["SB_TMA_DQ_COLS"] == 104
         report = compiler.compile_spec(spec, "sm_90").reports.get("attention_backward")  # (None: from the cache)
@@ -620,8 +624,10 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     wide = [s for s in wg if ".hd256." in s.key]
     assert len([s for s in wide if s.key.startswith("forward.")]) == 2 * 5 * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS)
     # Backward: a fine kernel per mask and batch splitting 256 columns, deterministic too, and for the plain masks
-    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles) and the pair kernel at each.
-    assert len([s for s in wide if s.key.startswith("backward.")]) == 2 * (5 + 5) * 2 + 2 * 2 * 2 * len(specs.NARROW_VALUE_COLS) * 2
+    # two more splitting 192 (V's 128 or 192 columns: specs.narrow_backward_tiles) and the pair kernel at each, and
+    # the pair kernel's phase-specialized form at V's 128.
+    assert len([s for s in wide if s.key.startswith("backward.")]) == \
+        2 * (5 + 5) * 2 + 2 * 2 * 2 * (len(specs.NARROW_VALUE_COLS) * 2 + 1)
     assert all(dict(s.defines)["SB_PASSES"] == (1 if ".pair" in s.key else 2)
                and dict(s.defines)["SB_STAGES"] == (2 if ".v128" in s.key or ".pair" in s.key else 1)
                and (".pair" not in s.key or dict(s.defines)["SB_THREADS"] == 256)
