@@ -6,6 +6,7 @@
 #pragma once
 #include "backward_common.cuh"
 #include "swizzle.cuh"
+#include "cp_async.cuh"
 
 constexpr int HALF_Q = SB_BLOCK_Q / 2;  // queries of a half
 constexpr int HALF_NT = HALF_Q / 8;     // its n-tiles
@@ -79,4 +80,35 @@ SB_DEVICE void store_half_y(i8* tile, const float (&ds)[HALF_NT][4], float inv, 
             for (int half = 0; half < 2; ++half)
                 tile[y_off[c] + n * 8 * ROW + 8 * half] = static_cast<i8>(quant_byte(ds[n][2 * half + c], inv_c) & 0xffu);
         }
+}
+
+// The 64-key CTAs (backward_pair.cu, backward_phases.cu) of key block j: K̂ [64][DP] and V [64][DPV] (zero past the
+// keys and the head dim) in one cp.async group, then K̂ᵀ [DQK][64] in a second, for the caller to commit and wait.
+template <int DP, int DQK, int DPV, int THREADS>
+SB_DEVICE void load_key_block(u32 k_dst, u32 v_dst, u32 kt_dst, const BackwardParams& a, const BackwardSeq& seq,
+                              int hk, int j, int tid) {
+    constexpr int KEYS = SB_BLOCK_KV;
+    const int kvalid = min(KEYS, seq.len_k() - j * KEYS);
+    load_tile<DP, KEYS, THREADS, true>(k_dst, a.k8 + (seq.k_row0(hk) + j * KEYS) * DP, DP);
+    const u16* vsrc = a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * KEYS);
+    constexpr int VCH = 2 * DPV / 16;  // 16-byte chunks of a row
+    static_assert(KEYS * VCH % THREADS == 0, "whole passes of the threads");
+#pragma unroll
+    for (int k = 0; k < KEYS * VCH / THREADS; ++k) {
+        const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
+        const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
+        cp_async_16(v_dst + wgmma_tile_offset<2 * DPV, KEYS>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    load_tile<64, DQK, THREADS, true>(kt_dst, a.k8t + seq.kt_base(hk, DP) + j * KEYS, seq.nk_pad());
+}
+
+// The first query block of key block j's sweep (sweep_advance's order over i0..i_last). Causal: the sweep of
+// backward_wgmma.cu's 128-key CTA j / 2 (its rotation; block i0 - 1, which that CTA walks and this one does not, holds
+// no key of this CTA: P = 0 there), so that dK and dV take their terms in that kernel's order, bit for bit its results.
+SB_DEVICE int pair_sweep_start(int j, int i0, int i_last, const BackwardSeq& seq) {
+    if (!SB_CAUSAL) return i0;
+    const int n_wide = query_blocks((j >> 1) * 2 * SB_BLOCK_KV, 2 * SB_BLOCK_KV, seq).n_i;
+    const int i_start = i_last - (j >> 1) % SWEEP_ROTATE % max(n_wide, 1);
+    return i_start < i0 ? i_last : i_start;
 }

@@ -119,23 +119,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int i0 = qb.i0, n_i = qb.n_i, n_it = group * n_i;
 
     // K̂ and V in one cp.async group, K̂ᵀ in a second, waited for before the first dQ products.
-    {
-        const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
-        load_tile<DP, BKV, THREADS, true>(smem_u32(sh.k), a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
-        const u16* vsrc = a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS);
-        constexpr int VCH = 2 * DPV / 16;  // 16-byte chunks of a row
-        static_assert(BKV * VCH % THREADS == 0, "whole passes of the threads");
-#pragma unroll
-        for (int k = 0; k < BKV * VCH / THREADS; ++k) {
-            const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
-            const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
-            cp_async_16(smem_u32(sh.v) + wgmma_tile_offset<2 * DPV, BKV>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc,
-                        ok ? 16 : 0);
-        }
-        cp_async_commit();
-        load_tile<64, DQK, THREADS, true>(smem_u32(sh.kt), a.k8t + seq.kt_base(hk, DP) + j * CTA_KEYS, seq.nk_pad());
-        cp_async_commit();
-    }
+    load_key_block<DP, DQK, DPV, THREADS>(smem_u32(sh.k), smem_u32(sh.v), smem_u32(sh.kt), a, seq, hk, j, tid);
+    cp_async_commit();
 
     auto load_grad = [&](int h, int i, int slot, u32 bar) {  // Q̂ᵀ and dÔᵀ
         const u32 gt = smem_u32(&sh.grad[slot]);
@@ -156,15 +141,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         bulk_load(smem_u32(&sh.stats[slot][0]), a.stats + seq.q_row0(h) + i * BQ, 16 * BQ, bar);
     };
     const int h_first = hk * group, i_last = i0 + n_i - 1;
-    // Causal: the sweep of backward_wgmma.cu's 128-key CTA j / 2 (its rotation; block i0 - 1, which that CTA walks
-    // and this one does not, holds no key of this CTA: P = 0 there), so that dK and dV take their terms in that
-    // kernel's order, bit for bit its results.
-    int i_start = i0;
-    if (SB_CAUSAL) {
-        const int n_wide = query_blocks((j >> 1) * 2 * CTA_KEYS, 2 * CTA_KEYS, seq).n_i;
-        i_start = i_last - (j >> 1) % SWEEP_ROTATE % max(n_wide, 1);
-        if (i_start < i0) i_start = i_last;
-    }
+    // (causal: the two-pass kernel's 128-key CTA's sweep, so that dK and dV are bit for bit its results)
+    const int i_start = pair_sweep_start(j, i0, i_last, seq);
     int h = h_first, i = i_start, nh = h_first, ni = i_start;
     auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
     if (tid == 0) {

@@ -107,22 +107,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const int i0 = qb.i0, n_i = qb.n_i, n_it = group * n_i;
 
     // K̂, V and K̂ᵀ by cp.async, every thread.
-    {
-        const int kvalid = min(CTA_KEYS, seq.len_k() - j * CTA_KEYS);
-        load_tile<DP, BKV, THREADS, true>(smem_u32(sh.k), a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
-        const u16* vsrc = a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS);
-        constexpr int VCH = 2 * DPV / 16;  // 16-byte chunks of a row
-        static_assert(BKV * VCH % THREADS == 0, "whole passes of the threads");
-#pragma unroll
-        for (int k = 0; k < BKV * VCH / THREADS; ++k) {
-            const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
-            const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
-            cp_async_16(smem_u32(sh.v) + wgmma_tile_offset<2 * DPV, BKV>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc,
-                        ok ? 16 : 0);
-        }
-        load_tile<64, DQK, THREADS, true>(smem_u32(sh.kt), a.k8t + seq.kt_base(hk, DP) + j * CTA_KEYS, seq.nk_pad());
-        cp_async_commit();
-    }
+    load_key_block<DP, DQK, DPV, THREADS>(smem_u32(sh.k), smem_u32(sh.v), smem_u32(sh.kt), a, seq, hk, j, tid);
+    cp_async_commit();
 
     auto load_grad = [&](int h, int i, int slot) {  // Q̂ᵀ and dÔᵀ
         const u32 st = smem_u32(&sh.stage[slot]), bar = smem_u32(&sh.g_full[slot]);
@@ -144,12 +130,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     };
     const int h_first = hk * group, i_last = i0 + n_i - 1;
     // Causal: pair's sweep (backward_wgmma.cu's 128-key CTA j / 2's rotation), so that dK and dV are its bit for bit.
-    int i_start = i0;
-    if (SB_CAUSAL) {
-        const int n_wide = query_blocks((j >> 1) * 2 * CTA_KEYS, 2 * CTA_KEYS, seq).n_i;
-        i_start = i_last - (j >> 1) % SWEEP_ROTATE % max(n_wide, 1);
-        if (i_start < i0) i_start = i_last;
-    }
+    const int i_start = pair_sweep_start(j, i0, i_last, seq);
     auto advance = [&](int& hh, int& ii) { sweep_advance(hh, ii, h_first, group, i0, i_last); };
     if (tid == 0) {
 #pragma unroll
