@@ -2,14 +2,16 @@
 // two warpgroups specialized by phase instead of splitting each phase in halves.
 //   warpgroup 0 (scores): Sᵀ and dPᵀ of the 64 keys x the block's 64 queries (m64n64), Pᵀ and dSᵀ, P̂ᵀ and Ẑᵀ per key
 //   (its rows hold every query: no exchange), Ŷ per query over the 64 keys (through shared memory, inside the
-//   warpgroup); the codes, Ŷ's and the per-key factors go to one of two code slots.
+//   warpgroup); the codes, Ŷ's and the per-key factors go to one of two code slots. The next iteration's Sᵀ and dPᵀ
+//   go out once this one's dSᵀ is formed.
 //   warpgroup 1 (gradients): dV, dK and dQ of every column from a slot's codes, one iteration behind, in n64 products
-//   two in flight; dQ's partial through one shared tile to one TMA reduction an iteration; the stage loads.
+//   two in flight; dQ's partial through one shared tile to one TMA reduction an iteration.
 // In pair's kernel both warpgroups run each phase at once, held in step by three CTA barriers an iteration; here they
 // wait for each other only through mbarriers: a slot's codes full (scores -> gradients), the slot empty (gradients ->
-// scores), and the stages' TMA loads, which the gradients' warpgroup issues for the iteration after next once it has
-// read a stage (the scores' warpgroup read its Q̂, dO and statistics before it filled the codes the gradients wait
-// for). dK and dV are pair's bit for bit (the same integer products, folded in the same order).
+// scores), and each stage's two halves of TMA loads, Q̂, dO and the statistics (the scores') and Q̂ᵀ and dÔᵀ (the
+// gradients'), each reloaded for the iteration after next by the warpgroup that reads it once it has. dK and dV are
+// pair's bit for bit (the same integer products, folded in the same order).
+// Measured slower than pair's kernel (docs/PERFORMANCE.md): its gradients wait on dQ's reductions, a 64-key CTA's.
 //
 // Compile-time parameters: pair's (SB_DP 256, SB_DQK, SB_DPV <= 128, SB_BF16, SB_CAUSAL, SB_WINDOW, SB_VARLEN; fine
 // granularity, no Q-smoothing, soft cap or deterministic order); from specs.BackwardTiles.implied: SB_THREADS (256),
