@@ -647,6 +647,18 @@ def result_folders(root: str = report_common.DEFAULT_RESULTS) -> list:
     return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "speed.json")))
 
 
+def render_wide_accuracy(results_dir: str) -> str | None:
+    """accuracy_wide_head_dims.md, the SB26 table at head dims 192 and 256, from the JSON beside it (report.py
+    --wide-head-dims writes both); its path, or None where there is no such JSON."""
+    data = load(os.path.join(results_dir, "accuracy_wide_head_dims.json"))
+    if not data:
+        return None
+    path = os.path.join(results_dir, "accuracy_wide_head_dims.md")
+    with open(path, "w") as f:
+        f.write(accuracy_markdown(data))
+    return path
+
+
 def render(results_dir: str, readme: str | None = README, charts: bool = True) -> list:
     """Write the Markdown files (and charts) of one results/<device> folder; update ``readme``'s
     headline block unless it is None.  Returns the paths written."""
@@ -667,9 +679,9 @@ def render(results_dir: str, readme: str | None = README, charts: bool = True) -
         write("speed.md", speed_markdown(speed, charts=[os.path.basename(p) for p in pngs]))
     if accuracy:
         write("accuracy.md", accuracy_markdown(accuracy))
-    wide_accuracy = load(os.path.join(results_dir, "accuracy_wide_head_dims.json"))  # (report.py --wide-head-dims)
+    wide_accuracy = render_wide_accuracy(results_dir)
     if wide_accuracy:
-        write("accuracy_wide_head_dims.md", accuracy_markdown(wide_accuracy))
+        written.append(wide_accuracy)
     if memory:
         write("memory.md", memory_markdown(memory))
     if readme is not None:

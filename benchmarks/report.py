@@ -90,9 +90,7 @@ def main(argv=None) -> int:
             log("$ " + " ".join(c))
             rc = subprocess.call(c, cwd=ROOT) or rc
         if part == "wide_head_dims" and not rc and not args.no_render:  # the d=192 and 256 accuracy's table
-            accuracy = render_report.load(os.path.join(target, "accuracy_wide_head_dims.json"))
-            with open(os.path.join(target, "accuracy_wide_head_dims.md"), "w") as f:
-                f.write(render_report.accuracy_markdown(accuracy))
+            render_report.render_wide_accuracy(target)
         times[part] = time.time() - start
         if rc:
             failed.append(part)

@@ -252,3 +252,15 @@ SB_DEVICE void sweep_advance(int& hh, int& ii, int h_first, int group, int i0, i
         ii = SWEEP_ROTATE > 1 && ii == i0 ? i_last : ii - 1;  // (no wrap without a rotation)
     }
 }
+// Step it of the sweep that starts at (h_first, i_start), in closed form: sweep_advance applied it times (for a thread
+// that needs one step's pair without carrying the sweep through a loop).
+SB_DEVICE void sweep_at(int it, int& hh, int& ii, int h_first, int group, int i0, int n_i, int i_start) {
+    if (SB_CAUSAL) {
+        hh = h_first + it % group;
+        ii = i_start - it / group;
+        if (ii < i0) ii += n_i;  // (the rotation's wrap; with none, i_start is the last block and this never runs)
+    } else {
+        hh = h_first + it / n_i;
+        ii = i0 + it % n_i;
+    }
+}

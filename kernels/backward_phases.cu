@@ -298,18 +298,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         }
     const int gt = tid - 128;
     const int rows = (gt >> 5) * 16 + (gt >> 2 & 7);  // this thread's dQ rows: rows, rows + 8
-    // Iteration it's (query head, block), sweep_advance's order formed from it where one thread needs it (no
-    // registers carried through the loop).
-    auto sweep_at = [&](int it, int& hh, int& ii) {
-        if (SB_CAUSAL) {
-            hh = h_first + it % group;
-            ii = i_start - it / group;
-            if (ii < i0) ii += n_i;
-        } else {
-            hh = h_first + it / n_i;
-            ii = i0 + it % n_i;
-        }
-    };
     for (int it = 0; it < n_it; ++it) {
         const int slot = it & 1;
         mbarrier_wait(smem_u32(&sh.codes_full[slot]), (it >> 1) & 1);
@@ -320,7 +308,6 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         const u32 ds_lo = wgmma_desc_lo<64>(smem_u32(cs.ds));
         const u32 dot_lo = wgmma_desc_lo<64>(st + SDOT), qt_lo = wgmma_desc_lo<64>(st + SQT);
         const u32 kt_lo = wgmma_desc_lo<64>(smem_u32(sh.kt));
-        // (the factors are read from the slot where each fold needs them: registers)
         // The products in n64 chunks, c = 0..NC-1: dV's NV/8, then dK's NK/8, then dQ's NK/8; chunk c + 1 is issued
         // before chunk c is folded.
         constexpr int CV = NV / CHUNK, CK = NK / CHUNK, NC = CV + 2 * CK;
@@ -397,12 +384,12 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         named_barrier<128>(BAR_GRADS);
         if (tid == LOADER && it + 2 < n_it) {
             int hh, ii;
-            sweep_at(it + 2, hh, ii);
+            sweep_at(it + 2, hh, ii, h_first, group, i0, n_i, i_start);
             load_grad(hh, ii, slot);
         }
         if (tid == REDUCER) {
             int hh, ii;
-            sweep_at(it, hh, ii);
+            sweep_at(it, hh, ii, h_first, group, i0, n_i, i_start);
             tma_reduce_add_2d(tm_dq, 0, static_cast<int>(seq.q_row0(hh) + ii * BQ), smem_u32(sh.dq));
             bulk_commit();
         }
