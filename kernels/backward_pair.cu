@@ -10,8 +10,9 @@
 // The gradient products are one wgmma each (m64n64 for dV, m64n96 for dK and dQ at 192/128), two in flight.
 // Barriers an iteration: three of the CTA (the iteration's start; the maxima exchange; the codes and Ŷ of both
 // halves before the gradient products) and one of a warpgroup (Ŷ's per-query maxima). Each warpgroup's dQ
-// partial goes through a shared [64][DH+8] f32 tile to one TMA reduction into dq_acc (its 8 zero columns land
-// in the other half's or the padding), issued by one of its threads during the next iteration's products.
+// partial goes through a shared f32 tile, blocks of 32 columns x 64 rows in TMA's 128-byte swizzle (no padding
+// against bank conflicts, so the reduction adds no zero columns), to one TMA reduction into dq_acc, issued by one
+// of its threads during the next iteration's products.
 // (Measured, H200: products of 32 columns, two in flight, 0.97-1.00x; the next stage loaded after the maxima
 // exchange, with no barrier at the iteration's start, 0.85-0.88x at 4K and 8K keys: its load then lands late; the
 // next iteration's Sᵀ issued before this one's dK and dQ are folded, 0.90-0.97x.)
@@ -20,7 +21,8 @@
 // (the Q·K and V head dims the warpgroups split; specs.BackwardTiles.qk_cols, value_cols), SB_BF16, SB_CAUSAL
 // (and the window's SB_WINDOW), SB_VARLEN; fine granularity, no Q-smoothing, soft cap or deterministic order
 // (specs.backward_kernel keeps those on backward_wgmma.cu). From specs.BackwardTiles.implied: SB_THREADS (256),
-// SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH, and the query-side tensor maps' boxes (BackwardTiles.query_maps).
+// SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH (DQK: dq_acc rows without padding), and the query-side tensor maps' boxes
+// (BackwardTiles.query_maps).
 #include "backward_halves.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -45,8 +47,8 @@ constexpr int NVC = NV > 8 ? NV / 2 : NV;  // dV's n-tiles a product: two produc
 constexpr int KS8 = DQK / 32;       // Sᵀ's INT8 k-steps (those past the head dim D are skipped)
 constexpr int KS16 = DPV / 16;      // dPᵀ's 16-bit k-steps (those past V's head dim Dv are skipped)
 constexpr int DQ_PITCH = SB_DQ_PITCH;
-constexpr int DQ_TILE_PITCH = DH + 8;  // a warpgroup's dQ tile rows: its columns and 8 zero ones (tm_dq's box)
-static_assert(DQ_PITCH == DP + 8 && SB_TMA_DQ_COLS == DQ_TILE_PITCH, "dQ's tiles are tm_dq's boxes of dq_acc's rows");
+constexpr int DQ_BLOCK = SB_TMA_DQ_COLS;  // a dQ tile's column blocks: 32 f32 columns, 128 bytes a row (swizzled)
+static_assert(DQ_PITCH == DQK && DQ_BLOCK == 32 && SB_TMA_DQ_BLOCKS * DQ_BLOCK == DH, "dQ's tiles are tm_dq's boxes of dq_acc's rows");
 static_assert(SB_TMA_QROWS == BQ && SB_TMA_Q_COLS == 128 && SB_TMA_QT_ROWS == DQK && SB_TMA_DOT_ROWS == DPV &&
               SB_TMA_DO_COLS == 64, "Q̂ a query block's column blocks; Q̂ᵀ and dÔᵀ every row; dO 64-column boxes");
 static_assert(SB_TMA_SWIZZLE_Q == 128 && SB_TMA_SWIZZLE_QT == 64 && SB_TMA_SWIZZLE_DO == 128, "each box in its rows' swizzle");
@@ -72,7 +74,7 @@ struct PairShared {
     i8 pt[BKV * BQ];                // P̂ᵀ [64 keys][64 q] u8, 64-byte rows in fragment token order
     i8 zt[BKV * BQ];                // Ẑᵀ, the same
     i8 ds[BQ * BKV];                // Ŷ  [64 q][64 keys]
-    float dq[2][BQ * DQ_TILE_PITCH];  // each warpgroup's dQ partial tile
+    float dq[2][BQ * DH];           // each warpgroup's dQ partial tile: [DH/32 column blocks][64 q][32], swizzled
     float red_key[2][2][BKV];       // [P or Z][warpgroup][key]: a half's per-key maxima
     float red_y[2][4][QH];          // [warpgroup][warp][query of the half]: per-query maxima of |dS|
     float yscale[BQ];               // Ŷ's factor per query (its scale times K̂ᵀ's)
@@ -91,9 +93,9 @@ constexpr int DQ_OFF = DS_OFF + sizeof(PairShared::ds);
 static_assert(sizeof(PairShared::k) % TILE_ALIGN == 0 && (STAGE0 - sizeof(PairShared::v)) % TILE_ALIGN == 0 &&
               STAGE0 % TILE_ALIGN == 0 && sizeof(PairStage) % TILE_ALIGN == 0 && SDO % TILE_ALIGN == 0 &&
               GRAD0 % TILE_ALIGN == 0 && sizeof(GradTiles) % TILE_ALIGN == 0 && GDOT % TILE_ALIGN == 0 &&
-              PT_OFF % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0 && DQ_OFF % 128 == 0 &&
-              (BQ * DQ_TILE_PITCH * 4) % 128 == 0 && sizeof(PairStage) == SDO + sizeof(PairStage::dout),
-              "wgmma tiles on their swizzle atoms, the dQ tiles on 128 bytes");
+              PT_OFF % TILE_ALIGN == 0 && DS_OFF % TILE_ALIGN == 0 && DQ_OFF % TILE_ALIGN == 0 &&
+              sizeof(PairStage) == SDO + sizeof(PairStage::dout),
+              "wgmma tiles and the dQ tiles' column blocks on their swizzle atoms");
 static_assert(DYNAMIC_SHARED_BYTES <= 232448, "one CTA an SM");
 constexpr u32 GRAD_LOAD_BYTES = sizeof(GradTiles);
 constexpr u32 STAGE_LOAD_BYTES = sizeof(PairStage) + 16 * BQ + (SPLIT ? 0 : GRAD_LOAD_BYTES);
@@ -158,13 +160,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         if (n_it > 0) load_stage(nh, ni, 0);
     }
     if (n_it > 0) advance(nh, ni);
-    if (tid < 2 * BQ) {  // the dQ tiles' padding columns, which tm_dq's box adds too: zeros
-        float* pad = sh.dq[tid / BQ] + (tid % BQ) * DQ_TILE_PITCH + DH;
-#pragma unroll
-        for (int c = 0; c < DQ_TILE_PITCH - DH; ++c) pad[c] = 0.f;
-    }
     cp_async_wait<1>();
-    fence_proxy_async();  // cp.async wrote K̂ and V, and the threads the dQ tiles' zeros, which the async proxy reads
+    fence_proxy_async();  // cp.async wrote K̂ and V, which the async proxy reads
     __syncthreads();      // and the mbarriers are initialized
 
     const int krow = wv * 16 + g;  // this thread's key rows: krow, krow + 8
@@ -192,7 +189,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     const bool reducer = (tid & 127) == 32;
     i64 pending_row = -1;
     auto reduce_dq = [&] {
-        tma_reduce_add_2d(tm_dq, DH * wgu, static_cast<int>(pending_row), smem_u32(sh.dq[wgu]));
+        tma_reduce_add_3d(tm_dq, 0, static_cast<int>(pending_row), DH / DQ_BLOCK * wgu, smem_u32(sh.dq[wgu]));
         bulk_commit();
     };
 
@@ -363,13 +360,17 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             }
             wgmma_wait<0>();
             wgmma_hold_all(pq);
-            float* dq_row = sh.dq[qh] + rows * DQ_TILE_PITCH + 2 * (ft & 3);
+            // Rows `rows`, +8 (both ≡ g mod 8), columns 8n + 2t, +1: in column block n/4, 16-byte chunk
+            // (2(n%4) + t/2) XOR g (the 128-byte swizzle), word 2(t%2); a warp's stores then fill each chunk twice.
+            const int ftt = ft & 3, swz = (ftt >> 1) ^ (rows & 7);
+            float* dq_row = sh.dq[qh] + rows * DQ_BLOCK + 2 * (ftt & 1);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float f = sh.yscale[rows + 8 * half];
 #pragma unroll
                 for (int n = 0; n < NK; ++n)
-                    *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_TILE_PITCH + 8 * n) =
+                    *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_BLOCK + n / 4 * BQ * DQ_BLOCK +
+                                               4 * ((2 * (n % 4)) ^ swz)) =
                         make_float2(static_cast<float>(pq[n][2 * half]) * f, static_cast<float>(pq[n][2 * half + 1]) * f);
             }
         }

@@ -5,7 +5,8 @@
 //   warpgroup); the codes, Ŷ's and the per-key factors go to one of two code slots. The next iteration's Sᵀ and dPᵀ
 //   go out once this one's dSᵀ is formed.
 //   warpgroup 1 (gradients): dV, dK and dQ of every column from a slot's codes, one iteration behind, in n64 products
-//   two in flight; dQ's partial through one shared tile to one TMA reduction an iteration.
+//   two in flight; dQ's partial through one shared tile, a TMA reduction for each 64-column product's part once it
+//   is stored (the part's last reduction only has to have read its own part before it is rewritten).
 // In pair's kernel both warpgroups run each phase at once, held in step by three CTA barriers an iteration; here they
 // wait for each other only through mbarriers: a slot's codes full (scores -> gradients), the slot empty (gradients ->
 // scores), and each stage's two halves of TMA loads, Q̂, dO and the statistics (the scores') and Q̂ᵀ and dÔᵀ (the
@@ -15,8 +16,8 @@
 //
 // Compile-time parameters: pair's (SB_DP 256, SB_DQK, SB_DPV <= 128, SB_BF16, SB_CAUSAL, SB_WINDOW, SB_VARLEN; fine
 // granularity, no Q-smoothing, soft cap or deterministic order); from specs.BackwardTiles.implied: SB_THREADS (256),
-// SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH and the query-side tensor maps' boxes (dQ's: every column and its tile's
-// zero padding).
+// SB_CTA_KEYS (64), SB_KEY_PAD, SB_DQ_PITCH (DQK: dq_acc rows without padding) and the query-side tensor maps' boxes
+// (dQ's: a product's 64 columns as two 32-column blocks in the 128-byte swizzle).
 #include "backward_halves.cuh"
 #include "wgmma.cuh"
 #include "bulk.cuh"
@@ -39,8 +40,9 @@ constexpr int CHUNK = 8;            // n-tiles a gradient product (m64n64)
 constexpr int KS8 = DQK / 32;       // Sᵀ's INT8 k-steps (those past the head dim D are skipped)
 constexpr int KS16 = DPV / 16;      // dPᵀ's 16-bit k-steps (those past V's head dim Dv are skipped)
 constexpr int DQ_PITCH = SB_DQ_PITCH;
-constexpr int DQ_TILE_PITCH = SB_TMA_DQ_COLS;  // dQ's tile rows: every column and zero padding (tm_dq's box)
-static_assert(DQ_PITCH == DP + 8 && DQ_TILE_PITCH >= DQK && DQ_TILE_PITCH <= DQK + 8, "dQ's tile is tm_dq's box");
+constexpr int DQ_BLOCK = SB_TMA_DQ_COLS;  // dQ's tile: blocks of 32 f32 columns x 64 rows (128-byte rows, swizzled)
+static_assert(DQ_PITCH == DQK && DQ_BLOCK == 32 && SB_TMA_DQ_BLOCKS * DQ_BLOCK == CHUNK * 8,
+              "tm_dq's box is a 64-column product's part of the dQ tile, dq_acc's rows unpadded");
 static_assert(SB_TMA_QROWS == BQ && SB_TMA_Q_COLS == 128 && SB_TMA_QT_ROWS == DQK && SB_TMA_DOT_ROWS == DPV &&
               SB_TMA_DO_COLS == 64, "Q̂ a query block's column blocks; Q̂ᵀ and dÔᵀ every row; dO 64-column boxes");
 static_assert(SB_TMA_SWIZZLE_Q == 128 && SB_TMA_SWIZZLE_QT == 64 && SB_TMA_SWIZZLE_DO == 128, "each box in its rows' swizzle");
@@ -62,7 +64,7 @@ struct PhaseShared {
     u16 v[BKV * DPV];               // V  [64 keys][DPV] 16-bit, 128-byte column blocks
     PhaseStage stage[2];
     CodeSlot code[2];
-    float dq[BQ * DQ_TILE_PITCH];   // dQ's partial tile
+    float dq[DQK * BQ];             // dQ's partial tile: [DQK/32 column blocks][64 q][32], swizzled
     float4 stats[2][BQ];            // (LSE2, s_Q, δ, s_Qᵀ) per query of each stage
     float fac[2][2][BKV];           // [slot][dV or dK][key]: the folds' factors (P̂ᵀ's scale·s_dO, Ẑᵀ's·s_Qᵀ)
     float yscale[2][BQ];            // [slot][query]: Ŷ's factor (its scale times K̂ᵀ's)
@@ -81,8 +83,8 @@ constexpr int DQ_OFF = CODE0 + sizeof(PhaseShared::code);
 static_assert(sizeof(PhaseShared::k) % TILE_ALIGN == 0 && (STAGE0 - sizeof(PhaseShared::v)) % TILE_ALIGN == 0 &&
               STAGE0 % TILE_ALIGN == 0 && sizeof(PhaseStage) % TILE_ALIGN == 0 && SDO % TILE_ALIGN == 0 &&
               SQT % TILE_ALIGN == 0 && SDOT % TILE_ALIGN == 0 && CODE0 % TILE_ALIGN == 0 &&
-              sizeof(CodeSlot) % TILE_ALIGN == 0 && BKV * BQ % TILE_ALIGN == 0 && DQ_OFF % 128 == 0,
-              "wgmma tiles on their swizzle atoms, the dQ tile on 128 bytes");
+              sizeof(CodeSlot) % TILE_ALIGN == 0 && BKV * BQ % TILE_ALIGN == 0 && DQ_OFF % TILE_ALIGN == 0,
+              "wgmma tiles and the dQ tile's column blocks on their swizzle atoms");
 static_assert(DYNAMIC_SHARED_BYTES <= 232448, "one CTA an SM");
 constexpr u32 Q_LOAD_BYTES = SQT + 16 * BQ, G_LOAD_BYTES = sizeof(PhaseStage) - SQT;
 constexpr int BAR_SCORES = 1, BAR_GRADS = 2;  // named barriers of each warpgroup (128 threads)
@@ -154,12 +156,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             load_grad(h, i, s);
         }
     }
-    if (tid < BQ) {  // the dQ tile's padding columns, which tm_dq's box adds too: zeros
-#pragma unroll
-        for (int c = DQK; c < DQ_TILE_PITCH; ++c) sh.dq[tid * DQ_TILE_PITCH + c] = 0.f;
-    }
     cp_async_wait<0>();
-    fence_proxy_async();  // cp.async wrote K̂, V and K̂ᵀ, and the threads the dQ tile's zeros, which the async proxy reads
+    fence_proxy_async();  // cp.async wrote K̂, V and K̂ᵀ, which the async proxy reads
     __syncthreads();      // and the mbarriers are initialized
 
     const int krow = wv * 16 + g;  // this thread's key rows: krow, krow + 8
@@ -311,6 +309,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
         // The products in n64 chunks, c = 0..NC-1: dV's NV/8, then dK's NK/8, then dQ's NK/8; chunk c + 1 is issued
         // before chunk c is folded.
         constexpr int CV = NV / CHUNK, CK = NK / CHUNK, NC = CV + 2 * CK;
+        static_assert(CK >= 2, "dQ in two or more parts");
         int acc[2][CHUNK][4];
         auto issue = [&](int c) {
             int(&d)[CHUNK][4] = acc[c & 1];
@@ -350,16 +349,31 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                     for (int e = 0; e < 4; ++e)
                         dk[(c - CV) * CHUNK + n][e] = fmaf(static_cast<float>(d[n][e]), fac_k[e >> 1], dk[(c - CV) * CHUNK + n][e]);
             } else {
+                // Rows `rows`, +8 (both ≡ g mod 8), columns 8n + 2t, +1 of the product's part: column block n/4 of
+                // it, 16-byte chunk (2(n%4) + t/2) XOR g (the 128-byte swizzle), word 2(t%2).
                 const float(&fq)[2] = f;
-                float* dq_row = sh.dq + rows * DQ_TILE_PITCH + 2 * t + (c - CV - CK) * CHUNK * 8;
+                float* dq_row = sh.dq + (c - CV - CK) * CHUNK * 8 * BQ + rows * DQ_BLOCK + 2 * (t & 1);
+                const int swz = (t >> 1) ^ g;
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
 #pragma unroll
                     for (int n = 0; n < CHUNK; ++n)
-                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_TILE_PITCH + 8 * n) =
+                        *reinterpret_cast<float2*>(dq_row + half * 8 * DQ_BLOCK + n / 4 * BQ * DQ_BLOCK +
+                                                   4 * ((2 * (n % 4)) ^ swz)) =
                             make_float2(static_cast<float>(d[n][2 * half]) * fq[half],
                                         static_cast<float>(d[n][2 * half + 1]) * fq[half]);
             }
+        };
+        // dQ's part cc goes to dq_acc's rows from dq_row0 once stored; its reduction a commit group of its own.
+        i64 dq_row0 = 0;
+        if (tid == REDUCER) {
+            int hh, ii;
+            sweep_at(it, hh, ii, h_first, group, i0, n_i, i_start);
+            dq_row0 = seq.q_row0(hh) + ii * BQ;
+        }
+        auto reduce_part = [&](int cc) {
+            tma_reduce_add_3d(tm_dq, 0, static_cast<int>(dq_row0), SB_TMA_DQ_BLOCKS * cc, smem_u32(sh.dq) + cc * CHUNK * 8 * BQ * 4);
+            bulk_commit();
         };
         issue(0);
 #pragma unroll
@@ -367,14 +381,23 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             float f[2];
             factors(c, f);
             if (c + 1 < NC) {
-                if (c + 1 == CV + CK) {  // dQ's first chunk rewrites the tile: last iteration's reduction has read it
-                    if (tid == REDUCER && it > 0) bulk_wait_read<0>();
-                    named_barrier<128>(BAR_GRADS);
-                }
                 issue(c + 1);
                 wgmma_wait<1>();
             } else {
                 wgmma_wait<0>();
+            }
+            if (c >= CV + CK) {
+                // dQ's part cc rewrites its part of the tile: the last iteration's reduction of it has read it (the
+                // commit groups after that one: its later parts', and this iteration's before cc - 1, still pending
+                // at most). Part cc - 1 is stored: its reduction goes out.
+                const int cc = c - CV - CK;
+                if (cc > 0) fence_proxy_async();
+                if (tid == REDUCER) {
+                    if (cc == 0) bulk_wait_read<CK - 1>();
+                    else bulk_wait_read<CK - 2>();
+                }
+                named_barrier<128>(BAR_GRADS);
+                if (cc > 0 && tid == REDUCER) reduce_part(cc - 1);
             }
             fold(c, f);
         }
@@ -387,12 +410,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             sweep_at(it + 2, hh, ii, h_first, group, i0, n_i, i_start);
             load_grad(hh, ii, slot);
         }
-        if (tid == REDUCER) {
-            int hh, ii;
-            sweep_at(it, hh, ii, h_first, group, i0, n_i, i_start);
-            tma_reduce_add_2d(tm_dq, 0, static_cast<int>(seq.q_row0(hh) + ii * BQ), smem_u32(sh.dq));
-            bulk_commit();
-        }
+        if (tid == REDUCER) reduce_part(CK - 1);
     }
     if (tid == REDUCER && n_it > 0) bulk_wait_read<0>();
 

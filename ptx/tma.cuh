@@ -80,6 +80,13 @@ SB_DEVICE void tma_reduce_add_2d(const TensorMap& m, int x, int y, u32 src) {
                  : "memory");
 }
 
+SB_DEVICE void tma_reduce_add_3d(const TensorMap& m, int x, int y, int z, u32 src) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                     tensor_map_address(m)),
+                 "r"(x), "r"(y), "r"(z), "r"(src)
+                 : "memory");
+}
+
 // `bytes` contiguous bytes (16-byte aligned, a multiple of 16) global -> shared, counted on `bar`.
 SB_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),

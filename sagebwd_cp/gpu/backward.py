@@ -70,7 +70,12 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
         inner = strides[-1] * n
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
     dq_row = tiles.dq_row(dp)
-    acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), boxes["dq"].box, boxes["dq"].swizzle)
+    dq_box = boxes["dq"].box
+    if len(dq_box) == 3:  # the rows' column blocks (the box's third dim), as Q̂'s
+        acc = TensorMapLayout(DTYPE_FLOAT32, (dq_box[0], B * Hq * nq, dq_row // dq_box[0]), (4 * dq_row, 4 * dq_box[0]),
+                              dq_box, boxes["dq"].swizzle)
+    else:
+        acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), dq_box, boxes["dq"].swizzle)
     return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(value_cols, qz.dot8),
                 tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
 

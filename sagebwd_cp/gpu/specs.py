@@ -26,6 +26,7 @@ LSE_THREADS = 128  # lse.cu: natural_lse, softcap_row_bias (D_pad / 8 threads a 
 BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
 BIAS_QBLOCKS = 16  # smooth_q_bias.cu: query blocks a CTA (each key's staged row serves them all)
 TMA_DO_COLS = 64  # the wgmma backward's dO boxes: 64 16-bit columns (128 bytes, the widest swizzle)
+DQ_SWIZZLE_COLS = 32  # the pair backward's dQ boxes: 32 f32 columns (128 bytes, the widest swizzle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +424,10 @@ class BackwardTiles:
         return math.lcm(TOKEN_PAD, self.block_keys)
 
     def dq_row(self, dp: int) -> int:
-        """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions fill it (wgmma)."""
+        """Row pitch (floats) of the FP32 dQ accumulator: padded by 8 where bulk reductions add a tile's zero columns
+        into it (wgmma), the Q·K head dim's columns alone where the pair kernel's swizzled boxes add none."""
+        if self.pair:
+            return self.pass_dims(dp)
         return dp + 8 if self.wgmma else dp
 
     def query_maps(self, dp: int) -> dict:
@@ -432,13 +436,19 @@ class BackwardTiles:
         dÔᵀ (a pass's rows, ``pass_dims``, of a query block's bytes), dO (a query block's rows x TMA_DO_COLS
         16-bit columns, 128 bytes, the widest swizzle), each in the swizzle of its row's bytes; and the dQ
         accumulator's box that a pass's partial tile adds into (its ``pass_dims`` columns and the tile's 8 zero
-        ones, unswizzled; the pair kernel's warpgroups add half of them each; its phase-specialized form adds all of
-        them and 4 zero ones, which fit its shared memory where 8 do not)."""
+        ones, unswizzled). The pair kernels' dQ tiles are DQ_SWIZZLE_COLS-column blocks in the 128-byte swizzle
+        (columns x rows x blocks), which need no padding against bank conflicts, so that the reductions add no zeros:
+        each of the pair kernel's warpgroups adds half the columns, the phase-specialized kernel a 64-column
+        product's at a time."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
-        dq_cols = self.pass_dims(dp) // (2 if self.pair and not self.phases else 1)
+        if self.pair:
+            cols = 64 if self.phases else self.pass_dims(dp) // 2
+            dq = TmaBox((DQ_SWIZZLE_COLS, bq, cols // DQ_SWIZZLE_COLS), 4 * DQ_SWIZZLE_COLS)
+        else:
+            dq = TmaBox((self.pass_dims(dp) + 8, bq), 0)
         return {"rows": TmaBox((q_cols, bq, dp // q_cols), q_cols), "cols": TmaBox((bq, self.pass_dims(dp)), bq),
                 "value_cols": TmaBox((bq, self.value_pass_dims(dp)), bq),
-                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": TmaBox((dq_cols + (4 if self.phases else 8), bq), 0)}
+                "grad": TmaBox((TMA_DO_COLS, bq, 1, 1), 2 * TMA_DO_COLS), "dq": dq}
 
     def passes(self, dp: int) -> int:
         """CTAs a key block, each computing dK, dV and dQ for ``pass_dims`` head-dim columns: two for the wgmma
@@ -476,6 +486,8 @@ class BackwardTiles:
                        SB_TMA_SWIZZLE_DO=maps["grad"].swizzle)
             if self.qk_cols or self.pair:
                 out.update(SB_TMA_DOT_ROWS=maps["value_cols"].box[1])
+            if self.pair:
+                out.update(SB_TMA_DQ_BLOCKS=maps["dq"].box[2])
         return out
 
 

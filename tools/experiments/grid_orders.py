@@ -1,8 +1,9 @@
 """The wgmma backward pass's time (pre- and post-kernels included) under each causal grid order, forced by patching
 backward.backward_grid; bf16; rounds interleave the orders; prints ms a round and heads-first / blocks-first.
 
-    [DET=1] python tools/experiments/grid_orders.py BxHqxHkvxNxD[xDv] ...  # e.g. 8x16x16x2048x128 2x32x8x8192x128
-(DET=1: the deterministic backward; Dv: V's head dim where it differs, e.g. 8x16x4x1024x192x128)."""
+    [DET=1] [WINDOW=W] python tools/experiments/grid_orders.py BxHqxHkvxNxD[xDv] ...  # e.g. 8x16x16x2048x128
+(DET=1: the deterministic backward; WINDOW=W: a causal sliding window of W keys, window_size=(W, 0); Dv: V's head
+dim where it differs, e.g. 8x16x4x1024x192x128)."""
 import os
 import sys
 
@@ -36,7 +37,9 @@ def run(shape, reps=20, rounds=5):
             backward.backward_grid = forced(order)
             plan.clear_plans()
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            out = st.flash_attn_func(*leaves, causal=True, deterministic=os.environ.get("DET") == "1")
+            window = int(os.environ.get("WINDOW", "-1"))
+            out = st.flash_attn_func(*leaves, causal=True, deterministic=os.environ.get("DET") == "1",
+                                     window_size=(window, 0))
             out.backward(do, retain_graph=True)
             torch.cuda.synchronize()
             ts = []
