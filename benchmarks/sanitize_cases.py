@@ -3,7 +3,8 @@ and variant on tiny shapes (forward, backward, the quantizer, the row kernels, Î
 Q-smoothing's bias, the returned LSE, the packed copy of misaligned rows; sliding windows, soft caps,
 sinks, head dims above 128 and a V head dim of its own, packed batches), on every kernel path (the
 default; mma.sync through SAGEBWD_WGMMA=0 on Hopper; 64-key forward tiles; the opt-in
-warp-specialized, four-warpgroup and 192-key variants; the two-pass backward in place of the pair kernel at 192/128), causal and not, GQA, deterministic, ragged N
+warp-specialized, four-warpgroup and 192-key variants; the pair and two-pass backwards in place of the phase-specialized
+one at 192/128), causal and not, GQA, deterministic, ragged N
 and Lq != Lk. Prints one line per case.
 
     python benchmarks/sanitize_cases.py [--quick]
@@ -45,7 +46,7 @@ CASES = [
     (1, 4, 2, 90, 130, 128, True, "bfloat16", {"packed": True}),                  # packed batch
     (1, 2, 2, 90, 130, 256, False, "float16", {"packed": True, "forward": {"window_size": (48, 16)}}),
 ]
-SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64"},
+SETTINGS = [{}, {"SAGEBWD_WGMMA": "0"}, {"SAGEBWD_FORWARD_KEY_TILE": "64", "SAGEBWD_BACKWARD_PHASES": "0"},
             {"SAGEBWD_FORWARD_WS": "1", "SAGEBWD_BACKWARD_WS": "1", "SAGEBWD_BACKWARD_PAIR": "0"},
             {"SAGEBWD_FORWARD_WS": "1", "SAGEBWD_FORWARD_WS_KEYS": "192", "SAGEBWD_BACKWARD_QUAD": "1"}]
 VARIABLES = sorted({name for setting in SETTINGS for name in setting})

@@ -585,10 +585,10 @@ def test_the_wide_wgmma_backward_splits_192_columns_where_the_head_dims_fit_them
     for (filename, value_cols), spec in firsts.items():
         d = dict(spec.defines)
         if filename in ("backward_pair.cu", "backward_phases.cu"):
-            # dQ's boxes: the pair's 32-column swizzled blocks of unpadded rows, the phases' every column and 4 zeros
-            dq_cols, dq_pitch = (32, 192) if filename == "backward_pair.cu" else (196, 264)
-            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == value_cols and d["SB_TMA_DQ_COLS"] == dq_cols
-            assert d["SB_DQ_PITCH"] == dq_pitch
+            # dQ's boxes: 32-column swizzled blocks of unpadded rows, a warpgroup's half (pair) or a product's 64 (phases)
+            blocks = 3 if filename == "backward_pair.cu" else 2
+            assert d["SB_TMA_QT_ROWS"] == 192 and d["SB_TMA_DOT_ROWS"] == value_cols and d["SB_TMA_DQ_COLS"] == 32
+            assert d["SB_DQ_PITCH"] == 192 and d["SB_TMA_DQ_BLOCKS"] == blocks
         else:
             assert d["SB_TMA_QT_ROWS"] == 96 and d["SB_TMA_DOT_ROWS"] == value_cols // 2 and d["SB_TMA_DQ_COLS"] == 104
         report = compiler.compile_spec(spec, "sm_90").reports.get("attention_backward")  # (None: from the cache)
@@ -657,8 +657,8 @@ def test_wgmma_specs_target_sm90a_and_exist_for_sm90_only():
     # The pair kernel's dQ tiles are 32-column blocks in the 128-byte swizzle: dq_acc rows hold the Q·K columns alone.
     pair = specs.BackwardTiles(2, wgmma=True, pair=True, qk_cols=192, value_cols=128)
     assert pair.dq_row(256) == 192 and pair.query_maps(256)["dq"] == specs.TmaBox((32, 64, 3), 128)
-    phases = dataclasses.replace(pair, phases=True)
-    assert phases.dq_row(256) == 264 and phases.query_maps(256)["dq"] == specs.TmaBox((196, 64), 0)
+    phases = dataclasses.replace(pair, phases=True)  # (a 64-column product's part at a time)
+    assert phases.dq_row(256) == 192 and phases.query_maps(256)["dq"] == specs.TmaBox((32, 64, 2), 128)
     assert (wg.block_keys, plain.block_keys, wg.threads, plain.threads) == (128, 64, 256, 256)
     assert (wg.filename, plain.filename) == ("backward_wgmma.cu", "backward.cu")
     assert (wg.key_pad, plain.key_pad, specs.BackwardTiles(2, wgmma=True, ws=True).threads) == (128, 128, 384)

@@ -426,8 +426,9 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, causal):
-    """Where Q·K's and V's head dims are at most 192 (MLA's 192/128; the default where V's fits 128),
-    kernels/backward_pair.cu (SAGEBWD_BACKWARD_PAIR=1: a CTA of 64 keys, each score formed once) computes what the
+    """Where Q·K's and V's head dims are at most 192 (MLA's 192/128, where V's fits 128 in the pair kernel's
+    phase-specialized form, the default), kernels/backward_pair.cu (SAGEBWD_BACKWARD_PAIR=1: a CTA of 64 keys, each
+    score formed once) computes what the
     two-pass wgmma backward (=0) computes: dK and dV bit for bit (its causal sweep is the two-pass kernel's 128-key CTA's), dQ
     within its accumulation order's rounding; packed batches too. Hopper only."""
     import torch
@@ -453,9 +454,10 @@ def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, caus
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_phase_specialized_pair_backward_equals_the_pair(monkeypatch, shape, dtype, causal):
-    """kernels/backward_phases.cu (SAGEBWD_BACKWARD_PHASES=1, where V's tiles hold 128 columns: one warpgroup forms
-    the scores and codes, the other the gradient products an iteration behind) computes what the pair kernel (=0)
-    computes: dK and dV bit for bit, dQ within its accumulation order's rounding; packed batches too. Hopper only."""
+    """kernels/backward_phases.cu (the default where V's tiles hold 128 columns: one warpgroup forms the scores and
+    codes, the other the gradient products an iteration behind) computes what the pair kernel
+    (SAGEBWD_BACKWARD_PHASES=0) computes: dK and dV bit for bit, dQ within its accumulation order's rounding; packed
+    batches too. Hopper only."""
     import torch
 
     from sagebwd_cp.gpu import device, plan

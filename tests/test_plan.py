@@ -881,13 +881,14 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         assert boxes == {(64, 192), (64, dv)}, boxes
 
 
-def test_the_phase_specialized_pair_backward_is_opt_in_where_v_fits_128(gpu, monkeypatch):
-    """SAGEBWD_BACKWARD_PHASES=1 takes kernels/backward_phases.cu at MLA's 192/128 (V's tiles of 128 columns), with
-    dQ's box every one of the 192 columns and 4 zero ones; V's 192 columns keep the pair kernel; unset, the pair."""
+def test_the_phase_specialized_pair_backward_is_the_default_where_v_fits_128(gpu, monkeypatch):
+    """kernels/backward_phases.cu runs MLA's 192/128 (V's tiles of 128 columns) by default, adding dQ into dq_acc's
+    unpadded rows 64 columns at a time (two swizzled 32-column blocks a box); V's 192 columns keep the pair kernel
+    (a warpgroup's 96 columns a box), as SAGEBWD_BACKWARD_PHASES=0 does at 192/128."""
     from sagebwd_cp.api import run_forward
     from sagebwd_cp.options import AttentionOptions
 
-    for env, value_head_dim, phases in (("1", 128, True), ("1", 0, False), (None, 128, False)):
+    for env, value_head_dim, phases in ((None, 128, True), ("1", 0, False), ("0", 128, False), ("1", 128, True)):
         if env is None:
             monkeypatch.delenv("SAGEBWD_BACKWARD_PHASES", raising=False)
         else:
@@ -901,4 +902,4 @@ def test_the_phase_specialized_pair_backward_is_opt_in_where_v_fits_128(gpu, mon
         step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
         assert (step.spec.filename == "backward_phases.cu") == phases and ".pair" in step.spec.key, step.spec.key
         dq_boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and c[1].dtype == tensor_map.DTYPE_FLOAT32}
-        assert dq_boxes == ({(196, 64)} if phases else {(32, 64, 3)}), dq_boxes
+        assert dq_boxes == ({(32, 64, 2)} if phases else {(32, 64, 3)}), dq_boxes

@@ -535,8 +535,10 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
     NARROW_QK_COLS, where that kernel is built (the plain masks, not deterministic); else ``tiles``. There (both
     head dims fit 192) the pair kernel (kernels/backward_pair.cu: a CTA of 64 keys, each score formed once;
     H200, bf16, causal: fwd+bwd 1.02-1.13x the two-pass kernel at 192/128 and 1K-8K keys, 1.11-1.14x at d=192 and
-    4K-8K), unless ``pair`` is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel). ``phases`` (None:
-    SAGEBWD_BACKWARD_PHASES=1) takes the pair kernel's phase-specialized form where V's tiles hold 128 columns."""
+    4K-8K), unless ``pair`` is False (None: SAGEBWD_BACKWARD_PAIR=0 keeps the two-pass kernel). Where V's tiles hold
+    128 columns (MLA's 192/128) the pair kernel's phase-specialized form (kernels/backward_phases.cu; fwd+bwd 1.04-1.08x
+    the pair kernel, H200, bf16, causal, 2K-8K keys), unless ``phases`` is False (None: SAGEBWD_BACKWARD_PHASES=0
+    keeps the pair kernel)."""
     value_dim = None if options.deterministic else narrow_value_dim(options, value_dim)
     if not (tiles.wgmma and dp > numerics.WIDE_HEAD_DIM and value_dim is not None and head_dim <= NARROW_QK_COLS):
         return tiles
@@ -549,7 +551,7 @@ def narrow_backward_tiles(tiles: BackwardTiles, dp: int, head_dim: int, value_di
         pair = env_choice("SAGEBWD_BACKWARD_PAIR", (0, 1)) != 0
     if pair:  # (two stages, no producer warpgroup; at V's 192 columns Q̂ᵀ and dÔᵀ in one buffer: SPLIT)
         if phases is None:
-            phases = env_choice("SAGEBWD_BACKWARD_PHASES", (0, 1)) == 1
+            phases = env_choice("SAGEBWD_BACKWARD_PHASES", (0, 1)) != 0
         return dataclasses.replace(narrow, pair=True, phases=phases and cols[0] == 128, ws=False, dq_tiles=1, stages=2)
     return narrow
 
