@@ -62,6 +62,7 @@ def _flex(q, k, v, do, window=-1, softcap=0.0):
     keep = (lambda b, h, i, j: (j <= i) & (i - j <= window)) if window >= 0 else (lambda b, h, i, j: j <= i)
     mask = create_block_mask(keep, None, None, n, n, device="cuda")
     cap = (lambda s, b, h, i, j: softcap * torch.tanh(s / softcap)) if softcap else None
+    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
     compiled = torch.compile(flex_attention, dynamic=False)
     return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=cap, block_mask=mask, enable_gqa=True), q, k, v, do)
 

@@ -85,6 +85,7 @@ def _flex(q, k, v, do, window):
 
     n = q.shape[2]
     mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= window), None, None, n, n, device="cuda")
+    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
     compiled = torch.compile(flex_attention, dynamic=False)
     return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
 
@@ -95,6 +96,7 @@ def _flex_softcap(q, k, v, do, cap):
 
     n = q.shape[2]
     mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device="cuda")
+    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
     compiled = torch.compile(flex_attention, dynamic=False)
     score_mod = lambda score, b, h, i, j: cap * torch.tanh(score / cap)
     return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True),
