@@ -12,7 +12,8 @@
 // scores), and each stage's two halves of TMA loads, Q̂, dO and the statistics (the scores') and Q̂ᵀ and dÔᵀ (the
 // gradients'), each reloaded for the iteration after next by the warpgroup that reads it once it has. dK and dV are
 // pair's bit for bit (the same integer products, folded in the same order).
-// Measured slower than pair's kernel (docs/PERFORMANCE.md): its gradients wait on dQ's reductions, a 64-key CTA's.
+// The 192/128 default (docs/PERFORMANCE.md: 1.03-1.12x pair's kernel once dQ went out a 64-column part at a time; with
+// one reduction of the whole tile, the gradients waited for it to have read the tile and the kernel ran 0.89-0.93x).
 //
 // Compile-time parameters: pair's (SB_DP 256, SB_DQK, SB_DPV <= 128, SB_BF16, SB_CAUSAL, SB_WINDOW, SB_VARLEN; fine
 // granularity, no Q-smoothing, soft cap or deterministic order); from specs.BackwardTiles.implied: SB_THREADS (256),
