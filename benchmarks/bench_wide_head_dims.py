@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import timed  # noqa: E402
-from bench_windows import _torch_pair, write_markdown  # noqa: E402
+from bench_windows import _torch_pair, compiled_flex_attention, write_markdown  # noqa: E402
 
 DEFAULT_SHAPES = ("2x16x4x4096x256", "1x16x4x8192x256", "2x16x4x4096x192", "2x16x4x4096x192x128")
 
@@ -56,14 +56,13 @@ def _sdpa(backend_name):
 
 def _flex(q, k, v, do, window=-1, softcap=0.0):
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = q.shape[2]
     keep = (lambda b, h, i, j: (j <= i) & (i - j <= window)) if window >= 0 else (lambda b, h, i, j: j <= i)
     mask = create_block_mask(keep, None, None, n, n, device="cuda")
     cap = (lambda s, b, h, i, j: softcap * torch.tanh(s / softcap)) if softcap else None
-    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = compiled_flex_attention()
     return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=cap, block_mask=mask, enable_gqa=True), q, k, v, do)
 
 

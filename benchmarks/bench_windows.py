@@ -79,25 +79,32 @@ def _cudnn(q, k, v, do):
     return _torch_pair(attend, q, k, v, do)
 
 
-def _flex(q, k, v, do, window):
+def compiled_flex_attention():
+    """FlexAttention compiled for one shape's calls: dynamo reset first, so that a run's shapes do not pass its
+    recompile limit (past it flex_attention runs uncompiled, ~10x slower)."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, do, window):
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = q.shape[2]
     mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= window), None, None, n, n, device="cuda")
-    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = compiled_flex_attention()
     return _torch_pair(lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True), q, k, v, do)
 
 
 def _flex_softcap(q, k, v, do, cap):
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = q.shape[2]
     mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device="cuda")
-    torch._dynamo.reset()  # each shape compiled afresh: a run's shapes would pass dynamo's recompile limit
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = compiled_flex_attention()
     score_mod = lambda score, b, h, i, j: cap * torch.tanh(score / cap)
     return _torch_pair(lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True),
                        q, k, v, do)

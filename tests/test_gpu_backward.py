@@ -428,9 +428,15 @@ def test_the_four_warpgroup_backward_equals_the_two_warpgroup_one(monkeypatch, s
 def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, causal):
     """Where Q·K's and V's head dims are at most 192 (MLA's 192/128, where V's fits 128 in the pair kernel's
     phase-specialized form, the default), kernels/backward_pair.cu (SAGEBWD_BACKWARD_PAIR=1: a CTA of 64 keys, each
-    score formed once) computes what the
-    two-pass wgmma backward (=0) computes: dK and dV bit for bit (its causal sweep is the two-pass kernel's 128-key CTA's), dQ
-    within its accumulation order's rounding; packed batches too. Hopper only."""
+    score formed once) computes what the two-pass wgmma backward (=0) computes: dK and dV bit for bit (its causal
+    sweep is the two-pass kernel's 128-key CTA's), dQ within its accumulation order's rounding; packed batches too.
+    Hopper only."""
+    _pair_variant_agrees(monkeypatch, "SAGEBWD_BACKWARD_PAIR", shape, dtype, causal, seed=0)
+
+
+def _pair_variant_agrees(monkeypatch, variable: str, shape, dtype: str, causal: bool, seed: int) -> None:
+    """The gradients of a (B, Hq, Hkv, Lq, Lk, Dqk, Dv) case with ``variable`` at 0 and at 1 (_gradients_off_and_on),
+    dense and packed, agree as _assert_same_gradients asks; sm_90 only (the pair kernels)."""
     import torch
 
     from sagebwd_cp.gpu import device, plan
@@ -438,13 +444,13 @@ def test_the_pair_backward_equals_the_two_passes(monkeypatch, shape, dtype, caus
     if device.device_arch(torch.cuda.current_device()) != "sm_90":
         pytest.skip("the pair backward is an sm_90 kernel")
     b, hq, hk, lq, lk, dqk, dv = shape
-    g = torch.Generator(device="cuda").manual_seed(lq + lk + dqk)
+    g = torch.Generator(device="cuda").manual_seed(lq + lk + dqk + seed)
     q, k, v, do = (torch.randn(s, generator=g, device="cuda").to(getattr(torch, dtype))
                    for s in ((b, lq, hq, dqk), (b, lk, hk, dqk), (b, lk, hk, dv), (b, lq, hq, dv)))
     for packed in (False, True):
-        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_PAIR", q, k, v, do, dict(causal=causal), packed)
+        ref, got = _gradients_off_and_on(monkeypatch, variable, q, k, v, do, dict(causal=causal), packed)
         _assert_same_gradients(got, ref, packed)
-    monkeypatch.delenv("SAGEBWD_BACKWARD_PAIR", raising=False)
+    monkeypatch.delenv(variable, raising=False)
     plan.clear_plans()
 
 
@@ -458,21 +464,7 @@ def test_the_phase_specialized_pair_backward_equals_the_pair(monkeypatch, shape,
     codes, the other the gradient products an iteration behind) computes what the pair kernel
     (SAGEBWD_BACKWARD_PHASES=0) computes: dK and dV bit for bit, dQ within its accumulation order's rounding; packed
     batches too. Hopper only."""
-    import torch
-
-    from sagebwd_cp.gpu import device, plan
-
-    if device.device_arch(torch.cuda.current_device()) != "sm_90":
-        pytest.skip("the pair backward is an sm_90 kernel")
-    b, hq, hk, lq, lk, dqk, dv = shape
-    g = torch.Generator(device="cuda").manual_seed(lq + lk + dqk + 1)
-    q, k, v, do = (torch.randn(s, generator=g, device="cuda").to(getattr(torch, dtype))
-                   for s in ((b, lq, hq, dqk), (b, lk, hk, dqk), (b, lk, hk, dv), (b, lq, hq, dv)))
-    for packed in (False, True):
-        ref, got = _gradients_off_and_on(monkeypatch, "SAGEBWD_BACKWARD_PHASES", q, k, v, do, dict(causal=causal), packed)
-        _assert_same_gradients(got, ref, packed)
-    monkeypatch.delenv("SAGEBWD_BACKWARD_PHASES", raising=False)
-    plan.clear_plans()
+    _pair_variant_agrees(monkeypatch, "SAGEBWD_BACKWARD_PHASES", shape, dtype, causal, seed=1)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

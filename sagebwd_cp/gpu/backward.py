@@ -47,6 +47,13 @@ def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: Attention
     return packed, (0 if prob.varlen else heads * length * d, length * d, d)
 
 
+def _column_blocks(dtype: int, item: int, row: int, rows: int, box: specs.TmaBox) -> TensorMapLayout:
+    """A map of ``rows`` rows of ``row`` elements (``item`` bytes each) seen as their column blocks of box[0]
+    elements: (columns, rows, blocks), so that one box takes a block's rows for box[2] blocks side by side."""
+    return TensorMapLayout(dtype, (box.box[0], rows, row // box.box[0]), (item * row, item * box.box[0]), box.box,
+                           box.swizzle)
+
+
 def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
     """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*), in the
     boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes, or of its 128-byte column blocks),
@@ -56,9 +63,7 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
     if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
         B, Lq = 1, prob.total_q
     boxes = tiles.query_maps(dp)
-    q_cols, q_blocks = boxes["rows"].box[0], boxes["rows"].box[2]  # Q̂'s rows as column blocks (the box's third dim)
-    rows = TensorMapLayout(DTYPE_UINT8, (q_cols, B * Hq * nq, q_blocks), (dp, q_cols), boxes["rows"].box,
-                           boxes["rows"].swizzle)
+    rows = _column_blocks(DTYPE_UINT8, 1, dp, B * Hq * nq, boxes["rows"])
     cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["cols"].box, boxes["cols"].swizzle)
     value_cols = TensorMapLayout(DTYPE_UINT8, (nq, B * Hq * dp), (nq,), boxes["value_cols"].box,
                                  boxes["value_cols"].swizzle)
@@ -70,12 +75,10 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
         inner = strides[-1] * n
     grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
     dq_row = tiles.dq_row(dp)
-    dq_box = boxes["dq"].box
-    if len(dq_box) == 3:  # the rows' column blocks (the box's third dim), as Q̂'s
-        acc = TensorMapLayout(DTYPE_FLOAT32, (dq_box[0], B * Hq * nq, dq_row // dq_box[0]), (4 * dq_row, 4 * dq_box[0]),
-                              dq_box, boxes["dq"].swizzle)
+    if len(boxes["dq"].box) == 3:  # the pair kernels' swizzled column blocks
+        acc = _column_blocks(DTYPE_FLOAT32, 4, dq_row, B * Hq * nq, boxes["dq"])
     else:
-        acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), dq_box, boxes["dq"].swizzle)
+        acc = TensorMapLayout(DTYPE_FLOAT32, (dq_row, B * Hq * nq), (4 * dq_row,), boxes["dq"].box, boxes["dq"].swizzle)
     return dict(tm_q=tensor_map(rows, qz.q8), tm_qt=tensor_map(cols, qz.q8t), tm_dot=tensor_map(value_cols, qz.dot8),
                 tm_do=tensor_map(grad, do_rows), tm_dq=tensor_map(acc, dq_acc))
 

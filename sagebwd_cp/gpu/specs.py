@@ -27,6 +27,7 @@ BIAS_THREADS = 128  # smooth_q_bias.cu: a key a thread
 BIAS_QBLOCKS = 16  # smooth_q_bias.cu: query blocks a CTA (each key's staged row serves them all)
 TMA_DO_COLS = 64  # the wgmma backward's dO boxes: 64 16-bit columns (128 bytes, the widest swizzle)
 DQ_SWIZZLE_COLS = 32  # the pair backward's dQ boxes: 32 f32 columns (128 bytes, the widest swizzle)
+PHASES_DQ_COLS = 64  # backward_phases.cu's dQ parts, each reduced on its own: a gradient product's columns (m64n64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +443,7 @@ class BackwardTiles:
         product's at a time."""
         bq, q_cols = numerics.BLOCK_Q, min(dp, 128)
         if self.pair:
-            cols = 64 if self.phases else self.pass_dims(dp) // 2
+            cols = PHASES_DQ_COLS if self.phases else self.pass_dims(dp) // 2
             dq = TmaBox((DQ_SWIZZLE_COLS, bq, cols // DQ_SWIZZLE_COLS), 4 * DQ_SWIZZLE_COLS)
         else:
             dq = TmaBox((self.pass_dims(dp) + 8, bq), 0)

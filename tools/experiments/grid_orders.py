@@ -30,6 +30,7 @@ def run(shape, reps=20, rounds=5):
     k = torch.randn(b, n, hk, d, generator=g, device="cuda").bfloat16()
     v = torch.randn(b, n, hk, dv, generator=g, device="cuda").bfloat16()
     do = torch.randn(b, n, hq, dv, generator=g, device="cuda").bfloat16()
+    window = int(os.environ.get("WINDOW", "-1"))
     res = {}
     for r in range(rounds):
         for name, order in (("blocks", launch.BLOCKS_FIRST), ("heads", launch.HEADS_FIRST),
@@ -37,7 +38,6 @@ def run(shape, reps=20, rounds=5):
             backward.backward_grid = forced(order)
             plan.clear_plans()
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            window = int(os.environ.get("WINDOW", "-1"))
             out = st.flash_attn_func(*leaves, causal=True, deterministic=os.environ.get("DET") == "1",
                                      window_size=(window, 0))
             out.backward(do, retain_graph=True)
