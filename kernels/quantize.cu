@@ -46,15 +46,20 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 constexpr int GROUP = SB_QUANT_CHUNKS;  // tokens a thread owns (one group of the fragment token order)
 static_assert(GROUP == 16, "a thread's tokens are one group of the fragment token order");
 // Sized for the module's head dim (its CTAs have D_PAD threads): at d=64 a quarter of d=128's, so that
-// shared memory admits more CTAs an SM.
+// shared memory admits more CTAs an SM. COLSUM_WARPS: colsum's rows, a warp's each where an entry sums columns across
+// warps (the fused token sums; Q-smoothing's block means, two warps a block at D_PAD = 128), else one, unread: at
+// D_PAD = 256 quantize_tensors then fits three CTAs an SM instead of two (16 KB less each).
+template <int COLSUM_WARPS>
 struct QuantizeShared {
     float red[D_PAD / 32];                     // warp maxima (per-block scales at DPAD = 128)
     union {
-        double colsum[D_PAD / 32][D_PAD];      // a warp's column sums (Q-smoothing at DPAD = 128)
+        double colsum[COLSUM_WARPS][D_PAD];    // a warp's column sums
         float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
     int ticket;                                // QUANT_FUSED_SUM: the CTA's place among its head's arrivals
 };
+// Q-smoothing's block means over more than one warp need the rows (the host refuses Q-smoothing above head dim 128).
+constexpr bool QSMOOTH_COLSUMS = D_PAD == 128;
 
 // Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
 // even number, N_pad being a multiple of 128), DPAD threads. A thread owns GROUP = 16 tokens x 8
@@ -88,8 +93,8 @@ struct QuantizeShared {
 //   thread t at [i][t], so a warp's reads are conflict-free.
 // PRESCALE: prescale != 1; SHIFT: the job subtracts μ or block means; MEAN_GIVEN (with SHIFT, without
 // PRESCALE): μ is read from mean_out (quantize_tensors picks them).
-template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false, bool FUSED_SUM = false>
-SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
+template <int DPAD, bool PRESCALE, bool SHIFT, bool MEAN_GIVEN = false, bool FUSED_SUM = false, class Shared>
+SB_DEVICE void quantize_blocks(Shared& sm, uint4* raw, const u16* __restrict__ x, i64 sb, i64 sh, i64 sn, int H, int N,
                                int D, int N_pad, float prescale, const double* __restrict__ mean_sum, double* sum_part,
                                int* arrive, int sum_parts,
                                float* __restrict__ mean_out, float* __restrict__ block_mean_out,
@@ -227,7 +232,7 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 
     const int rows_in = N - tok0;  // the thread's rows inside the tensor
 
-    if (SHIFT && block_mean_out) {
+    if (SHIFT && DPAD <= 128 && block_mean_out) {  // (Q-smoothing: at most head dim 128, QSMOOTH_COLSUMS)
         // Column means over the block's valid rows in float64 (exact for realistic ranges, so any
         // order of summation gives the emulator's float32 mean): the thread's 16 rows, then its
         // block's four groups (lanes L and 2L apart; two warps at DPAD = 128).
@@ -377,11 +382,15 @@ SB_DEVICE void quantize_blocks(QuantizeShared& sm, uint4* raw, const u16* __rest
 // d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
 // kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Blackwell
 // spills the packed kernels at five too (sm_100, 13.5), and at d=128 without a floor (72 registers, 13.0): four there
-// (128 registers) at both. d=128 elsewhere (64) and d=256 choose their own.
+// (128 registers) at both. d=256: a floor of three (85 registers, shared memory's limit for quantize_tensors): without
+// one NVRTC 13.0 took 64 and spilled 12 bytes on sm_90 (Blackwell, which spilled at three, keeps its own choice). d=128
+// elsewhere (64) chooses its own.
 #if SB_DP <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 4)
 #elif SB_DP == 64
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
+#elif SB_DP == 256 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 1000
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 3)
 #else
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
 #endif
@@ -394,7 +403,7 @@ SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
 #define SB_JOB(field) (which == 0 ? p.a.field : (which == 1 ? p.b.field : p.c.field))
-    __shared__ QuantizeShared sm;
+    __shared__ QuantizeShared<FUSED || QSMOOTH_COLSUMS ? D_PAD / 32 : 1> sm;
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
