@@ -27,6 +27,7 @@ CASES = [
     (1, 4, 2, 130, 200, 80, True, "bfloat16", {"smooth_q": True, "forward": {"window_size": (64, 0)}}),  # Q-smoothing, window
     (1, 2, 2, 1, 1, 64, False, "float16", {}),                                    # N = 1
     (1, 2, 2, 96, 96, 64, False, "float16", {"strided": True}),                   # strided views, misaligned rows
+    (1, 2, 2, 96, 96, 128, True, "bfloat16", {"strided": True, "value_dim": 64}),  # and V, dO of their own head dim
     (1, 4, 2, 200, 200, 128, True, "bfloat16", {"forward": {"window_size": (64, 0)}}),       # causal window
     (1, 2, 2, 150, 170, 64, False, "float16", {"forward": {"window_size": (32, 40)}}),       # two-sided window
     (1, 2, 1, 130, 130, 128, True, "float16", {"forward": {"softcap": 20.0, "smooth_k": False}}),
@@ -38,7 +39,7 @@ CASES = [
     (1, 2, 2, 130, 130, 256, False, "float16", {"deterministic": True}),
     (1, 2, 2, 100, 120, 256, True, "bfloat16", {"deterministic": True, "forward": {"softcap": 20.0, "window_size": (48, 0)}}),
     (1, 2, 2, 110, 90, 192, True, "bfloat16", {"value_dim": 128}),               # MLA's 192/128
-    (1, 4, 2, 100, 120, 192, True, "bfloat16", {"value_dim": 128, "sinks": True}),  # sinks joined on a widened O
+    (1, 4, 2, 100, 120, 192, True, "bfloat16", {"value_dim": 128, "sinks": True}),  # sinks joined on O of V's head dim
     (1, 2, 1, 70, 150, 192, False, "float16", {"value_dim": 128}),                # MLA's, MQA, Lq < Lk
     (1, 4, 2, 90, 130, 192, True, "bfloat16", {"value_dim": 128, "packed": True}),  # MLA's, packed
     (1, 4, 2, 110, 90, 192, True, "float16", {}),                                 # d=192 (the pair kernel's split stage)
@@ -97,11 +98,11 @@ def run_case(case, device: str = "cuda"):
     dv = opts.pop("value_dim", d)
     if opts.pop("sinks", False):
         fwd = {**fwd, "sinks": torch.randn(hq, generator=g, device=device)}
-    if strided:  # q, k: views of a fused (B, N, 2, H, D); v and dO start 8 bytes into rows of D + 4 values,
+    if strided:  # q, k: views of a fused (B, N, 2, H, D); v and dO start 8 bytes into rows of Dv + 4 values,
         # so their rows are not 16-byte aligned (the backward packs them first: pack_rows)
         fused = rand(b, lq, 2, hq, d)
         q, k = fused[:, :, 0], fused[:, :, 1]
-        v, do = rand(b, lq, hq, d + 4)[..., 4:], rand(b, lq, hq, d + 4)[..., 4:]
+        v, do = rand(b, lq, hq, dv + 4)[..., 4:], rand(b, lq, hq, dv + 4)[..., 4:]
         layout = "NHD"
     else:
         q, k, v, do = rand(b, hq, lq, d), rand(b, hkv, lk, d), rand(b, hkv, lk, dv), rand(b, hq, lq, dv)

@@ -255,7 +255,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
     const int kvalid = min(BKV, seq.len_k() - j * BKV);
     load_tile<DP, BKV, THREADS>(sK, a.k8 + (seq.k_row0(hk) + j * BKV) * DP, DP);
     load_tile<BKV, DP, THREADS>(sKt, a.k8t + seq.kt_base(hk, DP) + j * BKV, seq.nk_pad());
-    load_tile16(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * BKV), a.vn, kvalid, a.D);
+    load_tile16(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * BKV), a.vn, kvalid, a.Dv);
     // K̂ᵀ's scale, beside each stage's s_dO (read from there in the loop: no register held across it).
     if (tid < SB_STAGES) {
         cp_async_4(base + STAGE0 + tid * STAGE_BYTES + SSCALE + 8, a.kt_scale + seq.k_block0(hk) + j);
@@ -270,7 +270,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
         load_tile<BQ, DP, THREADS>(st + SQT, a.q8t + seq.qt_base(h, DP) + i * BQ, seq.nq_pad());
         load_tile<BQ, DP, THREADS>(st + SDOT, a.dot8 + seq.qt_base(h, DP) + i * BQ, seq.nq_pad());
         load_tile16(st + SDO, a.dout + seq.token(a.db, a.dh, a.dn, h, static_cast<i64>(i) * BQ), a.dn,
-                    min(BQ, seq.len_q() - i * BQ), a.D);
+                    min(BQ, seq.len_q() - i * BQ), a.Dv);
         if (tid < BQ) cp_async_16(st + SSTATS + 16 * tid, a.stats + row0 + i * BQ + tid);
         if (tid == BQ) {
             const i64 blk = seq.q_block0(h) + i;
@@ -630,7 +630,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS)) {
             if (col >= a.D) continue;
             *reinterpret_cast<u32*>(kr + col) =
                 pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f, dk[n][2 * half + 1] * 0.6931471805599453f);
-            *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
+            if (col < a.Dv) *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
         }
     }
     }  // pass

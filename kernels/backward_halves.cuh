@@ -83,7 +83,7 @@ SB_DEVICE void store_half_y(i8* tile, const float (&ds)[HALF_NT][4], float inv, 
 }
 
 // The 64-key CTAs (backward_pair.cu, backward_phases.cu) of key block j: K̂ [64][DP] and V [64][DPV] (zero past the
-// keys and the head dim) in one cp.async group, then K̂ᵀ [DQK][64] in a second, for the caller to commit and wait.
+// keys and V's head dim) in one cp.async group, then K̂ᵀ [DQK][64] in a second, for the caller to commit and wait.
 template <int DP, int DQK, int DPV, int THREADS>
 SB_DEVICE void load_key_block(u32 k_dst, u32 v_dst, u32 kt_dst, const BackwardParams& a, const BackwardSeq& seq,
                               int hk, int j, int tid) {
@@ -96,7 +96,7 @@ SB_DEVICE void load_key_block(u32 k_dst, u32 v_dst, u32 kt_dst, const BackwardPa
 #pragma unroll
     for (int k = 0; k < KEYS * VCH / THREADS; ++k) {
         const int r = (tid + k * THREADS) / VCH, c = (tid + k * THREADS) % VCH;
-        const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
+        const bool ok = c * 8 < a.Dv && r < kvalid;  // zero past the keys and V's head dim
         cp_async_16(v_dst + wgmma_tile_offset<2 * DPV, KEYS>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc, ok ? 16 : 0);
     }
     cp_async_commit();

@@ -386,8 +386,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             bulk_wait_read<0>();
         }
     }
-    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys x the warpgroup's columns; dV's columns
-    // past V's tile (value_head_dim's zero padding) zero, 8 columns in turn a warpgroup.
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV (V's head dim Dv of columns) of this thread's keys x the
+    // warpgroup's columns.
     const int ft = static_cast<int>(fresh_tid()), fw = ft >> 7, ft_t = ft & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -402,12 +402,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f,
                                                                        dk[n][2 * half + 1] * 0.6931471805599453f);
             const int vcol = fw * DHV + n * 8 + 2 * ft_t;
-            if (n < NV && vcol < a.D) *reinterpret_cast<u32*>(vr + vcol) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
-        }
-#pragma unroll
-        for (int m8 = 0; m8 < (DQK - DPV) / 16; ++m8) {
-            const int col = DPV + 8 * (2 * m8 + fw) + 2 * ft_t;
-            if (col < a.D) *reinterpret_cast<u32*>(vr + col) = 0u;
+            if (n < NV && vcol < a.Dv) *reinterpret_cast<u32*>(vr + vcol) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
         }
     }
 }

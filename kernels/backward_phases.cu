@@ -415,8 +415,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     }
     if (tid == REDUCER && n_it > 0) bulk_wait_read<0>();
 
-    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV of this thread's keys; dV's columns past V's tile
-    // (value_head_dim's zero padding) zero.
+    // dK (factor ln 2: Q̂ holds c·log2(e)·Q) and dV (V's head dim Dv of columns) of this thread's keys.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = key0 + krow + 8 * half;
@@ -429,8 +428,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
             if (col < a.D)
                 *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(dk[n][2 * half] * 0.6931471805599453f,
                                                                        dk[n][2 * half + 1] * 0.6931471805599453f);
-            if (n < NV && col < a.D) *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
-            if (n >= NV && col < a.D) *reinterpret_cast<u32*>(vr + col) = 0u;
+            if (n < NV && col < a.Dv) *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[n][2 * half], dv[n][2 * half + 1]);
         }
     }
 }

@@ -108,7 +108,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
 #pragma unroll
         for (int k = 0; k < CTA_KEYS / VROWS; ++k) {
             const int r = r0 + k * VROWS;
-            const bool ok = c * 8 < a.D && r < kvalid;  // zero past the keys and the head dim
+            const bool ok = c * 8 < a.Dv && r < kvalid;  // zero past the keys and V's head dim
             cp_async_16(smem_u32(sh.v) + wgmma_tile_offset<2 * DP, CTA_KEYS>(r, c), ok ? vsrc + r * a.vn + 8 * c : vsrc,
                         ok ? 16 : 0);
         }
@@ -367,7 +367,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                 if (col >= a.D) continue;
                 *reinterpret_cast<u32*>(kr + col) =
                     pack2_f32<SB_BF16>(dk[c][n][2 * half] * 0.6931471805599453f, dk[c][n][2 * half + 1] * 0.6931471805599453f);
-                *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[c][n][2 * half], dv[c][n][2 * half + 1]);
+                if (col < a.Dv) *reinterpret_cast<u32*>(vr + col) = pack2_f32<SB_BF16>(dv[c][n][2 * half], dv[c][n][2 * half + 1]);
             }
     }
 }

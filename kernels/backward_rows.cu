@@ -14,7 +14,7 @@
 constexpr int THREADS = SB_THREADS;
 
 // The main kernel's per-query row statistics, LANES = D_pad / 8 lanes per row (8 columns each, one 16-byte load of
-// dO and of O where rows are 16-byte aligned), THREADS / LANES rows per CTA; grid (Nq_pad·LANES / THREADS, Hq, B), packed: the longest sequence's padded rows.
+// dO and of O, Dv columns, where rows are 16-byte aligned), THREADS / LANES rows per CTA; grid (Nq_pad·LANES / THREADS, Hq, B), packed: the longest sequence's padded rows.
 // stats is FP32 [B][Hq][Nq_pad][4]: (LSE2, s_Q, δ = rowsum(dO ∘ O), s_Qᵀ) with s_Q the query's per-token
 // Q̂ scale and s_Qᵀ its block's Q̂ᵀ scale, and LSE2 = +inf, δ = 0 past Lq so padded rows give P = 0 (soft-capped
 // kernels: (LSE2 + r, s_Q, δ, r), r the row's share of its scores, numerics.softcap_row_bias, formed here from Q); one 16-byte row
@@ -35,10 +35,10 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
     for (int i = lane; i < p.dq_row / 4; i += LANES) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (p.dq_lock && lane == 0 && row % SB_BLOCK_Q == 0) p.dq_lock[seq.q_block0(h) + row / SB_BLOCK_Q] = 0;
     float s = 0.f;
-    if (row < seq.len_q() && c0 < p.D) {
+    if (row < seq.len_q() && c0 < p.Dv) {
         const u16* dr = p.dout + seq.token(p.db, p.dh, p.dn, h, row) + c0;
         const u16* orow = p.out + seq.token(p.ob, p.oh, p.on, h, row) + c0;
-        if (p.D % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
+        if (p.Dv % 8 == 0 && ((reinterpret_cast<size_t>(dr) | reinterpret_cast<size_t>(orow)) & 15) == 0) {
             const uint4 x = *reinterpret_cast<const uint4*>(dr), y = *reinterpret_cast<const uint4*>(orow);
             const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
@@ -46,7 +46,7 @@ SB_DEVICE void row_stats_rows(const RowStatsParams& p) {
                 s = fmaf(to_f32<SB_BF16>(static_cast<u16>(xw[e >> 1] >> (16 * (e & 1)))),
                          to_f32<SB_BF16>(static_cast<u16>(yw[e >> 1] >> (16 * (e & 1)))), s);
         } else {
-            for (int e = 0; e < 8 && c0 + e < p.D; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
+            for (int e = 0; e < 8 && c0 + e < p.Dv; ++e) s = fmaf(to_f32<SB_BF16>(dr[e]), to_f32<SB_BF16>(orow[e]), s);
         }
     }
 #pragma unroll

@@ -313,7 +313,7 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
     // K̂ and V in one cp.async group, K̂ᵀ in a second, waited for only before the first dQ products (in the loop).
     if (!WS || tid < THREADS) {  // (WS: the producer's threads load no key-side tile)
     load_tile<DP, CTA_KEYS, THREADS, true>(sK, a.k8 + (seq.k_row0(hk) + j * CTA_KEYS) * DP, DP);
-    load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.D);
+    load_tile16<CTA_KEYS>(sV, a.v + seq.key_token(a.vb, a.vh, a.vn, hk, static_cast<i64>(j) * CTA_KEYS), a.vn, kvalid, a.Dv);
     cp_async_commit();
 #pragma unroll
     for (int kb2 = 0; kb2 < KEY_BLOCKS; ++kb2) {  // K̂ᵀ's rows of the pass
@@ -917,14 +917,8 @@ attention_backward(SB_KERNEL_PARAMS(SB_BACKWARD_FIELDS), SB_KERNEL_MAPS(SB_BACKW
                     const float k0 = dk[ch][n][2 * half], k1 = dk[ch][n][2 * half + 1];
                     *reinterpret_cast<u32*>(kr + col) = pack2_f32<SB_BF16>(k0 * 0.6931471805599453f, k1 * 0.6931471805599453f);
                 }
-                if (ch < CHUNKS_V && vcol < a.D)
+                if (ch < CHUNKS_V && vcol < a.Dv)
                     *reinterpret_cast<u32*>(vr + vcol) = pack2_f32<SB_BF16>(dv[ch][n][2 * half], dv[ch][n][2 * half + 1]);
             }
-        // dV's columns past V's tile (dO's there are zero padding, value_head_dim): zeros, 8 columns in turn a pass.
-#pragma unroll
-        for (int m = 0; m < (DQK - DPV) / 8 / PASSES; ++m) {
-            const int col = DPV + 8 * (PASSES * m + fpass) + 2 * ft_t;
-            if (col < a.D) *reinterpret_cast<u32*>(vr + col) = 0u;
-        }
     }
 }

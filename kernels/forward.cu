@@ -13,7 +13,7 @@
 //               ratio of the blocks' V scales in (numerics.py, forward P quantization).
 //   SB_DPV      wgmma above d=128: V's padded head dim (a multiple of 64 below SB_DP, else SB_DP), the V̂ᵀ rows
 //               a stage holds and O's columns: MLA's 192/128 holds O for 128 columns, d=192 for 192, and
-//               so takes three CTAs an SM instead of two; O's columns from it up to D are stored as zeros
+//               so takes three CTAs an SM instead of two (O has V's head dim Dv of columns, below D)
 //   SB_THREADS, SB_CTA_Q  the CTA's threads and query rows (specs.ForwardTiles)
 //   SB_GRID_ORDER         the grid's order (specs.forward_grid_order): BLOCKS_FIRST, or HEADS_BATCH_FIRST,
 //                         whose query blocks start last to first
@@ -415,8 +415,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
         for (int half = 0; half < 2; ++half) {
             const int row = q0 + (warp * SB_MT + mt) * 16 + g + 8 * half;
             // Soft-capped with K-smoothing, LSE2 in the frame of K - μ_K (numerics.py): less the row's share.
-            store_row<SB_BF16, DPV < DP>(o[mt], half, l_run[mt][half], SB_SOFTCAP ? m_ref[mt][half] - rb[mt][half] : m_ref[mt][half],
-                               row < seq.len_q(), p.D - pass * DO, t,
+            store_row<SB_BF16>(o[mt], half, l_run[mt][half], SB_SOFTCAP ? m_ref[mt][half] - rb[mt][half] : m_ref[mt][half],
+                               row < seq.len_q(), p.Dv - pass * DO, t,
                                [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row) + pass * DO; },
                                pass == O_PASSES - 1 ? p.lse2 : nullptr, [&] {
                                    return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;

@@ -121,13 +121,12 @@ SB_DEVICE void code_p(const float (&u)[NT_KV][4], const float* pcoef, u32 (&pf)[
 }
 
 // One output row of this thread (rows g and g + 8 of its m-tile are half 0 and 1): O = acc / l in the
-// output dtype (its NT_D column pairs 2t, 2t + 1 of each n-tile, columns below D) and the base-2 LSE
-// m_ref + log2(l), +inf for a row that saw no key. A non-finite l (a NaN or inf input reached the
+// output dtype (its NT_D column pairs 2t, 2t + 1 of each n-tile, columns below D: O's, V's head dim) and the
+// base-2 LSE m_ref + log2(l), +inf for a row that saw no key. A non-finite l (a NaN or inf input reached the
 // row) gives NaN for both, so that the backward's P of the row is NaN. l_part: the thread's part of
 // l (its quad adds theirs). orow(): the row's output, called for a valid row only; lse: the LSE (null:
-// none wanted), its element lse_index() written by the quad's first thread. ZERO_TAIL: the row's columns from the
-// held ones up to D are zero columns of O (V's padding past a narrower V head dim), stored as 0·(1/l).
-template <bool BF16, bool ZERO_TAIL = false, int NT_D, class Row, class LseIndex>
+// none wanted), its element lse_index() written by the quad's first thread.
+template <bool BF16, int NT_D, class Row, class LseIndex>
 SB_DEVICE void store_row(const float (&o)[NT_D][4], int half, float l_part, float m_ref, bool valid, int D, int t,
                          Row orow, float* lse, LseIndex lse_index) {
     float l = l_part;
@@ -142,10 +141,6 @@ SB_DEVICE void store_row(const float (&o)[NT_D][4], int half, float l_part, floa
         for (int n = 0; n < NT_D; ++n) {
             const int col = n * 8 + 2 * t;
             if (col < D) *reinterpret_cast<u32*>(out + col) = pack2_f32<BF16>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-        }
-        if constexpr (ZERO_TAIL) {
-            const u32 zero = pack2_f32<BF16>(0.f * inv, 0.f * inv);
-            for (int col = 8 * NT_D + 2 * t; col < D; col += 8) *reinterpret_cast<u32*>(out + col) = zero;
         }
         if (lse && t == 0) lse[lse_index()] = l == 0.f ? __int_as_float(0x7f800000) : (finite ? m_ref + log2_approx(l) : nan);
     }

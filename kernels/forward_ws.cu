@@ -457,7 +457,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = rbase + 8 * half;
-        store_row<SB_BF16>(o, half, l_run[half], m_ref[half], row < seq.len_q(), p.D, t,
+        store_row<SB_BF16>(o, half, l_run[half], m_ref[half], row < seq.len_q(), p.Dv, t,
                            [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row); }, p.lse2,
                            [&] { return seq.lse_row0(h) + row; });
     }

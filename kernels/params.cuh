@@ -52,7 +52,7 @@
     F(const u16* __restrict__, q)             /* 16-bit Q, strides q_sb, q_sh, q_sn, unit stride along d */ \
     F(i64, ob) F(i64, oh) F(i64, on) F(i64, q_sb) F(i64, q_sh) F(i64, q_sn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
-    F(int, Dv)                                /* V's head dim (<= D): V's columns from it on are zeros (value_head_dim.py) */ \
+    F(int, Dv)                                /* V's and O's head dim (<= D; value_head_dim.py) */ \
     F(float, q_prescale)                      /* c·log2(e): Q's factor before its quantization */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
     F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
@@ -97,7 +97,7 @@ SB_PARAM_LIST(ForwardSchedule, SB_FORWARD_SCHEDULE)
     F(i64, vb) F(i64, vh) F(i64, vn) F(i64, db) F(i64, dh) F(i64, dn) \
     F(i64, kb) F(i64, kh) F(i64, kn) F(i64, wb) F(i64, wh) F(i64, wn) \
     F(int, Hq) F(int, Hkv) F(int, Lq) F(int, Lk) F(int, D) F(int, Nq_pad) F(int, Nk_pad) \
-    F(int, Dv)                                /* V's head dim (<= D): V's and dO's columns from it on are zeros */ \
+    F(int, Dv)                                /* V's, dO's and dV's head dim (<= D; value_head_dim.py): loads zero-fill past it */ \
     F(int, grid_order)                        /* launch.py BLOCKS_FIRST, HEADS_FIRST, HEADS_BATCH_FIRST (backward_common.cuh) */ \
     F(const int*, cu_q) F(const int*, cu_k)   /* packed batches (above), else null */ \
     F(int, win_hi) F(int, win_width)          /* SB_WINDOW: the band's right edge (dense: Lk - Lq + right; packed: right) */ \
@@ -110,7 +110,7 @@ SB_STRUCT(BackwardParams, SB_BACKWARD_FIELDS)
     F0(TensorMap, tm_q)                       /* Q̂ bytes [B·Hq·Nq_pad][DP] as (column, row, column block), box DP or 128 x 64 x blocks */ \
     F(TensorMap, tm_qt)                       /* Q̂ᵀ bytes [B·Hq·DP][Nq_pad], box 64 x DP (or a pass's rows) */ \
     F(TensorMap, tm_dot)                      /* dÔᵀ, as tm_qt */ \
-    F(TensorMap, tm_do)                       /* dO 16-bit [B][Hq][Lq][D] (its strides), box 64 x 64 x 1 x 1, zero past Lq, D */ \
+    F(TensorMap, tm_do)                       /* dO 16-bit [B][Hq][Lq][Dv] (its strides), box 64 x 64 x 1 x 1, zero past Lq, Dv */ \
     F(TensorMap, tm_dq)                       /* dq_acc f32 [rows][SB_DQ_PITCH], box SB_TMA_DQ_COLS x 64, for reductions */
 SB_PARAM_LIST(BackwardMaps, SB_BACKWARD_MAPS)
 
@@ -121,6 +121,7 @@ SB_PARAM_LIST(BackwardMaps, SB_BACKWARD_MAPS)
     F(i8*, rows_out) F(i8*, t_out) F(float*, scale_out) F(float*, t_scale_out) \
     F(i64, sb) F(i64, sh) F(i64, sn) \
     F(int, H) F(int, N) F(int, N_pad) F(int, flags) \
+    F(int, D)                                 /* x's columns: Q·K's head dim, or V's and dO's (value_head_dim.py) */ \
     F(float, prescale) \
     F(int, ctas)                              /* CTAs of this job: two 64-token blocks each; 0 for an absent tensor */ \
     F(const int*, cu)                         /* packed batches (SB_VARLEN): [B+1] first tokens, else null */ \
@@ -131,7 +132,7 @@ SB_STRUCT(QuantizeJob, SB_QUANTIZE_JOB_FIELDS)
 // quantize.cu quantize_tensors: jobs a, b, c run on consecutive CTAs.
 #define SB_QUANTIZE_FIELDS(F0, F) \
     F0(QuantizeJob, a) F(QuantizeJob, b) F(QuantizeJob, c) \
-    F(int, D) F(int, D_pad) \
+    F(int, D_pad) \
     F(int, sum_parts)                         /* token_sum's parts behind the job with mean_sum, or a head's CTAs (FUSED_SUM) */ \
     F(double*, sum_part) F(int*, arrive)      /* quantize_tensors_fused: its K job's token sums and arrivals */
 SB_STRUCT(QuantizeParams, SB_QUANTIZE_FIELDS)
@@ -156,6 +157,7 @@ SB_STRUCT(TokenSumParams, SB_TOKEN_SUM_FIELDS)
     F(const u16*, out) F(i64, ob) F(i64, oh) F(i64, on) \
     F(const float*, lse2) F(const float*, q_scale) F(const float*, qt_scale) \
     F(int, Hq) F(int, Lq) F(int, D) F(int, Nq_pad) \
+    F(int, Dv)                                /* dO's and O's columns (V's head dim, <= D) */ \
     F(float4*, stats)                         /* [B][Hq][Nq_pad] (LSE2, s_Q, δ, s_Qᵀ), or for soft-capped kernels */ \
                                               /* (LSE2 + r, s_Q, δ, r) (params.cuh BackwardParams) */ \
     F(int, softcap)                           /* 1: the soft-capped kernels' stats */ \

@@ -406,7 +406,7 @@ SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     __shared__ QuantizeShared<FUSED || QSMOOTH_COLSUMS ? D_PAD / 32 : 1> sm;
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
-    sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), p.D, SB_JOB(N_pad), SB_JOB(prescale),       \
+    sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), SB_JOB(D), SB_JOB(N_pad), SB_JOB(prescale),       \
         SB_JOB(mean_sum), FUSED ? p.sum_part : nullptr, FUSED ? p.arrive : nullptr, p.sum_parts, SB_JOB(mean_out),      \
         SB_JOB(block_mean_out), SB_JOB(rows_out), SB_JOB(t_out), SB_JOB(flags),                                        \
         SB_JOB(scale_out), SB_JOB(t_scale_out), cta, static_cast<int>(blockIdx.z), SB_JOB(cu), SB_JOB(seq_pad), SB_JOB(seq_rows)

@@ -38,12 +38,16 @@ class AttentionSaved:
     k_mean: ArrayDesc | None = None
     sinks: object = None  # attention sinks (sinks.py): the logits, and the natural-log LSE they joined
     sink_lse: object = None
-    head_dims: tuple | None = None  # (Q·K's, V's) where they differ: the arrays above are widened (value_head_dim.py)
+    head_dims: tuple | None = None  # (Q·K's, V's) where V's is wider: q and k above are widened (value_head_dim.py)
 
 
-def _host_array(desc: ArrayDesc, layout: str, name: str) -> np.ndarray:
+def _host_array(desc: ArrayDesc, layout: str, name: str, head_dim: int | None = None) -> np.ndarray:
+    """A host array as float32 (B, H, N, D), with zero columns up to ``head_dim`` (the emulator takes V, O and dO at
+    Q·K's head dim: value_head_dim.py)."""
     x = np.asarray(host_numpy(desc, name), dtype=np.float32)
-    return x if layout == "HND" else x.transpose(0, 2, 1, 3)
+    if head_dim is not None:
+        x = value_head_dim.pad_head_dim(x, head_dim)
+    return x if layout == "THD" or layout == "HND" else x.transpose(0, 2, 1, 3)
 
 
 def _to_layout(x: np.ndarray, layout: str, like: ArrayDesc, dtype: str):
@@ -93,7 +97,7 @@ def run_forward(q, k, v, options: AttentionOptions, *, out=None, training: bool 
     CUDA arrays: a call whose arrays and options match an earlier call's replays that call's launch
     plan (plan.py) without checking or describing anything again; a new combination is checked in
     full (make_problem) and its plan built and cached."""
-    if value_head_dim.differs(q, v):
+    if value_head_dim.wider(q, v):
         return _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen, sinks)
     given = k_mean is not None
     if sinks is not None:
@@ -159,38 +163,30 @@ def _host_sinks(result, sinks, out, prob: AttentionProblem):
 
 
 def _forward_widened(q, k, v, options, out, training, return_lse, want_saved, k_mean, varlen, sinks=None):
-    """run_forward where V's head dim differs from Q·K's: at the wider one, the output sliced back."""
+    """run_forward where V's head dim is above Q·K's: Q and K widened to it (the output is V's width already)."""
     dqk, dv = q.shape[-1], v.shape[-1]
-    q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
+    q, k, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
     if k_mean is not None:
-        k_mean = value_head_dim.pad_head_dim(k_mean, q.shape[-1])
-    o, lse, saved = run_forward(q, k, v, value_head_dim.widened_options(options, scale, dqk, dv), training=training,
+        k_mean = value_head_dim.pad_head_dim(k_mean, dv)
+    o, lse, saved = run_forward(q, k, v, options._replace(softmax_scale=scale), out=out, training=training,
                                 return_lse=return_lse, want_saved=want_saved, k_mean=k_mean, varlen=varlen,
                                 sinks=sinks)
-    sliced = o[..., :dv]
-    if out is not None:
-        out[...] = sliced
-        sliced = out
     if isinstance(saved, AttentionSaved):
         saved = dataclasses.replace(saved, head_dims=(dqk, dv))
-    return sliced, lse, saved
+    return o, lse, saved
 
 
 def _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen, head_dims=None):
-    """run_backward where V's head dim differs from Q·K's (``head_dims``: a saved forward's, whose q, k and v
-    are already widened): at the wider one, the gradients sliced back."""
+    """run_backward where V's head dim is above Q·K's (``head_dims``: a saved forward's, whose q and k are already
+    widened): Q and K widened to it, dQ and dK sliced back."""
     dqk, dv = head_dims or (q.shape[-1], v.shape[-1])
     if head_dims is None:
-        q, k, v, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
-    else:
-        scale = options.softmax_scale
-    options = value_head_dim.widened_options(options, scale, dqk, dv)
-    d = max(dqk, dv)
-    out, do = (value_head_dim.pad_head_dim(x, d) for x in (out, do))
+        q, k, scale = value_head_dim.widen(q, k, v, options.softmax_scale)
+        options = options._replace(softmax_scale=scale)
     if k_mean is not None:
-        k_mean = value_head_dim.pad_head_dim(k_mean, d)
+        k_mean = value_head_dim.pad_head_dim(k_mean, dv)
     dq, dk, dvv = run_backward(q, k, v, out, lse2, do, options, k_mean=k_mean, varlen=varlen)
-    return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
+    return dq[..., :dqk], dk[..., :dqk], dvv
 
 
 def _run_forward(plan, ptrs, q, k, v, out, training, return_lse, want_saved, given_mean=None, varlen=None):
@@ -225,21 +221,21 @@ def _host_forward(prob: AttentionProblem, out, training, return_lse, want_saved,
     layout = prob.layout
     od = check_output(out, prob) if out is not None else None
     dtype = _emulator_dtype(prob.dtype)
+    dv = prob.value_dim
+    qh, kh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k")))
+    vh = _host_array(prob.v, layout, "v", prob.head_dim)
     if prob.varlen:
-        qh, kh, vh = (np.asarray(host_numpy(d, n), dtype=np.float32) for d, n in
-                      ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, lse2_host, k_mean_host = packed.emulate_forward(
             qh, kh, vh, _host_offsets(prob), causal=prob.causal, softmax_scale=prob.softmax_scale,
             smooth_k=prob.smooth_k, dtype=dtype, window=prob.window,
             softcap=prob.options.softcap)
-        o = host_result(o, prob.q, prob.dtype)
+        o = host_result(np.ascontiguousarray(o[..., :dv]), prob.q, prob.dtype)
     else:
-        qh, kh, vh = (_host_array(d, layout, n) for d, n in ((prob.q, "q"), (prob.k, "k"), (prob.v, "v")))
         o, lse, state = emulator.emulate_forward(qh, kh, vh, causal=prob.causal, softmax_scale=prob.softmax_scale,
                                                  smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=dtype,
                                                  window=prob.window, softcap=prob.options.softcap,
                                                  k_mean=host_numpy(k_mean, "k_mean") if k_mean is not None else None)
-        o = _to_layout(o, layout, prob.q, prob.dtype)
+        o = _to_layout(np.ascontiguousarray(o[..., :dv]), layout, prob.q, prob.dtype)
         lse2_host, k_mean_host = state["lse2"][:, :, :prob.len_q], state["inputs"]["k_mean"]
     if od is not None:
         copy_into(od, o)
@@ -354,7 +350,7 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
     check_arrays("the forward's q, do", p.q, do)
     options = p.options._replace(granularity=granularity, deterministic=deterministic)
     varlen = (p.cu_q.obj, p.cu_k.obj, p.len_q, p.len_k) if p.varlen else None
-    if saved.head_dims is not None:  # V's head dim differs from Q·K's: the saved arrays are widened
+    if saved.head_dims is not None:  # V's head dim is above Q·K's: the saved q and k are widened
         grads = _backward_widened(p.q.obj, p.k.obj, p.v.obj, saved.out.obj, saved.lse2.obj, do, options,
                                   None if saved.k_mean is None else saved.k_mean.obj, varlen, saved.head_dims)
     else:
@@ -365,8 +361,6 @@ def attention_backward(saved: AttentionSaved, do, *, granularity="fine", determi
     delta, out = None, saved.out.obj
     if saved.head_dims is None:
         grads, delta = grads
-    else:  # the saved output is widened to Q·K's head dim
-        out = out[..., :saved.head_dims[1]]
     return tuple(grads) + (sinks_grad(out, saved.sink_lse, do, saved.sinks, p.layout, delta),)
 
 
@@ -481,8 +475,8 @@ def run_backward(q, k, v, out, lse2, do, options: AttentionOptions, *, prob: Att
     forward state; without it the arrays are checked here.  ``k_mean``: the forward's μ_K, or None to
     compute it again.  CUDA arrays replay a cached plan as in ``run_forward``.  ``want_delta``: returns
     ((dq, dk, dv), δ) instead, δ = rowsum(dO ∘ O) (B, Hq, Lq) float32 as the GPU's row statistics hold it (a view
-    of them), or None where there are none to share (host arrays, packed batches, a V head dim of its own)."""
-    if prob is None and value_head_dim.differs(q, v):
+    of them), or None where there are none to share (host arrays, packed batches, a V head dim above Q·K's)."""
+    if prob is None and value_head_dim.wider(q, v):
         grads = _backward_widened(q, k, v, out, lse2, do, options, k_mean, varlen)
         return (grads, None) if want_delta else grads
     given = k_mean is not None
@@ -531,21 +525,23 @@ def _backward_results(results, keep_stats: bool, want_delta: bool, prob: Attenti
 def _host_backward(prob: AttentionProblem, out, lse2, dd, options: AttentionOptions, k_mean):
     """(dq, dk, dv) on the emulator, for host arrays."""
     given = k_mean is not None
+    d, layout = prob.head_dim, prob.layout
+    qh, kh = (_host_array(x, layout, n) for x, n in ((prob.q, "q"), (prob.k, "k")))
+    vh, oh, doh = (_host_array(x, layout, n, d) for x, n in ((prob.v, "v"), (out, "out"), (dd, "do")))
     if prob.varlen:
-        arrays = (np.asarray(host_numpy(d, n), dtype=np.float32) for d, n in
-                  ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"), (dd, "do")))
-        qh, kh, vh, oh, doh = arrays
         grads = packed.emulate_backward(qh, kh, vh, oh, host_numpy(lse2, "lse2"), doh, _host_offsets(prob),
                                         causal=prob.causal, softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k,
                                         dtype=_emulator_dtype(prob.dtype), granularity=options.granularity,
                                         window=prob.window, softcap=prob.options.softcap,
                                         k_mean=host_numpy(k_mean, "k_mean") if given else None)
-        return tuple(host_result(g, prob.q, prob.dtype) for g in grads)
-    state = emulator.backward_state(*(_host_array(d, prob.layout, n) for d, n in
-                                      ((prob.q, "q"), (prob.k, "k"), (prob.v, "v"), (out, "out"))),
-                                    host_numpy(lse2, "lse2"), causal=prob.causal, softmax_scale=prob.softmax_scale,
-                                    smooth_k=prob.smooth_k, smooth_q=prob.smooth_q, dtype=_emulator_dtype(prob.dtype),
-                                    window=prob.window, softcap=prob.options.softcap,
-                                    k_mean=host_numpy(k_mean, "k_mean") if given else None)
-    dq, dk, dv = emulator.emulate_backward(state, _host_array(dd, prob.layout, "do"), granularity=options.granularity)
-    return tuple(_to_layout(g, prob.layout, prob.q, prob.dtype) for g in (dq, dk, dv))
+    else:
+        state = emulator.backward_state(qh, kh, vh, oh, host_numpy(lse2, "lse2"), causal=prob.causal,
+                                        softmax_scale=prob.softmax_scale, smooth_k=prob.smooth_k, smooth_q=prob.smooth_q,
+                                        dtype=_emulator_dtype(prob.dtype), window=prob.window,
+                                        softcap=prob.options.softcap, k_mean=host_numpy(k_mean, "k_mean") if given else None)
+        grads = emulator.emulate_backward(state, doh, granularity=options.granularity)
+    dq, dk, dv = grads
+    dv = np.ascontiguousarray(dv[..., :prob.value_dim])
+    if prob.varlen:
+        return tuple(host_result(g, prob.q, prob.dtype) for g in (dq, dk, dv))
+    return tuple(_to_layout(g, layout, prob.q, prob.dtype) for g in (dq, dk, dv))

@@ -235,8 +235,7 @@ def attention_backward_lse(q, k, v, out, lse, do, *, causal=False, softmax_scale
     if xp.__name__ == "torch":
         lse2 = lse2.contiguous()
     # Through the public function, which also takes JAX arrays; the options as checked here.
-    keywords = {name: value for name, value in options._asdict().items()
-                if not name.startswith("window_") and name != "value_head_dim"}
+    keywords = {name: value for name, value in options._asdict().items() if not name.startswith("window_")}
     return attention_backward_arrays(q, k, v, out, lse2, do, **keywords, k_mean=mean,
                                      window_size=(options.window_left, options.window_right))
 

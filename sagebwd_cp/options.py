@@ -1,7 +1,7 @@
 """The attention options, validated once: ``AttentionOptions``.
 
 One frozen, hashable value holds every option of a call (causal, softmax_scale, smooth_k,
-smooth_q, layout, granularity, deterministic, window_left, window_right, softcap, value_head_dim).  It is
+smooth_q, layout, granularity, deterministic, window_left, window_right, softcap).  It is
 checked when it is made, with one TypeError or ValueError naming the option; everything below the public
 functions takes it as it is: the plan and kernel caches key on it, torch's autograd context saves it, JAX
 takes it as a static argument, and the torch operators take its fields in order (``op(q, k, v, *options)``).
@@ -18,7 +18,7 @@ LAYOUTS = ("HND", "NHD", "THD")  # THD: packed (variable-length) batches, set by
 DENSE_LAYOUTS = ("HND", "NHD")
 GRANULARITIES = ("fine", "paper")
 FIELDS = ("causal", "softmax_scale", "smooth_k", "smooth_q", "layout", "granularity", "deterministic",
-          "window_left", "window_right", "softcap", "value_head_dim")
+          "window_left", "window_right", "softcap")
 _INF = float("inf")
 # A window side this wide or wider is unbounded: the kernels add it (and both sides' sum) to token
 # indices in int32, and no sequence reaches it.
@@ -82,18 +82,6 @@ def check_softcap(value) -> float:
     return value
 
 
-def check_value_head_dim(value) -> int:
-    """V's head dim where V and O come zero-padded to Q·K's (value_head_dim.py sets it; the kernels skip the zero
-    columns' products): a multiple of 8, or 0 for the arrays' own head dim."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"value_head_dim: expected an int (0 for the arrays' head dim), got {type(value).__name__} "
-                        f"{value!r}")
-    value = int(value)
-    if value < 0 or value % 8:
-        raise ValueError(f"value_head_dim: expected 0 or a multiple of 8, got {value}")
-    return value
-
-
 def _check_choice(value, name: str, choices: tuple) -> str:
     # The packed layout is set by the varlen functions, not asked of users: the message names the dense ones.
     shown = DENSE_LAYOUTS if choices == LAYOUTS else choices
@@ -122,15 +110,13 @@ class AttentionOptions(_Fields):
     __slots__ = ()
 
     def __new__(cls, causal=False, softmax_scale=None, smooth_k=True, smooth_q=False, layout="HND",
-                granularity="fine", deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-                value_head_dim=0):
+                granularity="fine", deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
         # The usual call passes exact types and a valid choice: a few identity tests; else the full checks.
         if not (causal.__class__ is bool and smooth_k.__class__ is bool and smooth_q.__class__ is bool
                 and deterministic.__class__ is bool
                 and window_left.__class__ is int and -1 <= window_left < UNBOUNDED
                 and window_right.__class__ is int and -1 <= window_right < UNBOUNDED
                 and softcap.__class__ is float and 0.0 <= softcap < _INF
-                and value_head_dim.__class__ is int and value_head_dim >= 0 and value_head_dim % 8 == 0
                 and (softmax_scale is None or softmax_scale.__class__ is float and 0.0 < softmax_scale < _INF)
                 and layout.__class__ is str and layout in LAYOUTS
                 and granularity.__class__ is str and granularity in GRANULARITIES):
@@ -142,9 +128,8 @@ class AttentionOptions(_Fields):
             window_left = check_window_side(window_left, "window_left")
             window_right = check_window_side(window_right, "window_right")
             softcap = check_softcap(softcap)
-            value_head_dim = check_value_head_dim(value_head_dim)
         self = tuple.__new__(cls, (causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                                   window_left, window_right, softcap, value_head_dim))
+                                   window_left, window_right, softcap))
         if softcap:
             self._check_softcap()
         return self

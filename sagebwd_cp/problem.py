@@ -63,9 +63,9 @@ class AttentionProblem:
 
     @property
     def value_dim(self) -> int:
-        """V's head dim: the arrays' head dim, or the option value_head_dim where V (and dO) come zero-padded to it
-        (value_head_dim.py), whose zero columns the kernels skip."""
-        return self.options.value_head_dim or self.head_dim
+        """V's head dim, and so O's, dO's and dV's: Q·K's or less (multi-head latent attention's 192/128; a wider V
+        comes with Q and K widened to it: value_head_dim.py)."""
+        return self.v.shape[-1]
 
     @property
     def padded_head_dim(self) -> int:
@@ -92,17 +92,23 @@ class AttentionProblem:
         sb, s1, s2, _ = desc.strides
         return (sb, s1, s2) if self.layout == "HND" else (sb, s2, s1)
 
-    def shape(self, heads: int, length: int) -> tuple:
-        b, d = self.batch, self.head_dim
+    def shape(self, heads: int, length: int, d: int) -> tuple:
+        b = self.batch
         return (b, heads, length, d) if self.layout == "HND" else (b, length, heads, d)
 
-    def query_shape(self) -> tuple:
-        """The shape of q, the output and dq."""
-        return (self.total_q, self.heads_q, self.head_dim) if self.varlen else self.shape(self.heads_q, self.len_q)
+    def query_shape(self, d: int | None = None) -> tuple:
+        """The shape of q and dq (of the output and dO with ``d`` V's head dim)."""
+        d = self.head_dim if d is None else d
+        return (self.total_q, self.heads_q, d) if self.varlen else self.shape(self.heads_q, self.len_q, d)
 
-    def key_shape(self) -> tuple:
-        """The shape of k, v, dk and dv."""
-        return (self.total_k, self.heads_kv, self.head_dim) if self.varlen else self.shape(self.heads_kv, self.len_k)
+    def key_shape(self, d: int | None = None) -> tuple:
+        """The shape of k and dk (of v and dv with ``d`` V's head dim)."""
+        d = self.head_dim if d is None else d
+        return (self.total_k, self.heads_kv, d) if self.varlen else self.shape(self.heads_kv, self.len_k, d)
+
+    def output_shape(self) -> tuple:
+        """The shape of the output and dO: q's with V's head dim."""
+        return self.query_shape(self.value_dim)
 
     def lse_shape(self) -> tuple:
         """The LSE's shape: (batch, heads_q, len_q), or (heads_q, total_q) for packed batches."""
@@ -156,16 +162,16 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     bv, hv, lv, dv = _dims(vd, "v", layout)
     if not (bq == bk == bv):
         raise ValueError(f"q, k, v: expected one batch size, got {bq}, {bk}, {bv}")
-    if (hk, lk, dk) != (hv, lv, dv):
-        raise ValueError(f"k, v: expected the same (heads, seqlen, head_dim), got k {(hk, lk, dk)} and v {(hv, lv, dv)}"
-                         + (" (a V head dim of its own takes NumPy, torch, CuPy or JAX arrays, which are padded)"
-                            if (hk, lk) == (hv, lv) else ""))
+    if (hk, lk) != (hv, lv):
+        raise ValueError(f"k, v: expected the same (heads, seqlen), got k {(hk, lk)} and v {(hv, lv)}")
     if dq != dk:
         raise ValueError(f"q, k: expected the same head_dim, got {dq} and {dk}")
     if not (1 <= dq <= MAX_HEAD_DIM) or dq % 8:
         raise ValueError(f"head_dim: expected a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {dq}")
+    if not (1 <= dv <= dq) or dv % 8:
+        raise ValueError(f"v: expected a head_dim that is a multiple of 8 between 8 and q's and k's ({dq}), got {dv}"
+                         + (" (a wider V takes arrays with shapes, whose Q and K are widened)" if dv > dq else ""))
     check_wide_options(dq, options)
-    check_value_head_dim_fits(dq, options)
     if hk < 1 or hq % hk:
         raise ValueError(f"heads: expected the query heads ({hq}) to be a multiple of the key/value heads ({hk})")
     if bq < 1 or lq < 1 or lk < 1 or hq < 1:
@@ -177,13 +183,6 @@ def make_problem(q, k, v, options: AttentionOptions) -> AttentionProblem:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dq)
     return AttentionProblem(qd, kd, vd, options, bq, hq, hk, lq, lk, dq, qd.dtype, softmax_scale, on_gpu)
-
-
-def check_value_head_dim_fits(head_dim: int, options: AttentionOptions) -> None:
-    """The option value_head_dim (V's columns from it on are zero padding) fits the arrays' head dim."""
-    if options.value_head_dim > head_dim:
-        raise ValueError(f"value_head_dim: expected at most the arrays' head_dim ({head_dim}), got "
-                         f"{options.value_head_dim}")
 
 
 def wide_refusal(head_dim: int, options: AttentionOptions) -> str | None:
@@ -208,9 +207,10 @@ def check_wide_options(head_dim: int, options: AttentionOptions) -> None:
 
 
 def check_output(out, prob: AttentionProblem, name: str = "out") -> ArrayDesc:
-    """A caller-provided output buffer must match q's shape, dtype and device exactly."""
+    """A caller-provided output buffer (or dO) must match the output's shape (q's with V's head dim), q's dtype and
+    device exactly."""
     od = describe(out, name)
-    expected = prob.query_shape()
+    expected = prob.output_shape()
     if tuple(od.shape) != expected:
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(od.shape)}")
     if od.dtype != prob.dtype:
@@ -263,7 +263,7 @@ def _check_host_offsets(d: ArrayDesc, name: str, total: int, max_seqlen: int, ma
 def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         options: AttentionOptions) -> AttentionProblem:
     """A packed batch (FlashAttention's varlen convention): q (total_q, heads_q, head_dim), k and v
-    (total_k, heads_kv, head_dim); sequence b is tokens cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
+    (total_k, heads_kv, head_dim; v's may be less); sequence b is tokens cu_seqlens_q[b]..cu_seqlens_q[b+1] of q and
     cu_seqlens_k[b].. of k and v; max_seqlen_* at least the longest (it sizes the grids; on a GPU it is
     not checked, as the offsets are not read back)."""
     if options.layout != "THD":

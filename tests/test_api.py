@@ -70,7 +70,7 @@ def test_describe_rejects_non_arrays():
     (lambda q, k, v: tuple(np.zeros(x.shape[:3] + (264,), x.dtype) for x in (q, k, v)), ValueError,
      r"head_dim: expected a multiple of 8 between 8 and 256, got 264"),
     (lambda q, k, v: (q[:, :3], k, v), ValueError, r"heads: expected the query heads \(3\) to be a multiple of the key/value heads \(2\)"),
-    (lambda q, k, v: (q, k, v[:, :, :50]), ValueError, r"k, v: expected the same \(heads, seqlen, head_dim\)"),
+    (lambda q, k, v: (q, k, v[:, :, :50]), ValueError, r"k, v: expected the same \(heads, seqlen\)"),
     (lambda q, k, v: (q[:1], k, np.concatenate([v, v])), ValueError, r"q, k, v: expected one batch size"),
     (lambda q, k, v: (q[..., ::2], k[..., ::2], v[..., ::2]), ValueError, r"q: expected a contiguous last dimension"),
     (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"expected batch, heads and seqlen of at least 1"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sagebwd_cp
-from gpu_helpers import make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
+from gpu_helpers import forward_key_tile, make_qkv, poisoned_workspaces, rel_l2, to_hnd_numpy
 from sagebwd_cp.host import emulator, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
@@ -185,7 +185,66 @@ def test_the_deterministic_backward_repeats_bit_for_bit(dqk, dv, opts):
         assert rel_l2(a.float().cpu().numpy(), b.float().cpu().numpy()) < 1e-4
 
 
-@pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128), (136, 64)])
+def _value_arrays(b, hq, hk, lq, lk, dqk, dv, dtype, layout, seed):
+    """q, k, v and dO with V's (and dO's) head dim ``dv``; layout "strided": NHD views whose V and dO rows start 8
+    bytes into rows of dv + 4 values (not 16-byte aligned: the backward packs them, pack_rows)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = getattr(torch, dtype)
+    rand = lambda *shape: torch.randn(shape, generator=g, device="cuda").to(tdt)  # noqa: E731
+    if layout == "strided":
+        return (rand(b, lq, hq, dqk), rand(b, lk, hk, dqk), rand(b, lk, hk, dv + 4)[..., 4:],
+                rand(b, lq, hq, dv + 4)[..., 4:])
+    q, k, v, do = rand(b, lq, hq, dqk), rand(b, lk, hk, dqk), rand(b, lk, hk, dv), rand(b, lq, hq, dv)
+    return (q, k, v, do) if layout == "NHD" else tuple(x.transpose(1, 2) for x in (q, k, v, do))
+
+
+@pytest.mark.parametrize("kernels", [{}, {"SAGEBWD_WGMMA": "0"}], ids=["default", "mma.sync"], indirect=True)
+@pytest.mark.parametrize("shape", [(1, 4, 2, 300, 257, 192, 128), (2, 2, 1, 1, 70, 128, 64), (1, 2, 2, 130, 130, 64, 32),
+                                   (1, 4, 1, 90, 200, 256, 72)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,layout", [("float16", "HND"), ("bfloat16", "NHD"), ("bfloat16", "strided")])
+def test_a_narrower_v_matches_the_emulator(kernels, shape, causal, dtype, layout):
+    """V, O, dO and dV at V's own head dim below Q·K's (the kernels' loads zero-fill past it, their stores stop at
+    it): output, LSE and gradients against the emulator on V, O and dO zero-padded (value_head_dim.py), with the
+    library's workspaces and the caller's output buffer poisoned."""
+    import torch
+
+    b, hq, hk, lq, lk, dqk, dv = shape
+    q, k, v, do = _value_arrays(b, hq, hk, lq, lk, dqk, dv, dtype, layout, seed=lq + lk + dv)
+    lay = "HND" if layout == "HND" else "NHD"
+    out = torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype, device="cuda")
+    with poisoned_workspaces():
+        sagebwd_cp.attention(q, k, v, causal=causal, layout=lay, out=out)
+        out2, lse, saved = sagebwd_cp.attention_forward(q, k, v, causal=causal, layout=lay, return_lse=True)
+        grads = sagebwd_cp.attention_backward(saved, do)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    pad = lambda x: np.pad(x, [(0, 0)] * 3 + [(0, dqk - dv)])  # noqa: E731
+    host = [to_hnd_numpy(x, lay) for x in (q, k)] + [pad(to_hnd_numpy(v, lay))]
+    o_emu, lse_emu, _ = emulator.emulate_forward(*host, causal=causal, dtype=dtype,
+                                                 key_tile=forward_key_tile(dqk, causal=causal))
+    o = to_hnd_numpy(out, lay)
+    assert o.shape[-1] == dv and np.isfinite(o).all() and not np.any(o_emu[..., dv:])
+    assert rel_l2(o, o_emu[..., :dv]) < FWD_TOL[dtype]
+    finite = np.isfinite(lse_emu)
+    np.testing.assert_array_equal(np.isfinite(lse.cpu().numpy()), finite)
+    np.testing.assert_allclose(lse.cpu().numpy()[finite], lse_emu[finite], rtol=1e-5, atol=1e-4)
+    state = emulator.backward_state(*host, pad(to_hnd_numpy(out2, lay)), saved.lse2.obj.cpu().numpy(), causal=causal,
+                                    dtype=dtype)
+    expected = emulator.emulate_backward(state, pad(to_hnd_numpy(do, lay)))
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert tuple(g.shape) == tuple(x.shape) and g.dtype == x.dtype, name
+        gh, e = to_hnd_numpy(g, lay), e[..., :x.shape[-1]]
+        assert np.isfinite(gh).all(), name
+        if not np.any(e):
+            assert not np.any(gh), name
+            continue
+        assert rel_l2(gh, e) < BWD_TOL[dtype], f"{name} vs emulator Rel-L2 {rel_l2(gh, e):.2e}"
+
+
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128), (136, 64), (128, 64)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_value_head_dim_of_its_own(dqk, dv, causal):
     """Multi-head latent attention's 192/128 (and V wider than Q·K): the torch adapter and the neutral API

@@ -89,12 +89,12 @@ def test_pointer_updates_land_at_their_offsets():
 
 
 def test_quantize_job_matches_the_kernel_struct():
-    """params.cuh QuantizeJob: 8 pointers, 3 i64, 5 x 4 bytes, the CTA count, the packed batch's offsets
-    pointer and two ints: 128 bytes."""
+    """params.cuh QuantizeJob: 8 pointers, 3 i64, 6 x 4 bytes, the CTA count (then 4 bytes of padding), the packed
+    batch's offsets pointer and two ints: 136 bytes."""
     from sagebwd_cp.gpu import params
 
     p = PackedArgs([params.zeros("QuantizeJob")])
-    assert p.sizes == [128] and p.argument_bytes(0) == bytes(128)
+    assert p.sizes == [136] and p.argument_bytes(0) == bytes(136)
 
 
 # ------------------------------------------------------------------------------ plans with the GPU mocked
@@ -162,9 +162,10 @@ def cuda_desc(shape, dtype="float16", base=1 << 44, strides=None):
     return ArrayDesc(base, tuple(shape), tuple(strides), dtype, "cuda", 0, None, "torch")
 
 
-def qkv(b=1, hq=2, hk=1, lq=100, lk=300, d=64, dtype="float16"):
+def qkv(b=1, hq=2, hk=1, lq=100, lk=300, d=64, dtype="float16", dv=None):
+    """q, k, v descriptors (HND), v of head dim ``dv`` (default ``d``)."""
     return (cuda_desc((b, hq, lq, d), dtype, 1 << 44), cuda_desc((b, hk, lk, d), dtype, 2 << 44),
-            cuda_desc((b, hk, lk, d), dtype, 3 << 44))
+            cuda_desc((b, hk, lk, d if dv is None else dv), dtype, 3 << 44))
 
 
 def test_same_key_same_plan_and_no_second_check(gpu, monkeypatch):
@@ -343,7 +344,7 @@ def test_each_call_writes_its_pointers_where_the_kernels_read_them(gpu, monkeypa
         # Q is quantized by the forward kernel itself (no Q-smoothing): the pre-pass has K and V.
         assert "q8" not in names and "q_scale" not in names
         qt = args["quantize_tensors"]
-        job = lambda i: struct.unpack("<8Q3q4ifiQii", qt[i])[:17]  # without the packed-batch fields
+        job = lambda i: struct.unpack("<8Q3q5ifi4xQii", qt[i])[:18]  # without the packed-batch fields
         assert "k_mean" not in names
         assert job(0)[:8] == (k.ptr + shift, ws_ptr + names["k_sum"].offset, k_mean_ptr, 0,
                               ws_ptr + names["k8"].offset, 0, ws_ptr + names["k_scale"].offset, 0)
@@ -390,9 +391,9 @@ def test_the_forward_k_job_sums_its_own_tokens_where_a_head_fits_the_device(gpu,
     qt = args["quantize_tensors_fused"]
     assert i32(qt[-3]) == 5 and u64(qt[-2]) == ws_ptr + names["k_sum"].offset
     assert u64(qt[-1]) == ws_ptr + names["k_arrive"].offset
-    k_job = struct.unpack("<8Q3q4ifiQii", qt[0])
+    k_job = struct.unpack("<8Q3q5ifi4xQii", qt[0])
     assert k_job[1:3] == (0, k_mean_ptr) and k_job[14] == quantize.PER_TOKEN | quantize.FUSED_SUM
-    assert struct.unpack("<8Q3q4ifiQii", qt[1])[14] == quantize.PERMUTE_T  # V
+    assert struct.unpack("<8Q3q5ifi4xQii", qt[1])[14] == quantize.PERMUTE_T  # V
     narrow = qkv(b=2, hq=4, hk=2, lq=100, lk=600, d=64)
     for change in ("head dim", "sms", "smooth_q", "env"):
         monkeypatch.setitem(device._device_sms, 0, 9 if change == "sms" else 132)  # 5 CTAs a head > 9 // 2
@@ -453,7 +454,7 @@ def test_backward_reuses_the_forwards_key_mean(gpu):
     out, saved = sagebwd_cp.attention_forward(q, k, v)
     assert saved.k_mean.shape == (1, 1, 64) and saved.k_mean.dtype == "float32"
     do = cuda_desc(q.shape, base=7 << 44)
-    job = lambda args, i: struct.unpack("<8Q3q4ifiQii", args[i])[:17]
+    job = lambda args, i: struct.unpack("<8Q3q5ifi4xQii", args[i])[:18]
     for given in (True, False):
         gpu.calls.clear()
         if given:
@@ -852,9 +853,10 @@ def test_packed_batches_launch_the_varlen_kernels_with_their_offsets(gpu):
 
 
 def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
-    """V's head dim below the arrays' (MLA's 192/128: value_head_dim.py pads V and sets the option): the forward
-    and the backward launches carry Dv = 128 beside D = 192, so that the kernels skip the zero columns' products;
-    without the option Dv is D."""
+    """V's head dim below Q·K's (MLA's 192/128, value_head_dim.py): the forward and the backward launches carry
+    Dv = 128 beside D = 192, so that the kernels skip the zero columns' products and take V, O, dO and dV at 128
+    columns: O and dV are allocated so, V's and dO's quantize jobs take 128 columns, row_stats reads 128 of dO and O,
+    and dO's tensor map is 128 columns wide; a V of Q·K's head dim gives Dv = D."""
     from sagebwd_cp.api import run_forward
     from sagebwd_cp.options import AttentionOptions
 
@@ -864,15 +866,25 @@ def test_a_narrower_value_head_dim_reaches_the_kernels(gpu):
         values = dict(zip([n for _, n in params.lists()[list_name]], _argument_bytes(call[6], step.args.sizes)))
         return {n: struct.unpack("<i", values[n])[0] for n in ("D", "Dv")}
 
-    for value_head_dim, dv in ((128, 128), (0, 192)):
+    for dv in (128, 192):
         plan._plans.clear()
-        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192)
-        options = AttentionOptions(causal=True, smooth_k=False, value_head_dim=value_head_dim)
-        _, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
+        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192, dv=dv)
+        options = AttentionOptions(causal=True, smooth_k=False)
+        out, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
         assert launched("attention_forward", "ForwardParams") == {"D": 192, "Dv": dv}
+        assert tuple(out.shape) == (1, 4, 100, dv)
         gpu.calls.clear()
-        sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+        grads = sagebwd_cp.attention_backward(saved, cuda_desc((1, 4, 100, dv), base=7 << 44))
+        assert [tuple(g.shape) for g in grads] == [(1, 4, 100, 192), (1, 2, 300, 192), (1, 2, 300, dv)]
         assert launched("attention_backward", "BackwardParams") == {"D": 192, "Dv": dv}
+        assert launched("row_stats", "RowStatsParams") == {"D": 192, "Dv": dv}
+        # The quantize jobs' column counts (QuantizeJob.D): Q's and K's 192, dO's V's.
+        step = [st for p in plan._plans.values() for st in p.steps if st.entry == "quantize_tensors"][-1]
+        call = [c for c in gpu.launches() if c[1] == step.head[0]][-1]
+        jobs = [struct.unpack("<8Q3q5ifi4xQii", b)[15] for b in _argument_bytes(call[6], step.args.sizes)[:3]]
+        assert jobs == [192, 192, dv], jobs
+        do_maps = [c[1] for c in gpu.calls if c[0] == "tensor_map" and c[1].dtype == tensor_map.DTYPE_UINT16]
+        assert [m.dims[0] for m in do_maps] == [dv], do_maps
         # The backward splits 192 columns and V's (specs.narrow_backward_tiles) in the pair kernel's CTA: Q̂ᵀ's and
         # dÔᵀ's boxes take all 192 rows and V's.
         step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
@@ -888,17 +900,17 @@ def test_the_phase_specialized_pair_backward_is_the_default_where_v_fits_128(gpu
     from sagebwd_cp.api import run_forward
     from sagebwd_cp.options import AttentionOptions
 
-    for env, value_head_dim, phases in ((None, 128, True), ("1", 0, False), ("0", 128, False), ("1", 128, True)):
+    for env, dv, phases in ((None, 128, True), ("1", 192, False), ("0", 128, False), ("1", 128, True)):
         if env is None:
             monkeypatch.delenv("SAGEBWD_BACKWARD_PHASES", raising=False)
         else:
             monkeypatch.setenv("SAGEBWD_BACKWARD_PHASES", env)
         plan._plans.clear()
-        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192)
-        options = AttentionOptions(causal=True, smooth_k=False, value_head_dim=value_head_dim)
+        q, k, v = qkv(b=1, hq=4, hk=2, lq=100, lk=300, d=192, dv=dv)
+        options = AttentionOptions(causal=True, smooth_k=False)
         _, _, saved = run_forward(q, k, v, options, training=True, want_saved=True)
         gpu.calls.clear()
-        sagebwd_cp.attention_backward(saved, cuda_desc(q.shape, base=7 << 44))
+        sagebwd_cp.attention_backward(saved, cuda_desc((1, 4, 100, dv), base=7 << 44))
         step = [st for p in plan._plans.values() for st in p.steps if st.entry == "attention_backward"][-1]
         assert (step.spec.filename == "backward_phases.cu") == phases and ".pair" in step.spec.key, step.spec.key
         dq_boxes = {c[1].box for c in gpu.calls if c[0] == "tensor_map" and c[1].dtype == tensor_map.DTYPE_FLOAT32}

@@ -114,13 +114,15 @@ def test_options_are_passed_to_the_backward(monkeypatch):
     st.attention(q, k, v, smooth_q=True).sum().backward()  # the forward's μ_K goes to the backward
     st.attention(q, k, v, window_size=(8, 3)).sum().backward()
     st.attention(q, k, v, causal=True, smooth_k=False, softcap=30.0).sum().backward()
-    # A narrower V (MLA) comes zero-padded, the option naming its own head dim (and the scale resolved from 64).
+    # A narrower V (MLA) keeps its own head dim; a wider one widens Q and K, the scale resolved from Q·K's 64.
     st.attention(q, k, v[..., :32].detach().requires_grad_(), causal=True).sum().backward()
-    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, 0.0, 0, None),
-                    (False, None, True, True, "HND", "fine", False, -1, -1, 0.0, 0, (1, 2, 64)),
-                    (False, None, True, False, "HND", "fine", False, 8, 3, 0.0, 0, (1, 2, 64)),
-                    (True, None, False, False, "HND", "fine", False, -1, -1, 30.0, 0, None),
-                    (True, 0.125, True, False, "HND", "fine", False, -1, -1, 0.0, 32, (1, 2, 64))]
+    st.attention(q, k, torch.cat([v, v], -1).detach().requires_grad_(), causal=True).sum().backward()
+    assert seen == [(True, 0.2, False, True, "HND", "paper", True, -1, -1, 0.0, None),
+                    (False, None, True, True, "HND", "fine", False, -1, -1, 0.0, (1, 2, 64)),
+                    (False, None, True, False, "HND", "fine", False, 8, 3, 0.0, (1, 2, 64)),
+                    (True, None, False, False, "HND", "fine", False, -1, -1, 30.0, None),
+                    (True, None, True, False, "HND", "fine", False, -1, -1, 0.0, (1, 2, 64)),
+                    (True, 0.125, True, False, "HND", "fine", False, -1, -1, 0.0, (1, 2, 128))]
 
 
 def test_matches_the_neutral_api_exactly():
@@ -340,7 +342,7 @@ def test_cuda_path_cached_calls_get_the_right_plan_or_a_clear_error(stubbed_cuda
     (lambda q, k, v: st.scaled_dot_product_attention(q, k[:, :1], v[:, :1]), ValueError,
      r"enable_gqa: query has 4 heads and key/value 1; pass enable_gqa=True"),
     (lambda q, k, v: st.scaled_dot_product_attention(q, k, v[..., :20], enable_gqa=True), ValueError,
-     r"v: expected a head_dim that is a multiple of 8 between 8 and 256, got 20"),
+     r"v: expected a head_dim that is a multiple of 8 between 8 and q's and k's \(64\), got 20"),
     (lambda q, k, v: st.scaled_dot_product_attention(q, k[None], v[None]), ValueError, r"same number of dimensions"),
     (lambda q, k, v: st.flash_attn_func(q, k, v, 0.1), ValueError, r"dropout_p: attention dropout is not supported"),
     (lambda q, k, v: st.flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, r"window_size\[0\]: expected -1"),

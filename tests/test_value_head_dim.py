@@ -2,7 +2,8 @@
 every entry point (neutral inference, training and backward-from-arrays, dense and packed; torch's
 functional, flash_attn and SDPA drop-ins with autograd; JAX with jax.grad) against exact attention, and
 bit for bit against the same call with the narrower side zero-padded by hand (what value_head_dim.py
-defines it to be). The GPU runs the same padding (tests/test_gpu_wide_head_dims.py)."""
+defines it to be). The GPU takes V at its own head dim, against the same padded call
+(tests/test_gpu_wide_head_dims.py)."""
 import math
 
 import numpy as np
@@ -87,23 +88,27 @@ def test_neutral_packed_batches(dqk, dv):
 
 def test_a_value_head_dim_out_of_range_is_refused_by_name():
     q, k, _, _ = _inputs(64, 64)
-    with pytest.raises(ValueError, match=r"v: expected a head_dim that is a multiple of 8 between 8 and 256, got 20"):
+    with pytest.raises(ValueError, match=r"v: expected a head_dim that is a multiple of 8 between 8 and q's and k's "
+                                         r"\(64\), got 20"):
         sagebwd_cp.attention(q, k, np.zeros(k.shape[:3] + (20,), np.float16))
+    with pytest.raises(ValueError, match=r"v: expected a head_dim that is a multiple of 8 between 8 and 256, got 264"):
+        sagebwd_cp.attention(q, k, np.zeros(k.shape[:3] + (264,), np.float16))
 
 
-def test_the_value_head_dim_option_is_checked_by_name():
-    """The option that names V's head dim where V comes zero-padded (set by the library's own widening)."""
+def test_the_problem_takes_a_narrower_v_and_refuses_a_wider_one():
+    """The problem (below the array functions, which widen Q and K for a wider V) takes V's head dim up to Q·K's
+    as value_dim, and names V for a wider one."""
+    from sagebwd_cp.arrays import describe
     from sagebwd_cp.options import AttentionOptions
+    from sagebwd_cp.problem import make_problem
 
-    assert AttentionOptions().value_head_dim == 0
-    assert AttentionOptions(value_head_dim=np.int64(128)).value_head_dim == 128
-    with pytest.raises(ValueError, match=r"value_head_dim: expected 0 or a multiple of 8, got 20"):
-        AttentionOptions(value_head_dim=20)
-    with pytest.raises(TypeError, match=r"value_head_dim: expected an int"):
-        AttentionOptions(value_head_dim=128.0)
-    q, k, v, _ = _inputs(64, 64)
-    with pytest.raises(ValueError, match=r"value_head_dim: expected at most the arrays' head_dim \(64\), got 128"):
-        sagebwd_cp.api.run_forward(q, k, v, AttentionOptions(value_head_dim=128))
+    q, k, v, _ = _inputs(192, 128)
+    prob = make_problem(q, k, v, AttentionOptions())
+    assert (prob.head_dim, prob.value_dim) == (192, 128) and prob.output_shape() == q.shape[:3] + (128,)
+    with pytest.raises(ValueError, match=r"v: expected a head_dim .* between 8 and q's and k's \(128\), got 192 "
+                                         r"\(a wider V"):
+        wide_q, wide_k, wide_v, _ = _inputs(128, 192)
+        make_problem(describe(wide_q, "q"), describe(wide_k, "k"), describe(wide_v, "v"), AttentionOptions())
 
 
 @pytest.mark.parametrize("dqk,dv", DIMS)

@@ -45,7 +45,7 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"`` (the layout of
     ``jax.nn.dot_product_attention``); k, v: Hkv heads and Lk tokens, Hq a multiple of Hkv
-    (GQA/MQA); v's head dim may differ from q's and k's (multi-head latent attention, zero-padded:
+    (GQA/MQA); v's head dim may differ from q's and k's (multi-head latent attention:
     sagebwd_cp/value_head_dim.py).  float16 or bfloat16 on a GPU; on the CPU backend the emulator also takes float32.
     Causal masking is bottom-right aligned (query i sees key j iff j <= i + Lk - Lq);
     ``window_size=(left, right)`` is FlashAttention's sliding window (-1 unbounded); ``softcap`` > 0
@@ -57,13 +57,11 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
     traced.
     """
     _check_arrays(q=q, k=k, v=v, **({} if sinks is None else {"sinks": sinks}))
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+    if value_head_dim.wider(q, v):  # V's head dim above Q·K's: Q and K widened (value_head_dim.py)
+        q, k, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
     opts = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                             layout=layout, granularity=granularity, deterministic=deterministic,
-                            **window_options(window_size), softcap=softcap,
-                            value_head_dim=value_head_dim.option(dqk, dv))
+                            **window_options(window_size), softcap=softcap)
     _check(q, k, v, opts)
     if sinks is None:
         out = _attention(q, k, v, opts)
@@ -73,7 +71,7 @@ def attention(q, k, v, *, causal: bool = False, layout: str = "HND", softmax_sca
             raise ValueError(f"sinks: expected one floating logit per query head, shape ({heads},), got shape "
                              f"{tuple(sinks.shape)} of {sinks.dtype}")
         out = _sink_attention(q, k, v, sinks, opts)
-    return out if dv == dqk else out[..., :dv]
+    return out
 
 
 def _check_arrays(**arrays) -> None:
@@ -159,7 +157,7 @@ def _forward(q, k, v, opts: AttentionOptions, training: bool, return_lse: bool =
     the natural-log LSE (B, Hq, Lq)."""
     b, hq, lq, d = _bhnd(q.shape, opts.layout)
     hkv = _bhnd(k.shape, opts.layout)[1]
-    results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    results = [jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype)]  # O: V's head dim
     if training:
         results.append(jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))  # base-2 LSE
         if opts.smooth_k:

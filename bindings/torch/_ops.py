@@ -106,7 +106,7 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_
     """(dq, dk, dv), each in its input's layout and q's dtype.  An empty ``k_mean`` (a forward without
     K-smoothing) is no μ_K.  ``want_delta``: ((dq, dk, dv), δ) with δ = rowsum(dO ∘ O) from the GPU's row
     statistics, or None (api.run_backward)."""
-    check_dout(dout, q)
+    check_dout(dout, q, v)
     dout = dout.contiguous()  # gradients may arrive expanded (stride 0) or transposed; else dout itself
     mean = k_mean if k_mean.numel() else None
     if q.is_cuda:
@@ -128,10 +128,16 @@ def check_ranks(layout: str, **arrays) -> None:
             raise ValueError(f"{name}: expected a rank-4 tensor ({dims}), got shape {tuple(x.shape)}")
 
 
-def check_dout(dout: Tensor, q: Tensor) -> None:
-    """dO has q's shape (the core checks the rest, naming it "do")."""
-    if dout.shape != q.shape:
-        raise ValueError(f"dout: expected the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+def check_dout(dout: Tensor, q: Tensor, v: Tensor) -> None:
+    """dO has the output's shape, q's with v's head dim (the core checks the rest, naming it "do")."""
+    if dout.shape != q.shape[:-1] + v.shape[-1:]:
+        raise ValueError(f"dout: expected the output's shape {tuple(q.shape[:-1] + v.shape[-1:])} (q's with v's "
+                         f"head dim), got {tuple(dout.shape)}")
+
+
+def out_like(q: Tensor, v: Tensor) -> Tensor:
+    """An empty output: q's shape with v's head dim (value_head_dim.py)."""
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 def lse2_like(q: Tensor, layout: str) -> Tensor:
@@ -155,29 +161,29 @@ def k_mean_like(q: Tensor, k: Tensor, layout: str, smooth_k: bool) -> Tensor:
 @torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], smooth_k: bool,
                  smooth_q: bool, layout: str, granularity: str, deterministic: bool,
-                 window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tensor:
+                 window_left: int, window_right: int, softcap: float) -> Tensor:
     """Inference attention (see ``inference_impl``)."""
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return inference_impl(q, k, v, options)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, *fields):
     check_ranks(AttentionOptions(*fields).layout, q=q, k=k, v=v)
-    return q.new_empty(q.shape)
+    return out_like(q, v)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_lse", mutates_args=())
 def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bool, softmax_scale: Optional[float],
                      smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                      deterministic: bool,
-                     window_left: int, window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor]:
+                     window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
     """(out, natural-log LSE) of one chunk of keys (see ``lse_impl``)."""
     check_tensors("q, k, v, k_mean", q, k, v, k_mean)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return lse_impl(q, k, v, k_mean, options)
 
 
@@ -185,20 +191,19 @@ def attention_lse_op(q: Tensor, k: Tensor, v: Tensor, k_mean: Tensor, causal: bo
 def _attention_lse_fake(q, k, v, k_mean, *fields):
     layout = AttentionOptions(*fields).layout
     check_ranks(layout, q=q, k=k, v=v)
-    return q.new_empty(q.shape), lse2_like(q, layout)
+    return out_like(q, v), lse2_like(q, layout)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=())
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                          smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                          deterministic: bool,
-                         window_left: int, window_right: int, softcap: float,
-                         value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                         window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward: (out, lse2, k_mean).  ``granularity`` and ``deterministic`` are for the
     backward."""
     check_tensors("q, k, v", q, k, v)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return forward_impl(q, k, v, options)
 
 
@@ -206,19 +211,18 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
 def _attention_forward_fake(q, k, v, *fields):
     options = AttentionOptions(*fields)
     check_ranks(options.layout, q=q, k=k, v=v)
-    return q.new_empty(q.shape), lse2_like(q, options.layout), k_mean_like(q, k, options.layout, options.smooth_k)
+    return out_like(q, v), lse2_like(q, options.layout), k_mean_like(q, k, options.layout, options.smooth_k)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                           causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str,
                           granularity: str, deterministic: bool,
-                          window_left: int, window_right: int, softcap: float,
-                          value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                          window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout", q, k, v, out, lse2, k_mean, dout)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, options)
 
 

@@ -154,7 +154,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
 
     q: (B, Hq, Lq, D) for ``layout="HND"`` or (B, Lq, Hq, D) for ``"NHD"``; k, v: Hkv heads and Lk
     tokens, Hq a multiple of Hkv (GQA/MQA); v's head dim may differ from D (multi-head latent attention,
-    192/128: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py), and sets the output's.  Causal masking is bottom-right aligned (query i sees
+    192/128: sagebwd_cp/value_head_dim.py), and sets the output's.  Causal masking is bottom-right aligned (query i sees
     key j iff j <= i + Lk - Lq); ``window_size=(left, right)`` is FlashAttention's sliding window
     (query i sees key j iff -left <= j - i - (Lk - Lq) <= right, -1 unbounded; causal sets right to 0);
     ``softcap`` c > 0: logit soft-capping, scores c·tanh(s/c) (any mask; no Q-smoothing);
@@ -170,18 +170,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``torch.compile``.
     """
     check_tensors("q, k, v", q, k, v)
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+    if value_head_dim.wider(q, v):  # V's head dim above Q·K's: Q and K widened (value_head_dim.py)
+        q, k, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
     # (The default window and cap leave AttentionOptions' fast path: no window_options call per step.)
     masking = {} if window_size == (-1, -1) else window_options(window_size)
     if softcap:
         masking["softcap"] = softcap
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k, smooth_q=smooth_q,
                                layout=layout, granularity=granularity, deterministic=deterministic,
-                               value_head_dim=value_head_dim.option(dqk, dv), **masking)
-    o = _attention(q, k, v, options, accuracy_guard, sinks)
-    return o if dv == dqk else o[..., :dv]
+                               **masking)
+    return _attention(q, k, v, options, accuracy_guard, sinks)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, accuracy_guard, sinks) -> Tensor:

@@ -85,7 +85,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     check_ranks("HND", query=query, key=key, value=value)
     if dropout:
         raise _refuse(f"attention dropout ({dropout})")
-    # MLA (DeepSeek-V3: 192 for Q·K, 128 for V) runs: the attention functions zero-pad the narrower side.
+    # MLA (DeepSeek-V3: 192 for Q·K, 128 for V) runs: V keeps its own head dim (value_head_dim.py).
     if max(query.shape[-1], value.shape[-1]) > 256:
         raise _refuse(f"head dim {max(query.shape[-1], value.shape[-1])} (the kernels take up to 256)")
     # Gemma 2's logit soft-capping (K-smoothing's share of each score added back before tanh: numerics.py).

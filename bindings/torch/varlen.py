@@ -23,7 +23,7 @@ from sagebwd_cp.options import FIELDS, AttentionOptions, window_options
 from sagebwd_cp.sinks import check_sinks, sinks_grad
 
 from ._checks import check_tensors
-from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout
+from ._ops import NAMESPACE, _as_tensor, _host, _no_k_mean, check_dout, out_like
 from .functional import _autocast, _once_differentiable, check_flash_defaults
 
 __all__ = ["flash_attn_varlen_func"]
@@ -50,7 +50,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, k_mean: Tensor, dout: Tensor,
                   cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                   options: AttentionOptions) -> Tuple[Tensor, Tensor, Tensor]:
-    check_dout(dout, q)
+    check_dout(dout, q, v)
     dout = dout.contiguous()
     mean = k_mean if k_mean.numel() else None
     offsets = _offsets(cu_q, cu_k, max_q, max_k, q.is_cuda)
@@ -75,11 +75,11 @@ def _check_packed(**arrays) -> None:
 def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool,
                       layout: str, granularity: str, deterministic: bool, window_left: int,
-                      window_right: int, softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                      window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """Training forward of a packed batch: (out, lse2, k_mean); the last two options are the backward's."""
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k", q, k, v, cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
 
 
@@ -90,7 +90,7 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     k_mean = (q.new_empty((cu_seqlens_k.shape[0] - 1, k.shape[1], k.shape[2]), dtype=torch.float32)
               if options.smooth_k else _no_k_mean(q))
-    return q.new_empty(q.shape), lse2, k_mean
+    return out_like(q, v), lse2, k_mean
 
 
 @torch.library.custom_op(f"{NAMESPACE}::varlen_backward", mutates_args=())
@@ -98,12 +98,12 @@ def varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tenso
                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                        softmax_scale: Optional[float], smooth_k: bool, smooth_q: bool, layout: str, granularity: str,
                        deterministic: bool, window_left: int, window_right: int,
-                       softcap: float, value_head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                       softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a packed batch from the forward's inputs, output, base-2 LSE and μ_K, and dO."""
     check_tensors("q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k", q, k, v, out, lse2, k_mean, dout,
                   cu_seqlens_q, cu_seqlens_k)
     options = AttentionOptions(causal, softmax_scale, smooth_k, smooth_q, layout, granularity, deterministic,
-                               window_left, window_right, softcap, value_head_dim)
+                               window_left, window_right, softcap)
     return backward_impl(q, k, v, out, lse2, k_mean, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          options)
 
@@ -178,7 +178,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     least the longest sequence's lengths (not checked on a GPU: the offsets are not read back).
     Causal masks and sliding windows (``window_size``, as FlashAttention's) are bottom-right aligned
     within each sequence. Returns (total_q, Hq, Dv): v's head dim Dv may differ from D (multi-head latent
-    attention: the narrower side is zero-padded, sagebwd_cp/value_head_dim.py).
+    attention: sagebwd_cp/value_head_dim.py).
 
     ``softcap`` > 0: logit soft-capping (any mask).
     ``dropout_p``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` must keep their defaults
@@ -188,13 +188,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     check_tensors("q, k, v, cu_seqlens_q, cu_seqlens_k, sinks", q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
                   optional=("sinks",))
     check_flash_defaults(dropout_p, alibi_slopes, return_attn_probs)
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv != dqk:  # multi-head latent attention: V's head dim differs (value_head_dim.py)
-        q, k, v, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
+    if value_head_dim.wider(q, v):  # V's head dim above Q·K's: Q and K widened (value_head_dim.py)
+        q, k, softmax_scale = value_head_dim.widen(q, k, v, softmax_scale)
     options = AttentionOptions(causal=causal, softmax_scale=softmax_scale, smooth_k=smooth_k,
                                layout="THD", granularity=granularity, deterministic=deterministic,
-                               **window_options(window_size), softcap=softcap,
-                               value_head_dim=value_head_dim.option(dqk, dv))
+                               **window_options(window_size), softcap=softcap)
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported; expected None")
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -204,4 +202,4 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                            options)
     else:
         out, _, _ = varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
-    return out if dv == dqk else out[..., :dv]
+    return out

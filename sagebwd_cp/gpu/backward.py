@@ -31,10 +31,10 @@ def _tma_ready(desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int)
 def _aligned_rows(plan: PlanBuilder, name: str, desc: ArrayDesc, prob: AttentionProblem, heads: int, length: int,
                   tma: bool = False):
     """(array, (batch, head, token) strides): the array itself, or a packed [B][H][L][D] copy (a
-    packed batch's [total][H][D] as one [1][H][total][D] sequence: its token stride stays the row's)."""
+    packed batch's [total][H][D] as one [1][H][total][D] sequence: its token stride stays the row's), D its columns."""
     if _tma_ready(desc, prob, heads, length) if tma else _cp_async_ready(desc, prob):
         return desc, prob.bhnd_strides(desc)
-    d = prob.head_dim
+    d = desc.shape[-1]
     batch = prob.batch
     if prob.varlen:
         batch, length = 1, desc.shape[0]
@@ -57,9 +57,10 @@ def _column_blocks(dtype: int, item: int, row: int, rows: int, box: specs.TmaBox
 def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, tiles: specs.BackwardTiles) -> dict:
     """The tensor maps backward_wgmma.cu loads its query-side tiles with (BackwardParams tm_*), in the
     boxes and swizzles of ``tiles.query_maps``: Q̂ (64 rows of Dp bytes, or of its 128-byte column blocks),
-    Q̂ᵀ and dÔᵀ (a pass's rows of 64 bytes: of Q·K's and of V's head dim), dO (64 rows x 64 columns of 16 bits, zero past Lq and D); and
+    Q̂ᵀ and dÔᵀ (a pass's rows of 64 bytes: of Q·K's and of V's head dim), dO (64 rows x 64 columns of 16 bits, zero past Lq
+    and V's head dim); and
     dq_acc's ([rows][dq_row] f32) that dQ's partial tiles add into."""
-    B, Hq, Lq, D, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.head_dim, prob.padded_head_dim, qz.nq_pad
+    B, Hq, Lq, Dv, dp, nq = prob.batch, prob.heads_q, prob.len_q, prob.value_dim, prob.padded_head_dim, qz.nq_pad
     if prob.varlen:  # one [1][Hq][total][D] dO and [1][Hq][...] INT8 buffers (kernels/seqinfo.cuh)
         B, Lq = 1, prob.total_q
     boxes = tiles.query_maps(dp)
@@ -69,11 +70,11 @@ def _query_tile_maps(qz, do_rows, do_strides, dq_acc, prob: AttentionProblem, ti
                                  boxes["value_cols"].swizzle)
     # A stride of an extent-1 dimension is never stepped: any legal value stands in for it.
     db, dh, dn = do_strides
-    strides, inner = [], D * 2
+    strides, inner = [], Dv * 2
     for n, s in zip((Lq, Hq, B), (dn, dh, db)):
         strides.append(2 * s if n > 1 else -(-inner // 16) * 16)
         inner = strides[-1] * n
-    grad = TensorMapLayout(DTYPE_UINT16, (D, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
+    grad = TensorMapLayout(DTYPE_UINT16, (Dv, Lq, Hq, B), tuple(strides), boxes["grad"].box, boxes["grad"].swizzle)
     dq_row = tiles.dq_row(dp)
     if len(boxes["dq"].box) == 3:  # the pair kernels' swizzled column blocks
         acc = _column_blocks(DTYPE_FLOAT32, 4, dq_row, B * Hq * nq, boxes["dq"])
@@ -170,7 +171,8 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
     threads = specs.ROWS_THREADS
     plan.launch(rows, "row_stats", (row_kernel_rows(prob) * (dp // 8) // threads, Hq, B), (threads, 1, 1),
                 params.args("RowStatsParams", dout=do, db=db, dh=dh, dn=dn, out=out, ob=ob, oh=oh, on=on, lse2=lse2,
-                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, stats=stats,
+                               q_scale=qz.q_scale, qt_scale=qz.qt_scale, Hq=Hq, D=D, Nq_pad=nq, Dv=prob.value_dim,
+                               stats=stats,
                                softcap=int(bool(prob.options.softcap)), q=prob.q, qb=sb, qh=sh, qn=sn, Hkv=Hk,
                                q_prescale=numerics.qk_prescale(prob.softmax_scale),
                                k_mean=qz.k_mean if prob.options.softcap else None,
@@ -181,7 +183,7 @@ def backward_plan(prob: AttentionProblem, out: ArrayDesc, lse2: ArrayDesc, do: A
 
     dq = plan.output("dq", prob.query_shape(), prob.dtype)
     dk = plan.output("dk", prob.key_shape(), prob.dtype)
-    dv = plan.output("dv", prob.key_shape(), prob.dtype)
+    dv = plan.output("dv", prob.key_shape(prob.value_dim), prob.dtype)
     kb, kh, kn = prob.bhnd_strides(dk)
     wb, wh, wn = prob.bhnd_strides(dv)
 

@@ -95,7 +95,7 @@ def forward_plan(prob: AttentionProblem, out: ArrayDesc | None, training: bool, 
     inputs += [("sinks", sinks)] if sinks is not None else []
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, inputs + varlen_inputs(prob))
     if out is None:
-        out = plan.output("out", prob.query_shape(), prob.dtype)
+        out = plan.output("out", prob.output_shape(), prob.dtype)
     lse_shape = prob.lse_shape()
     lse2 = k_mean = None
     if training:

@@ -47,7 +47,7 @@ def attend_launcher(prob: AttentionProblem):
     a forward call). The launcher holds the quantized inputs and the output its plan points at."""
     stream = current_stream(prob.q)
     qz = quantize_inputs_gpu(prob, False, stream, quantize_q=prob.smooth_q)
-    out = empty(prob.shape(prob.heads_q, prob.len_q), prob.dtype, prob.q)
+    out = empty(prob.output_shape(), prob.dtype, prob.q)
     plan = PlanBuilder(prob.q.device_id, prob.q.framework, [])
     attend(plan, prob, qz, out, None)
     built = plan.build(cacheable=False)

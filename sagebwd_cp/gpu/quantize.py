@@ -99,16 +99,17 @@ def _quantize_ctas(blocks: int) -> int:
 
 
 def _quantize_job(prob: AttentionProblem, src, side, heads, npad, prescale, flags, scale, rows=None, t=None,
-                  t_scale=None, mean_sum=None, mean_out=None, block_mean=None, pad=specs.TOKEN_PAD):
+                  t_scale=None, mean_sum=None, mean_out=None, block_mean=None, pad=specs.TOKEN_PAD, value=False):
     """One tensor of a quantize_tensors launch (params.cuh QuantizeJob) on the query (``side`` "q") or
     key side; with ``t_scale`` the transposed copy ``t`` is coded per 64-token block, its scales there.
+    ``value``: V or dO, of V's head dim (its columns past it come out zero).
     Packed batches: each sequence's CTAs cover the longest one's rows padded to ``pad``."""
     sb, sh, sn = prob.bhnd_strides(src)
     n, cu = (prob.len_q, prob.cu_q) if side == "q" else (prob.len_k, prob.cu_k)
     seq_rows = _round_up(n, pad) if prob.varlen else 0
     return params.struct("QuantizeJob", x=src, mean_sum=mean_sum, mean_out=mean_out, block_mean_out=block_mean,
                          rows_out=rows, t_out=t, scale_out=scale, t_scale_out=t_scale, sb=sb, sh=sh, sn=sn, H=heads,
-                         N=n, N_pad=npad, flags=flags, prescale=prescale,
+                         N=n, N_pad=npad, flags=flags, D=prob.value_dim if value else prob.head_dim, prescale=prescale,
                          ctas=_quantize_ctas((seq_rows or npad) // numerics.BLOCK_Q * heads), cu=cu,
                          seq_pad=pad if prob.varlen else 0, seq_rows=seq_rows)
 
@@ -126,7 +127,7 @@ def _launch_quantize(plan: PlanBuilder, prob: AttentionProblem, jobs, sum_parts:
     plan.launch(specs.quantize_spec(dp, prob.dtype, prob.varlen),
                 "quantize_tensors" if arrive is None else "quantize_tensors_fused",
                 (ctas, 1, prob.batch), (dp, 1, 1),
-                params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D=prob.head_dim, D_pad=dp,
+                params.args("QuantizeParams", a=jobs[0], b=jobs[1], c=jobs[2], D_pad=dp,
                                sum_parts=sum_parts, sum_part=sum_part, arrive=arrive),
                 shared=dp * specs.QUANT_CHUNKS * 16)
 
@@ -199,7 +200,7 @@ def quantize_inputs(plan: PlanBuilder, prob: AttentionProblem, backward: bool, d
     if not backward:
         vt8 = plan.workspace("vt8", (S, Hk, dp, nk), "int8")
         v_scale = plan.workspace("v_scale", (S, Hk, nk // numerics.BLOCK_KV), "float32")
-        jobs.append(_quantize_job(prob, prob.v, "k", Hk, nk, 1.0, PERMUTE_T, v_scale, t=vt8, pad=key_pad))
+        jobs.append(_quantize_job(prob, prob.v, "k", Hk, nk, 1.0, PERMUTE_T, v_scale, t=vt8, pad=key_pad, value=True))
     dot8 = do_scale = None
     if do is not None:
         dot8, do_scale, job = _grad_output_job(plan, prob, do)
@@ -250,7 +251,7 @@ def _grad_output_job(plan: PlanBuilder, prob: AttentionProblem, do):
     nq = padded_rows(prob, "q", specs.TOKEN_PAD)
     dot8 = plan.workspace("dot8", (S, Hq, dp, nq), "int8")
     scale = plan.workspace("do_scale", (S, Hq, nq // numerics.BLOCK_Q), "float32")
-    return dot8, scale, _quantize_job(prob, do, "q", Hq, nq, 1.0, PERMUTE_T, scale, t=dot8)
+    return dot8, scale, _quantize_job(prob, do, "q", Hq, nq, 1.0, PERMUTE_T, scale, t=dot8, value=True)
 
 
 def quantize_grad_output(plan: PlanBuilder, prob: AttentionProblem, do):
