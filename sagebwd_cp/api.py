@@ -42,12 +42,12 @@ class AttentionSaved:
 
 
 def _host_array(desc: ArrayDesc, layout: str, name: str, head_dim: int | None = None) -> np.ndarray:
-    """A host array as float32 (B, H, N, D), with zero columns up to ``head_dim`` (the emulator takes V, O and dO at
-    Q·K's head dim: value_head_dim.py)."""
+    """A host array as float32 (B, H, N, D), or a packed batch's (total, H, D) as it is, with zero columns up to
+    ``head_dim`` (the emulator takes V, O and dO at Q·K's head dim: value_head_dim.py)."""
     x = np.asarray(host_numpy(desc, name), dtype=np.float32)
     if head_dim is not None:
         x = value_head_dim.pad_head_dim(x, head_dim)
-    return x if layout == "THD" or layout == "HND" else x.transpose(0, 2, 1, 3)
+    return x if layout in ("HND", "THD") else x.transpose(0, 2, 1, 3)
 
 
 def _to_layout(x: np.ndarray, layout: str, like: ArrayDesc, dtype: str):
