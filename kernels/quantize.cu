@@ -46,20 +46,23 @@ SB_DEVICE void transpose_bytes(u32 a, u32 b, u32 c, u32 d, u32 (&out)[4]) {
 constexpr int GROUP = SB_QUANT_CHUNKS;  // tokens a thread owns (one group of the fragment token order)
 static_assert(GROUP == 16, "a thread's tokens are one group of the fragment token order");
 // Sized for the module's head dim (its CTAs have D_PAD threads): at d=64 a quarter of d=128's, so that
-// shared memory admits more CTAs an SM. COLSUM_WARPS: colsum's rows, a warp's each where an entry sums columns across
-// warps (the fused token sums; Q-smoothing's block means, two warps a block at D_PAD = 128), else one, unread: at
-// D_PAD = 256 quantize_tensors then fits three CTAs an SM instead of two (16 KB less each).
-template <int COLSUM_WARPS>
+// shared memory admits more CTAs an SM. COLSUM_ROWS: colsum's rows, a warp's each where an entry sums columns across
+// warps (Q-smoothing's block means, two warps a block at D_PAD = 128; the fused token sums, whose warps at D_PAD = 256
+// share a row in two rounds: FUSED_COLSUM_ROWS), else one, unread: at D_PAD = 256 quantize_tensors then fits three
+// CTAs an SM instead of two (16 KB less each), and quantize_tensors_fused three (8 KB less).
+template <int COLSUM_ROWS>
 struct QuantizeShared {
+    static constexpr int ROWS = COLSUM_ROWS;
     float red[D_PAD / 32];                     // warp maxima (per-block scales at DPAD = 128)
     union {
-        double colsum[COLSUM_WARPS][D_PAD];    // a warp's column sums
+        double colsum[COLSUM_ROWS][D_PAD];     // column sums, a warp's (or two warps') each
         float mean[D_PAD];                     // μ per column (K-smoothing from token_sum's parts)
     };
     int ticket;                                // QUANT_FUSED_SUM: the CTA's place among its head's arrivals
 };
 // Q-smoothing's block means over more than one warp need the rows (the host refuses Q-smoothing above head dim 128).
 constexpr bool QSMOOTH_COLSUMS = D_PAD == 128;
+constexpr int FUSED_COLSUM_ROWS = D_PAD == 256 ? D_PAD / 64 : D_PAD / 32;
 
 // Two blocks of 64 tokens of one tensor (flat index 2·cta + i over (head, block); every tensor has an
 // even number, N_pad being a multiple of 128), DPAD threads. A thread owns GROUP = 16 tokens x 8
@@ -169,8 +172,9 @@ SB_DEVICE void quantize_blocks(Shared& sm, uint4* raw, const u16* __restrict__ x
 
     if (FUSED_SUM) {
         // μ from the chunks just loaded (sum_part above). Column sums of the thread's 16 rows (zero past N and D), then
-        // of the CTA's eight token groups: lanes L apart, then warps. float64 sums of 16-bit values are exact for
-        // realistic ranges, so this order gives token_sum's μ.
+        // of the CTA's eight token groups: lanes L apart, then warps (in rounds of Shared::ROWS warps, each adding into
+        // a row of its own). float64 sums of 16-bit values are exact for realistic ranges, so this order gives
+        // token_sum's μ.
         double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
 #pragma unroll 1
         for (int i = 0; i < GROUP; ++i) {
@@ -183,14 +187,22 @@ SB_DEVICE void quantize_blocks(Shared& sm, uint4* raw, const u16* __restrict__ x
         for (int e = 0; e < 8; ++e)
 #pragma unroll
             for (int m = L; m < 32; m <<= 1) s[e] += __shfl_xor_sync(0xffffffffu, s[e], m);
-        if (lane < L)
+        constexpr int ROWS = Shared::ROWS;
+        static_assert(DPAD / 32 % ROWS == 0, "whole rounds of warps");
 #pragma unroll
-            for (int e = 0; e < 8; ++e) sm.colsum[warp][c0 + e] = s[e];
-        __syncthreads();
+        for (int round = 0; round < DPAD / 32 / ROWS; ++round) {
+            if (warp / ROWS == round && lane < L)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    double& row = sm.colsum[warp % ROWS][c0 + e];
+                    row = round == 0 ? s[e] : row + s[e];
+                }
+            __syncthreads();
+        }
         const int c = tid, part = blk / 2;  // this thread's column; the CTA's place in its head (blocks 2·part, +1)
         double sum = sm.colsum[0][c];
 #pragma unroll
-        for (int w = 1; w < DPAD / 32; ++w) sum += sm.colsum[w][c];
+        for (int w = 1; w < ROWS; ++w) sum += sm.colsum[w][c];
         double* parts = sum_part + bh * sum_parts * DPAD + c;
         parts[part * DPAD] = sum;
         __syncthreads();  // every column's part is stored (also: colsum is read, mean may be written)
@@ -403,7 +415,7 @@ SB_DEVICE void quantize_jobs(const QuantizeParams p) {
     cta -= which == 0 ? 0 : (which == 1 ? p.a.ctas : p.a.ctas + p.b.ctas);
     // Field by field selects (no pointer to a parameter, so nothing goes to local memory).
 #define SB_JOB(field) (which == 0 ? p.a.field : (which == 1 ? p.b.field : p.c.field))
-    __shared__ QuantizeShared<FUSED || QSMOOTH_COLSUMS ? D_PAD / 32 : 1> sm;
+    __shared__ QuantizeShared<FUSED ? FUSED_COLSUM_ROWS : QSMOOTH_COLSUMS ? D_PAD / 32 : 1> sm;
     extern __shared__ uint4 raw[];
 #define SB_JOB_ARGS                                                                                              \
     sm, raw, SB_JOB(x), SB_JOB(sb), SB_JOB(sh), SB_JOB(sn), SB_JOB(H), SB_JOB(N), SB_JOB(D), SB_JOB(N_pad), SB_JOB(prescale),       \
