@@ -287,7 +287,7 @@ def test_the_sinks_joined_where_the_lse_is_formed_match_join_sinks(layout, shape
 
 
 def test_sinks_with_a_value_head_dim_of_its_own():
-    """Sinks on MLA's 192/128 (the join on the widened output, natural_lse's column count V's head dim): output, LSE
+    """Sinks on MLA's 192/128 (the join on an output of V's head dim, natural_lse's column count): output, LSE
     and the four gradients against FP64 on the host, through the neutral API and torch's autograd."""
     import torch
 

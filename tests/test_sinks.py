@@ -64,8 +64,8 @@ def test_the_neutral_api_with_sinks(layout, causal, window):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_sinks_with_a_value_head_dim_of_its_own(layout):
-    """Sinks where V's head dim (32) differs from Q·K's (64): the widened forward's joined output and LSE, and the
-    backward's four gradients (dσ from the output sliced back to V's head dim) against the FP64 reference."""
+    """Sinks where V's head dim (32) differs from Q·K's (64): the forward's joined output (V's head dim) and LSE, and
+    the backward's four gradients (dσ from that output) against the FP64 reference."""
     q, k, v, do, sinks = _inputs(3, lq=90, lk=70)
     v, do = v[..., :32].copy(), do[..., :32].copy()
     t = (lambda x: x) if layout == "HND" else (lambda x: x.transpose(0, 2, 1, 3).copy())

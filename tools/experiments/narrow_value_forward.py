@@ -55,9 +55,8 @@ def _outputs() -> dict:
             q, k, v = (torch.randn((b, n, h, e), generator=g, device="cuda").to(dtype)
                        for h, n, e in ((hq, lq, dqk), (hk, lk, dqk), (hk, lk, dv)))
             name = f"{b}x{hq}/{hk}x{lq}/{lk}x{dqk}/{dv}.{opts}.{dtype}"
-            # The neutral API (V widened and O sliced where dv != dqk: value_head_dim.py); a poisoned output buffer
-            # where the head dims agree.
-            extra = {"out": torch.full_like(q, float("nan"))} if dv == dqk else {}
+            # The neutral API (V, O at V's own head dim: value_head_dim.py), into a poisoned output buffer.
+            extra = {"out": torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype, device=q.device)}
             o, saved = sagebwd_cp.attention_forward(q, k, v, layout="NHD", **opts, **extra)
             lse2 = getattr(saved, "lse2", None)
             if lse2 is not None:
