@@ -11,10 +11,7 @@ benchmarks/bench_wide_head_dims.py, whose peers it times):
     python tools/experiments/call_breakdown.py [2x16x4x4096x192x128 8x16x16x2048x128 ...]
 """
 import os
-import statistics
 import sys
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
@@ -25,20 +22,12 @@ from probe_sdpa_kernels import kernel_times, print_kernel_times  # noqa: E402
 
 
 def queued(fn, calls: int = 20, reps: int = 7) -> float:
-    """Median ms a call with ``calls`` calls queued back to back between two events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    """Median ms a call with ``calls`` calls queued back to back between two events (``timed`` of the batch)."""
+    def batch():
         for _ in range(calls):
             fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / calls)
-    return statistics.median(out)
+
+    return timed(batch, reps=reps, warmup=1) / calls
 
 
 def main(shapes) -> None:
