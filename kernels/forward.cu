@@ -7,7 +7,7 @@
 //   SB_CAUSAL   bottom-right aligned causal mask       SB_BIAS    Q-smoothing bias add-back
 //   SB_WARPS    warps per CTA                          SB_MT      16-row m-tiles per warp
 //   SB_WGMMA    sm_90a: S and P̂V̂ as warpgroup products (wgmma) on shared tiles in wgmma layouts,
-//               instead of mma.sync on ldmatrix fragments (one warpgroup: 4 warps x 16 rows)
+//               instead of mma.sync on ldmatrix fragments (a warpgroup: 4 warps x 16 rows; two above d=128)
 //   SB_TILE_KEYS keys per tile: 64 (the V scale block), or 128 with SB_WGMMA. A 128-key tile takes
 //               its row maxima, P̂'s scale and the O update once for two V blocks; P̂ then folds the
 //               ratio of the blocks' V scales in (numerics.py, forward P quantization).
@@ -48,7 +48,9 @@ constexpr int NT_KV = TILE / 8;               // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;           // k-steps of P̂V̂ over the key tile
 // Head dims above 128 (mma.sync): O in two passes over the key tiles, a half of the head dim each (S and P̂
 // recomputed, the same values both times), so that a thread holds O for DP/2 columns (the registers of d=128).
-// wgmma: one pass, O's 128 registers a thread at d=256 beside 64-key tiles' S, two CTAs an SM.
+// A V no wider than a pass's columns (MLA's 192/128) takes the first pass alone, which then stores the LSE too.
+// wgmma: one pass, O's 128 registers a thread at d=256 beside 64-key tiles' S (two CTAs an SM), or beside 128-key
+// tiles' S with two warpgroups a CTA (one CTA an SM).
 constexpr bool WG = SB_WGMMA;
 constexpr int O_PASSES = DP > 128 && !WG ? 2 : 1;
 #ifndef SB_DPV
@@ -85,9 +87,12 @@ static_assert(STAGE_BYTES == K_BYTES + V_BYTES + sizeof(ForwardStage::k_scale) &
               sizeof(ForwardShared) == Q_BYTES + 2 * STAGE_BYTES, "no padding in the layout");
 static_assert(!WG || (Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0),
               "wgmma tiles start on 1024 bytes");
-static_assert(!WG || (SB_WARPS == 4 && SB_MT == 1), "the wgmma path is one warpgroup of 64 query rows");
+// wgmma: a warpgroup of 64 query rows. Above d=128, 128-key tiles take two warpgroups sharing each stage (shared
+// memory holds one CTA an SM); 64-key tiles one.
+static_assert(!WG || ((SB_WARPS == 4 || (DP > 128 && TILE == 2 * BKV && SB_WARPS == 8)) && SB_MT == 1),
+              "the wgmma path: a warpgroup of 64 query rows, or two above d=128 with 128-key tiles");
 static_assert(TILE == BKV || (WG && TILE == 2 * BKV), "128-key tiles on the wgmma path only");
-static_assert(!WG || DP <= 128 || TILE == BKV, "d=256 wgmma: 64-key tiles (O holds 128 registers)");
+static_assert(!WG || DP <= 128 || TILE == BKV || SB_WARPS == 8, "above d=128, 128-key tiles take two warpgroups");
 static_assert(!WG || KS_BYTES <= 1024, "the K scales live in a stage's 1024 bytes of padding");
 constexpr float PL = SB_P_LEVELS;             // P̂ codes above zero (unsigned, numerics.P_LEVELS)
 // Lazy rescaling: O and l are kept relative to a per-row reference max m_ref that moves only when
@@ -118,12 +123,13 @@ SB_DEVICE LaneOffsets<ROW_BYTES, KSTEPS> b_pair_lanes(int lane) {
 // more and take one CTA fewer.
 // Packed batches' 128-key d=64 kernels hold the sequence's bounds too and take three CTAs (168 registers;
 // the dense kernel measured the same at three and four).
-// d=256: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each); a V head dim of 128
-// or 192 (SB_DPV) leaves three (64 or 96 registers of O; 67 or 77 KB).
+// Above d=128 with 64-key tiles: O's 128 registers and S's 32 leave two CTAs an SM (Q̂ and two stages: 83 KB each); a V
+// head dim of 128 or 192 (SB_DPV) leaves three (64 or 96 registers of O; 67 or 77 KB). With 128-key tiles one CTA of two
+// warpgroups an SM (Q̂ and two stages: 162 KB), at 255 registers (O's 128 and S's 64).
 // The packed windowed soft-capped 64-key kernel at d=128 holds the rows' shares of their scores beside the bounds
 // and the band's edges: at 128 registers it spilled 4 bytes (NVRTC 13.0), so it takes three CTAs.
 constexpr bool HELD_ROW_SHARES = SB_SOFTCAP && SB_VARLEN && SB_WINDOW && DP > 64 && TILE == BKV;
-constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? (DPV < DP ? 3 : 2)
+constexpr int MIN_BLOCKS = !WG ? 1 : DP > 128 ? (SB_WARPS == 8 ? 1 : DPV < DP ? 3 : 2)
                                    : (TILE > BKV && (DP > 64 || SB_VARLEN) ? 3 : 4) - (SB_BIAS || HELD_ROW_SHARES ? 1 : 0);
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
@@ -146,11 +152,13 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const unsigned char* smem_q = smem + (sQ - smem_u32(smem));  // the same, as a generic pointer
     const u32 sKV = sQ + Q_BYTES;
     u32 q_desc = 0;  // Q̂ tile's descriptor (low word)
-    if constexpr (WG) q_desc = wgmma_desc_lo<DP>(sQ);
+    // The warpgroup's 64 rows of Q̂: rows of the tile's 128-byte column chunks (wgmma_tile_offset).
+    if constexpr (WG) q_desc = wgmma_desc_lo<DP>(sQ + (SB_WARPS > 4 ? warp / 4 * 64 * (DP > 128 ? 128 : DP) : 0));
     const i8* kg = p.k8 + seq.k_row0(hk) * DP;
     const i8* vg = p.vt8 + seq.kt_base(hk, DP);
     const float* ksg = p.k_scale + seq.k_row0(hk);
     int pass = 0;  // O_PASSES: the half of the head dim whose O this pass accumulates
+    const int passes = O_PASSES > 1 && p.Dv <= DP / O_PASSES ? 1 : O_PASSES;  // the passes V's head dim needs
     // K̂, the pass's rows of V̂ᵀ and the K scales of key tile jj into stage `at`.
     auto load_stage = [&](u32 at, int jj) {
         load_tile<DP, TILE, THREADS, WG>(at, kg + static_cast<i64>(jj) * TILE * DP, DP);
@@ -207,7 +215,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
     const LaneOffsets<DP, KSTEPS_D> k_lanes = b_pair_lanes<DP, KSTEPS_D>(lane);
     const LaneOffsets<TILE, KSTEPS_P> v_lanes = b_pair_lanes<TILE, KSTEPS_P>(lane);
 
-    for (; pass < O_PASSES; ++pass) {
+    for (; pass < passes; ++pass) {
     if (pass > 0) {  // the first key tile again, now with the next half of V̂ᵀ (the last pass's reads are done)
         if (n_tiles > j_first) load_stage(sKV + (j_first & 1) * STAGE_BYTES, j_first);
         cp_async_commit();
@@ -418,7 +426,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS)) {
             store_row<SB_BF16>(o[mt], half, l_run[mt][half], SB_SOFTCAP ? m_ref[mt][half] - rb[mt][half] : m_ref[mt][half],
                                row < seq.len_q(), p.Dv - pass * DO, t,
                                [&] { return p.out + seq.token(p.ob, p.oh, p.on, h, row) + pass * DO; },
-                               pass == O_PASSES - 1 ? p.lse2 : nullptr, [&] {
+                               pass == passes - 1 ? p.lse2 : nullptr, [&] {
                                    return (SB_VARLEN ? seq.lse_row0(h) : fresh_batch_head<HEADS_BATCH_GRID>(p.Hq) * p.Lq) + row;
                                });
         }

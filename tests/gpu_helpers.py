@@ -46,14 +46,17 @@ def poisoned_workspaces():
         sagebwd_cp.set_allocator(None)
 
 
-def forward_key_tile(head_dim: int, device_id: int = 0, causal: bool = False, window=(-1, -1)) -> int:
-    """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``) under the mask."""
+def forward_key_tile(head_dim: int, device_id: int = 0, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
+                     value_dim: int | None = None) -> int:
+    """Keys per tile of the forward kernel this device runs (the emulator's ``key_tile``) under the mask, for V's head
+    dim ``value_dim`` (default ``head_dim``), as the forward's plan chooses it."""
     from sagebwd_cp.gpu import specs
     from sagebwd_cp.gpu.device import device_arch
     from sagebwd_cp.options import AttentionOptions
 
-    options = AttentionOptions(causal=causal, window_left=window[0], window_right=window[1])
-    return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id), options=options).key_tile
+    options = AttentionOptions(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap)
+    narrow = specs.narrow_value_dim(options, head_dim if value_dim is None else value_dim)
+    return specs.forward_tiles(specs.padded_head_dim(head_dim), device_arch(device_id), narrow, options).key_tile
 
 
 def make_qkv(b, hq, hk, lq, lk, d, dtype, layout="HND", sigma=1.0, seed=0, strided=False):

@@ -518,11 +518,19 @@ def test_the_mma_sync_backward_takes_one_stage_where_two_do_not_fit():
 
 
 def test_wide_head_dims_pick_the_wgmma_kernels_on_sm90(monkeypatch):
-    """Above head dim 128 sm_90 runs the wgmma forward with 64-key tiles and the wgmma backward as two CTAs a key
+    """Above head dim 128 sm_90 runs the wgmma forward (two warpgroups on 128-key tiles for the plain masks with V's
+    whole head dim, else one on 64-key tiles) and the wgmma backward as two CTAs a key
     block (one stage, the producer, one dQ tile), with a sliding window and a soft cap too; SAGEBWD_WGMMA=0 and
     the other archs keep the mma.sync kernels."""
     limit = specs.ARCH_SHARED_LIMIT["sm_90"]
     assert specs.forward_tiles(256, "sm_90") == specs.ForwardTiles(4, 1, wgmma=True, key_tile=64)
+    # the plain masks with V's 256 columns: two warpgroups on 128-key tiles; under a window or a soft cap (no
+    # narrow_value_dim) 64-key tiles
+    for value_dim, options in ((256, AttentionOptions(causal=True)), (200, AttentionOptions())):
+        assert specs.forward_tiles(256, "sm_90", specs.narrow_value_dim(options, value_dim), options) == \
+            specs.ForwardTiles(8, 1, wgmma=True, key_tile=128)
+    for options in (AttentionOptions(causal=True, window_left=100), AttentionOptions(causal=True, softcap=30.0)):
+        assert specs.forward_tiles(256, "sm_90", specs.narrow_value_dim(options, 256), options).key_tile == 64
     tiles = specs.backward_tiles(256, "sm_90")
     assert tiles == specs.BackwardTiles(stages=1, wgmma=True, ws=True, dq_tiles=1)
     assert (tiles.passes(256), tiles.pass_dims(256), tiles.passes(128)) == (2, 128, 1)
@@ -541,12 +549,13 @@ def test_wide_head_dims_pick_the_wgmma_kernels_on_sm90(monkeypatch):
 
 
 def test_the_wide_wgmma_forward_holds_o_for_a_narrower_value_head_dim():
-    """Above head dim 128 the wgmma forward holds O for V's head dim rounded up to 64 where that is 128 (MLA's
-    192/128) or 192 (SB_DPV: three CTAs an SM), else for all 256 columns, under the plain masks; every such spec is
+    """Above head dim 128 the wgmma forward holds O for 128 columns where V has at most 128 (MLA's 192/128), for 192
+    where it has at most 192 (SB_DPV: three CTAs an SM), else for all 256 columns, under the plain masks; every such spec is
     listed, compiles without spills, and its shared layout leaves room for three CTAs an SM."""
-    for value_dim, cols in ((None, 0), (256, 0), (200, 0), (192, 192), (136, 192), (128, 128), (72, 128), (64, 0)):
+    for value_dim, cols, keys in ((None, 0, 64), (256, 0, 128), (200, 0, 128), (192, 192, 64), (136, 192, 64),
+                                  (128, 128, 64), (72, 128, 64), (64, 128, 64)):
         tiles = specs.forward_tiles(256, "sm_90", value_dim)
-        assert tiles.value_cols == cols and tiles.key_tile == 64 and tiles.wgmma, value_dim
+        assert tiles.value_cols == cols and tiles.key_tile == keys and tiles.wgmma, value_dim
     assert specs.forward_tiles(128, "sm_90", 64).value_cols == 0  # (the d=128 kernels hold O's 128 columns)
     assert specs.forward_tiles(256, "sm_80", 128) == specs.FORWARD_TILES[256]
     narrow = [s for s in specs.all_specs("sm_90") if "SB_DPV" in dict(s.defines) and s.key.startswith("forward.")]

@@ -62,7 +62,7 @@ def _check_soft_capped(shape, causal, window, cap, dtype, smooth_k):
     qh, kh, vh, oh, doh = (to_hnd_numpy(x, "HND") for x in (q, k, v, out, do))
     o_emu, lse_emu, _ = emulator.emulate_forward(qh, kh, vh, causal=causal, window=window, softcap=cap,
                                                   smooth_k=smooth_k, dtype=dtype,
-                                                  key_tile=forward_key_tile(d, causal=causal, window=window))
+                                                  key_tile=forward_key_tile(d, causal=causal, window=window, softcap=cap))
     assert rel_l2(oh, o_emu) < (4e-3 if dtype == "float16" else 1e-2)
     lse = lse.cpu().numpy()
     fin = np.isfinite(lse_emu)

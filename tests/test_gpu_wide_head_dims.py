@@ -44,7 +44,8 @@ def test_forward_and_backward_match_the_emulator(kernels, shape, causal, dtype, 
     torch.cuda.synchronize()
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
     host = [to_hnd_numpy(x, layout) for x in (q, k, v)]
-    o_emu, lse_emu, _ = emulator.emulate_forward(*host, causal=causal, dtype=dtype, key_tile=64)
+    o_emu, lse_emu, _ = emulator.emulate_forward(*host, causal=causal, dtype=dtype,
+                                                key_tile=forward_key_tile(d, causal=causal))
     o = to_hnd_numpy(out, layout)
     assert np.isfinite(o).all() and rel_l2(o, o_emu) < FWD_TOL[dtype]
     lse = lse.cpu().numpy()
@@ -71,12 +72,16 @@ def test_forward_and_backward_match_the_emulator(kernels, shape, causal, dtype, 
             assert rel_l2(to_hnd_numpy(g, layout), r) < 0.06
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((-1, 0), 0.0), ((90, 0), 20.0)], ids=["full", "causal",
-                                                                                                   "window-softcap"])
+# The wgmma forward's 64-key kernels: windows and soft caps at every shape, and the plain masks where V is narrower
+# than the padded head dim (d=192); the plain masks' 128-key kernel (V of 256 columns) is checked against the emulator.
+_SAME_TILES = [(shape, (90, 0), 20.0) for shape in SHAPES] + [((1, 2, 1, 100, 700, 192), w, 0.0) for w in ((-1, -1), (-1, 0))]
+
+
+@pytest.mark.parametrize("shape,window,softcap", _SAME_TILES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else str(x))
 def test_the_wgmma_forward_is_the_mma_sync_forward_bit_for_bit(monkeypatch, shape, window, softcap):
-    """sm_90's one-pass wgmma forward and the two-pass mma.sync forward compute the same numerics (64-key tiles,
-    the same products and folds in the same order): outputs and LSE equal, bit for bit."""
+    """sm_90's one-pass wgmma forward on 64-key tiles and the two-pass mma.sync forward compute the same numerics
+    (the same products and folds in the same order): outputs and LSE equal, bit for bit."""
     import torch
 
     from sagebwd_cp.gpu import plan
@@ -101,10 +106,11 @@ def test_the_wgmma_forward_is_the_mma_sync_forward_bit_for_bit(monkeypatch, shap
     torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0), ((90, 0), 20.0)])
+@pytest.mark.parametrize("window,softcap", [((90, 0), 0.0), ((-1, -1), 20.0), ((60, 40), 0.0), ((90, 0), 20.0),
+                                            ((-1, -1), 0.0), ((-1, 0), 0.0)])
 def test_windows_soft_caps_and_packed_batches(window, softcap):
-    """A window or a soft cap at head dim 256 against the emulator; a packed batch of three sequences equals
-    its dense calls (each sequence quantized alone in both)."""
+    """A window or a soft cap (or neither: the plain masks' 128-key forward) at head dim 256 against the emulator; a
+    packed batch of three sequences equals its dense calls (each sequence quantized alone in both)."""
     import torch
 
     causal = window[1] == 0 or softcap > 0
@@ -116,7 +122,9 @@ def test_windows_soft_caps_and_packed_batches(window, softcap):
         grads = sagebwd_cp.attention_backward(saved, do)
     torch.cuda.synchronize()
     host = [to_hnd_numpy(x, "NHD") for x in (q, k, v)]
-    o_emu, _, _ = emulator.emulate_forward(*host, causal=causal, dtype="bfloat16", key_tile=64, window=window,
+    o_emu, _, _ = emulator.emulate_forward(*host, causal=causal, dtype="bfloat16",
+                                           key_tile=forward_key_tile(256, causal=causal, window=window, softcap=softcap),
+                                           window=window,
                                            softcap=softcap, smooth_k=not softcap)
     assert rel_l2(to_hnd_numpy(out, "NHD"), o_emu) < FWD_TOL["bfloat16"]
     state = emulator.backward_state(*host, to_hnd_numpy(out, "NHD"), saved.lse2.obj.cpu().numpy(), causal=causal,
@@ -224,7 +232,7 @@ def test_a_narrower_v_matches_the_emulator(kernels, shape, causal, dtype, layout
     pad = lambda x: np.pad(x, [(0, 0)] * 3 + [(0, dqk - dv)])  # noqa: E731
     host = [to_hnd_numpy(x, lay) for x in (q, k)] + [pad(to_hnd_numpy(v, lay))]
     o_emu, lse_emu, _ = emulator.emulate_forward(*host, causal=causal, dtype=dtype,
-                                                 key_tile=forward_key_tile(dqk, causal=causal))
+                                                 key_tile=forward_key_tile(dqk, causal=causal, value_dim=dv))
     o = to_hnd_numpy(out, lay)
     assert o.shape[-1] == dv and np.isfinite(o).all() and not np.any(o_emu[..., dv:])
     assert rel_l2(o, o_emu[..., :dv]) < FWD_TOL[dtype]

@@ -217,8 +217,13 @@ def forward_key_tile(options: AttentionOptions | None = None) -> int:
     return 64 if options is not None and options.windowed and sum(options.band()) <= NARROW_BAND_KEYS else 128
 
 
-# The wgmma forward above head dim 128: 64-key tiles (O takes 128 registers a thread; kernels/forward.cu).
+# The wgmma forward above head dim 128: a warpgroup of 64 query rows on 64-key tiles (O takes 128 registers a thread;
+# kernels/forward.cu), two CTAs an SM; windowed and soft-capped calls, and the narrow V head dims below.
 WIDE_WGMMA_FORWARD_TILES = ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=numerics.BLOCK_KV)
+# The plain masks (none, causal) with V's whole padded head dim: two warpgroups sharing 128-key tiles, one CTA an SM
+# (one row maximum, P̂ scale and O update per 128 keys): forward 1.08-1.11x the 64-key kernel at d=256; 0.94x with a
+# window and a soft cap, 0.89-0.96x for 128 columns of V on three warpgroups (H200, docs/PERFORMANCE.md).
+WIDE_PLAIN_FORWARD_TILES = ForwardTiles(warps=8, m_tiles=1, wgmma=True, key_tile=2 * numerics.BLOCK_KV)
 # V head dims that the wide wgmma forward holds O for when V is narrower than the padded head dim (SB_DPV: MLA's 128
 # under a Q·K head dim of 192, and d=192 itself): three CTAs an SM instead of two. Built for the plain masks (none,
 # causal; dense and packed); windowed and soft-capped calls keep the 256-column kernel (fewer specs for CI to compile).
@@ -232,11 +237,14 @@ def narrow_value_dim(options: AttentionOptions, value_dim: int) -> int | None:
 
 
 def wide_forward_tiles(value_dim: int | None) -> ForwardTiles:
-    """The wide wgmma forward's tiles for V's head dim ``value_dim`` (None: the padded head dim's)."""
-    cols = None if value_dim is None else -(-value_dim // 64) * 64
-    if cols in NARROW_VALUE_COLS:
+    """The wide wgmma forward's tiles for V's head dim ``value_dim`` (narrow_value_dim: None under a window or a soft
+    cap, which take the 256-column 64-key kernel)."""
+    if value_dim is None:
+        return WIDE_WGMMA_FORWARD_TILES
+    cols = min((c for c in NARROW_VALUE_COLS if c >= value_dim), default=None)  # (a V of 64 columns takes 128's)
+    if cols is not None:
         return dataclasses.replace(WIDE_WGMMA_FORWARD_TILES, value_cols=cols)
-    return WIDE_WGMMA_FORWARD_TILES
+    return WIDE_PLAIN_FORWARD_TILES
 
 
 def forward_tiles(dp: int, arch: str | None = None, value_dim: int | None = None,
@@ -663,7 +671,7 @@ def all_specs(arch: str | None = None) -> list:
                         if wide_backward:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
-                            specs.append(forward_spec(dp, dt, fwd, WIDE_WGMMA_FORWARD_TILES, varlen))
+                            specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(narrow_value_dim(fwd, dp)), varlen))
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only: narrow_value_dim)
                                 if narrow_value_dim(fwd, cols):
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
