@@ -1,6 +1,6 @@
-"""Head dims above 128 against their peers, side by side in one run (bf16, causal; GQA 4:1 and multi-head shapes by default): this library's
-two-pass kernels; SDPA with cuDNN and with FlashAttention-2 (each where it takes the head dim; the reason
-where not); FlexAttention (compiled) with a causal block mask. Forward and forward+backward in ms (CUDA
+"""Head dims above 128 against their peers, side by side in one run (bf16, causal; GQA 4:1 and multi-head shapes
+by default): this library's kernels; SDPA with cuDNN and with FlashAttention-2 (each where it takes the head dim;
+the reason where not); FlexAttention (compiled) with a causal block mask. Forward and forward+backward in ms (CUDA
 events, median).
 
     python benchmarks/bench_wide_head_dims.py [--shapes 2x16x4x4096x256 2x16x4x4096x192x128] [--peers ours cudnn]

@@ -74,11 +74,12 @@ def test_forward_and_backward_match_the_emulator(kernels, shape, causal, dtype, 
 
 # The wgmma forward's 64-key kernels: windows and soft caps at every shape, and the plain masks where V is narrower
 # than the padded head dim (d=192); the plain masks' 128-key kernel (V of 256 columns) is checked against the emulator.
-_SAME_TILES = [(shape, (90, 0), 20.0) for shape in SHAPES] + [((1, 2, 1, 100, 700, 192), w, 0.0) for w in ((-1, -1), (-1, 0))]
+_SAME_TILES = [(shape, (90, 0), 20.0) for shape in SHAPES] + \
+    [((1, 2, 1, 100, 700, 192), w, 0.0) for w in ((-1, -1), (-1, 0))]
 
 
-@pytest.mark.parametrize("shape,window,softcap", _SAME_TILES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
-                         else str(x))
+@pytest.mark.parametrize("shape,window,softcap", _SAME_TILES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_the_wgmma_forward_is_the_mma_sync_forward_bit_for_bit(monkeypatch, shape, window, softcap):
     """sm_90's one-pass wgmma forward on 64-key tiles and the two-pass mma.sync forward compute the same numerics
     (the same products and folds in the same order): outputs and LSE equal, bit for bit."""
@@ -123,9 +124,9 @@ def test_windows_soft_caps_and_packed_batches(window, softcap):
     torch.cuda.synchronize()
     host = [to_hnd_numpy(x, "NHD") for x in (q, k, v)]
     o_emu, _, _ = emulator.emulate_forward(*host, causal=causal, dtype="bfloat16",
-                                           key_tile=forward_key_tile(256, causal=causal, window=window, softcap=softcap),
-                                           window=window,
-                                           softcap=softcap, smooth_k=not softcap)
+                                           key_tile=forward_key_tile(256, causal=causal, window=window,
+                                                                     softcap=softcap),
+                                           window=window, softcap=softcap, smooth_k=not softcap)
     assert rel_l2(to_hnd_numpy(out, "NHD"), o_emu) < FWD_TOL["bfloat16"]
     state = emulator.backward_state(*host, to_hnd_numpy(out, "NHD"), saved.lse2.obj.cpu().numpy(), causal=causal,
                                     dtype="bfloat16", window=window, softcap=softcap, smooth_k=not softcap)
