@@ -210,7 +210,8 @@ NARROW_BAND_KEYS = 2048
 def forward_key_tile(options: AttentionOptions | None = None) -> int:
     """Keys per tile of the wgmma forward: 128 (one row max, P̂ scale and O update per two V blocks;
     docs/history/PERFORMANCE_LOG.md, forward v4), 64 under a sliding window of at most NARROW_BAND_KEYS keys;
-    SAGEBWD_FORWARD_KEY_TILE=64 or 128 selects one kernel for every call."""
+    SAGEBWD_FORWARD_KEY_TILE=64 or 128 selects one kernel for every call up to head dim 128 (above:
+    wide_forward_tiles)."""
     forced = env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128))
     if forced is not None:
         return forced
