@@ -128,16 +128,21 @@ def check_ranks(layout: str, **arrays) -> None:
             raise ValueError(f"{name}: expected a rank-4 tensor ({dims}), got shape {tuple(x.shape)}")
 
 
+def output_shape(q: Tensor, v: Tensor) -> torch.Size:
+    """The output's (and dO's) shape: q's with v's head dim (value_head_dim.py)."""
+    return q.shape[:-1] + v.shape[-1:]
+
+
 def check_dout(dout: Tensor, q: Tensor, v: Tensor) -> None:
-    """dO has the output's shape, q's with v's head dim (the core checks the rest, naming it "do")."""
-    if dout.shape != q.shape[:-1] + v.shape[-1:]:
-        raise ValueError(f"dout: expected the output's shape {tuple(q.shape[:-1] + v.shape[-1:])} (q's with v's "
-                         f"head dim), got {tuple(dout.shape)}")
+    """dO has the output's shape (the core checks the rest, naming it "do")."""
+    if dout.shape != output_shape(q, v):
+        raise ValueError(f"dout: expected the output's shape {tuple(output_shape(q, v))} (q's with v's head dim), got "
+                         f"{tuple(dout.shape)}")
 
 
 def out_like(q: Tensor, v: Tensor) -> Tensor:
-    """An empty output: q's shape with v's head dim (value_head_dim.py)."""
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+    """An empty output of the output's shape."""
+    return q.new_empty(output_shape(q, v))
 
 
 def lse2_like(q: Tensor, layout: str) -> Tensor:
