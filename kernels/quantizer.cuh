@@ -15,12 +15,12 @@ SB_DEVICE float psi_inverse(float amax, float* scale) {
 }
 
 // The INT8 code of x with inverse scale inv (numerics.quantize_block: rint(x·inv), clamped) in the low
-// byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds; the product
-// is rounded before ROUND_MAGIC is added (not fused: the emulator rounds it too). A NaN product (an
-// inf or NaN input) codes 0, as cvt.rni gives: fmaxf drops the NaN for CODE_ZERO, the float below the
-// valid sums whose low byte is 0.
+// byte. |x| <= amax and inv = RN(127/amax) give |x·inv| < 127.5, so the clamp never binds; one FMA with
+// ROUND_MAGIC rounds the exact product once (the emulator rounds the float64 product, also exact). A NaN
+// product (an inf or NaN input) codes 0, as cvt.rni gives: fmaxf drops the NaN for CODE_ZERO, the float
+// below the valid sums whose low byte is 0.
 constexpr float CODE_ZERO = ROUND_MAGIC - 256.f;
-SB_DEVICE u32 int8_code(float x, float inv) { return __float_as_uint(fmaxf(add_rn(mul_rn(x, inv), ROUND_MAGIC), CODE_ZERO)); }
+SB_DEVICE u32 int8_code(float x, float inv) { return __float_as_uint(fmaxf(round_magic(x, inv), CODE_ZERO)); }
 
 // max|x| over a chunk's 8 raw 16-bit values, as f32 (exact: max and |.| commute with the widening); NaN if
 // one is NaN.

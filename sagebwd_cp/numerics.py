@@ -18,8 +18,8 @@ Conventions
   copies hold the same values as Q̂ and K̂: prescaled Q (less its block means with Q-smoothing) and
   K - μ_K.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
-  inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (float32 product, round to
-  nearest even), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
+  inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (the exact product rounded once
+  to the nearest integer, ties to even: one FMA in the kernels), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
   zero, or so small that 127/amax would overflow float32) counts as zero: scale 0 and x̂ = 0.
   Scales feed other quantizations, where a zero block at scale 1 would coarsen the rest: the
   forward's 128-key tile scales P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a
@@ -123,7 +123,8 @@ def _psi(x: np.ndarray, axis, levels: int, fast_reciprocal: bool, zero_scale: fl
             scale, inv = safe / n, n / safe
         scale = np.where(zero, np.float32(zero_scale), scale).astype(np.float32)
         inv = np.where(zero, np.float32(0), inv).astype(np.float32)
-        codes = np.clip(np.rint((x * inv).astype(np.float32)), -levels, levels)
+        # The product of two float32 values is exact in float64, so rint rounds it once, as the kernels' FMA does.
+        codes = np.clip(np.rint(x.astype(np.float64) * inv.astype(np.float64)), -levels, levels).astype(np.float32)
     return np.where(np.isnan(codes), np.float32(0), codes), scale
 
 
