@@ -18,7 +18,7 @@
 // schedules start with every (head, batch entry)'s last query block (the longest), heads fastest;
 // others go query block fastest, so that CTAs running together read one key head.
 //
-// Compile-time parameters: SB_DP (64 or 128), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
+// Compile-time parameters: SB_DP (64, 128 or 256: two consumers, one product at a time), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
 // Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG; and from specs.WsForwardTiles:
 // SB_TILE_KEYS (128, or 192: three V scale blocks a tile, P̂'s row scale and O's rescale once per 192
 // keys, numerics.py's forward with key_tile 192), SB_THREADS, SB_CTA_Q, SB_MIN_BLOCKS (CTAs an SM), and
@@ -53,10 +53,13 @@ constexpr int CTA_Q = SB_CTA_Q;              // query rows per CTA
 constexpr int THREADS = SB_THREADS;
 static_assert(CTA_Q == CONSUMERS * WG_ROWS && THREADS == (CONSUMERS + 1) * 128, "a producer and the consumers' warpgroups");
 static_assert(TILE == 128 || (TILE == 192 && !SB_VARLEN), "128-key tiles, or 192 in dense batches");
-// The key tiles' TMA boxes in the swizzle of their rows (the wgmma descriptors'): K̂ a whole tile, V̂ᵀ boxes of
-// VT_BOX keys (the whole 128-key tile; 64-key boxes of a 192-key tile, whose rows no swizzle spans).
+// The key tiles' TMA boxes in the swizzle of their rows (the wgmma descriptors'): K̂ a whole tile (at d=256 two
+// boxes, one a 128-byte column chunk: swizzle.cuh's layout), V̂ᵀ boxes of VT_BOX keys (the whole 128-key tile;
+// 64-key boxes of a 192-key tile, whose rows no swizzle spans).
+constexpr int K_BOX = SB_TMA_SWIZZLE_K, K_BOXES = DP / K_BOX;
 constexpr int VT_BOX = SB_TMA_SWIZZLE_VT, VT_BOXES = TILE / VT_BOX;
-static_assert(SB_TMA_SWIZZLE_K == DP && VT_BOX == (TILE == 128 ? 128 : 64), "each box in the swizzle of its rows");
+static_assert(K_BOX == (DP > 128 ? 128 : DP) && VT_BOX == (TILE == 128 ? 128 : 64), "each box in the swizzle of its rows");
+static_assert(DP <= 128 || (TILE == 128 && SB_CONSUMERS == 2), "d=256: 128-key tiles, two consumers");
 constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile
@@ -64,7 +67,8 @@ constexpr int NT_D = DP / 8;                 // n-tiles of O over the head dim
 constexpr bool PINGPONG = SB_PINGPONG && CONSUMERS > 1;
 // S_j in flight with (P̂V̂)_{j-1} inside each consumer (registers for both products): with one or two
 // consumers; three hold one product at a time at their 160 registers, and so do 192-key tiles at head dim 128.
-constexpr bool OVERLAP = CONSUMERS < 3 && (TILE == 128 || DP == 64);
+// At d=256 O's 128 registers leave one product at a time too.
+constexpr bool OVERLAP = CONSUMERS < 3 && (TILE == 128 || DP == 64) && DP <= 128;
 static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "2-4 key-tile stages");
 static_assert(BKV == 64 && VBLOCKS * BKV == TILE, "whole V scale blocks a tile");
@@ -79,16 +83,16 @@ constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : CONSUMERS == 2 ? 240 : 160;
 constexpr int LAUNCH_REGS = 65536 / (MIN_BLOCKS * THREADS) / 8 * 8;
 static_assert((PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) * 128 <= LAUNCH_REGS * THREADS, "the CTA's registers");
 
-// Shared memory: the consumers' Q̂ tiles, then the stages (K̂ [TILE][DP], V̂ᵀ [DP][TILE], the tile's
-// K scales in 1024 bytes), then the mbarriers. wgmma and TMA tiles start on 1024 bytes.
+// Shared memory: the consumers' Q̂ tiles, then the stages (K̂ [TILE][DP], V̂ᵀ [DP][TILE]), the stages' K scales
+// (kept apart, so that at d=256 three stages fit), then the mbarriers. wgmma and TMA tiles start on 1024 bytes.
 struct WsStage {
     i8 k[TILE * DP];
     i8 vt[DP * TILE];
-    float k_scale[1024 / 4];
 };
 struct WsShared {
     i8 q[CTA_Q * DP];
     WsStage stage[STAGES];
+    float k_scale[STAGES][TILE];
     unsigned long long full[STAGES];   // the stage's bytes are in (one arrival: the producer's)
     unsigned long long empty[STAGES];  // every consumer warp is done with it
 };
@@ -98,9 +102,10 @@ constexpr int K_BYTES = sizeof(WsStage::k);
 constexpr int V_BYTES = sizeof(WsStage::vt);
 constexpr int KS_BYTES = 4 * TILE;
 constexpr int STAGE_BYTES = sizeof(WsStage);
-constexpr int BAR_OFF = Q_BYTES + STAGES * STAGE_BYTES;
+constexpr int KS_OFF = Q_BYTES + STAGES * STAGE_BYTES;
+constexpr int BAR_OFF = KS_OFF + STAGES * KS_BYTES;
 constexpr u32 STAGE_LOAD_BYTES = K_BYTES + V_BYTES;  // and the tile's key scales (key_scale_bytes)
-static_assert(STAGE_BYTES == K_BYTES + V_BYTES + 1024 && KS_BYTES <= 1024 && sizeof(WsShared) == BAR_OFF + 16 * STAGES,
+static_assert(STAGE_BYTES == K_BYTES + V_BYTES && KS_BYTES % 16 == 0 && sizeof(WsShared) == BAR_OFF + 16 * STAGES,
               "no padding");
 static_assert(Q_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles start on 1024 bytes");
 // Named barriers (0 is __syncthreads): a consumer's own (its Q̂ tile), and its turn to issue (ping-pong).
@@ -197,11 +202,12 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
                     const u32 st = sStage + s * STAGE_BYTES, bar = full0 + 8 * s;
                     const u32 ks_bytes = key_scale_bytes(j, p.Nk_pad);
                     mbarrier_arrive_expect_tx(bar, STAGE_LOAD_BYTES + ks_bytes);
-                    tma_load_2d(st, tm_k, 0, krow0 + j * TILE, bar);
+#pragma unroll
+                    for (int b = 0; b < K_BOXES; ++b) tma_load_2d(st + b * TILE * K_BOX, tm_k, b * K_BOX, krow0 + j * TILE, bar);
 #pragma unroll
                     for (int b = 0; b < VT_BOXES; ++b)
                         tma_load_2d(st + K_BYTES + b * DP * VT_BOX, tm_vt, vt_col + j * TILE + b * VT_BOX, vt_row, bar);
-                    bulk_load(st + K_BYTES + V_BYTES, ksg + j * TILE, ks_bytes, bar);
+                    bulk_load(base + KS_OFF + s * KS_BYTES, ksg + j * TILE, ks_bytes, bar);
                 }
             }
             // Leave once the consumers have taken every stage in flight.
@@ -268,7 +274,8 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
     auto issue_s = [&](int j, int (&acc)[NT_KV][4]) {
         const u32 k_lo = wgmma_desc_lo<DP>(sStage + ((it0 + j) % STAGES) * STAGE_BYTES);
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS_D; ++ks) wgmma_s8_ss(acc, wgmma_desc<DP>(q_desc, 32 * ks), wgmma_desc<DP>(k_lo, 32 * ks), ks);
+        for (int ks = 0; ks < KSTEPS_D; ++ks)
+            wgmma_s8_ss(acc, wgmma_desc<DP>(q_desc, kstep_offset<DP, WG_ROWS>(ks)), wgmma_desc<DP>(k_lo, kstep_offset<DP, TILE>(ks)), ks);
         wgmma_commit();
     };
     // (P̂V̂) of tile jp, head-dim columns 64·dh .. 64·dh + 63, from the P̂ codes in pf: k-step kk in V̂ᵀ box
@@ -303,7 +310,7 @@ attention_forward(SB_KERNEL_PARAMS(SB_FORWARD_FIELDS), SB_KERNEL_MAPS(SB_FORWARD
         wgmma_hold_all(acc);
         float pv_scale;
         p_coefficients<VBLOCKS, BKV>(sv, j * VBLOCKS, seq.len_k(), PL, pcoef, pv_scale);
-        const float* ks_s = reinterpret_cast<const float*>(smem + Q_BYTES + ((it0 + j) % STAGES) * STAGE_BYTES + K_BYTES + V_BYTES);
+        const float* ks_s = reinterpret_cast<const float*>(smem + KS_OFF + ((it0 + j) % STAGES) * KS_BYTES);
         const bool need_mask = (j + 1) * TILE > seq.len_k() || (SB_CAUSAL && (j + 1) * TILE - 1 > qc0 + shift);
         float rmax[2] = {NEG_INF, NEG_INF};
         // u = Ŝ·s_K[key], masked keys -inf; the mask's tests only on the tiles that need them (a branch

@@ -434,8 +434,14 @@ def test_the_warp_specialized_forward_is_the_default_where_it_measured_faster(mo
     assert ws(128, "sm_90", plain, len_k=specs.WS_FORWARD_MAX_KEYS + 1) is None
     for options, dp, arch, varlen in ((AttentionOptions(causal=True), 128, "sm_90", False), (plain, 64, "sm_90", False),
                                       (plain, 128, "sm_90", True), (plain, 128, "sm_80", False),
-                                      (plain, 256, "sm_90", False)):
+                                      (plain, 256, "sm_90", True), (plain, 256, "sm_80", False)):
         assert ws(dp, arch, options, varlen) is None, (options, dp, arch, varlen)
+    # Head dim 256 (V wider than 192 columns; narrower V keeps forward.cu's narrow kernels): two consumers in turns.
+    wide = specs.WsForwardTiles(consumers=2, stages=2, pingpong=True, persistent=False)
+    for options in (plain, AttentionOptions(causal=True)):
+        assert ws(256, "sm_90", options) == ws(256, "sm_90", options, value_dim=200) == wide
+        assert ws(256, "sm_90", options, value_dim=192) is None and ws(256, "sm_90", options, value_dim=128) is None
+    assert ws(256, "sm_90", AttentionOptions(causal=True, window_left=100)) is None
     for options in (AttentionOptions(window_left=100), AttentionOptions(softcap=5.0, smooth_k=False),
                     AttentionOptions(smooth_q=True)):  # (not built for these)
         monkeypatch.setenv("SAGEBWD_FORWARD_WS", "1")

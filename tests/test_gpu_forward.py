@@ -337,13 +337,18 @@ def _run_ws(monkeypatch, ws_shape, q, k, v, causal):
     return out
 
 
-@pytest.mark.parametrize("shape", SHAPES + [(2, 8, 2, 2048, 2048, 128), (3, 2, 2, 129, 700, 64)],
+# Above head dim 128 the consumers, stages and key tile are fixed (specs.forward_ws_tiles): the switches left.
+WS_SHAPES_WIDE = ["pp=0", "pp=1", "pp=1,ps=1"]
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 8, 2, 2048, 2048, 128), (3, 2, 2, 129, 700, 64), (2, 4, 2, 300, 517, 256),
+                                            (1, 2, 2, 1, 129, 256), (1, 4, 4, 1000, 1000, 256), (1, 4, 1, 257, 300, 200)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 def test_warp_specialized_forward_equals_the_default_kernel(monkeypatch, shape, causal):
     """kernels/forward_ws.cu (SAGEBWD_FORWARD_WS=1) in each of its shapes computes what the 128-key
-    one-warpgroup kernel computes, bit for bit (O and the LSE), outputs poisoned first: the same
-    products, scales and FP32 order in another structure. Hopper only."""
+    forward.cu kernel computes (one warpgroup; two above head dim 128), bit for bit (O and the LSE), outputs
+    poisoned first: the same products, scales and FP32 order in another structure. Hopper only."""
     import torch
 
     from sagebwd_cp.gpu import device, plan
@@ -356,7 +361,7 @@ def test_warp_specialized_forward_equals_the_default_kernel(monkeypatch, shape, 
     monkeypatch.setenv("SAGEBWD_FORWARD_WS", "0")  # forward.cu (the default takes forward_ws.cu at d=128 unmasked)
     plan.clear_plans()
     ref = _run(q, k, v, "NHD", causal)
-    for ws_shape in WS_SHAPES:
+    for ws_shape in WS_SHAPES if d <= 128 else WS_SHAPES_WIDE:
         out, lse = _run_ws(monkeypatch, ws_shape, q, k, v, causal)
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), ws_shape
     plan.clear_plans()

@@ -36,7 +36,7 @@ def _key_tile_maps(prob: AttentionProblem, qz: Quantized, ws: specs.WsForwardTil
 def attend(plan: PlanBuilder, prob: AttentionProblem, qz: Quantized, out, lse2) -> None:
     dp, dev = prob.padded_head_dim, prob.q.device_id
     arch = device_arch(dev)
-    ws = specs.forward_ws_tiles(dp, arch, prob.options, prob.varlen, prob.len_k)
+    ws = specs.forward_ws_tiles(dp, arch, prob.options, prob.varlen, prob.len_k, prob.value_dim)
     ob, oh, on = prob.bhnd_strides(out)
     qb, qh, qn = prob.bhnd_strides(prob.q)
     args = params.args("ForwardParams", q8=qz.q8, q_scale=qz.q_scale, k8=qz.k8, k_scale=qz.k_scale,

@@ -310,11 +310,12 @@ class WsForwardTiles:
         return 2 if self.consumers == 1 else 1
 
     def key_maps(self, dp: int) -> tuple:
-        """The TMA boxes of the key tiles (K̂: key_tile rows of dp bytes; V̂ᵀ: dp rows of key_tile bytes, or
-        of 64 for a 192-key tile, three boxes a tile), each in the swizzle of its row's bytes (the wgmma
-        descriptors')."""
+        """The TMA boxes of the key tiles (K̂: key_tile rows of dp bytes, or at d=256 two boxes of 128; V̂ᵀ: dp rows
+        of key_tile bytes, or of 64 for a 192-key tile, three boxes a tile), each in the swizzle of its row's
+        bytes (the wgmma descriptors')."""
         vt_keys = 128 if self.key_tile == 128 else 64
-        return TmaBox((dp, self.key_tile), dp), TmaBox((vt_keys, dp), vt_keys)
+        k_cols = min(dp, 128)
+        return TmaBox((k_cols, self.key_tile), k_cols), TmaBox((vt_keys, dp), vt_keys)
 
     def choices(self) -> dict:
         wide = {"SB_TILE_KEYS": self.key_tile} if self.key_tile != 128 else {}  # (128: implied, unnamed in the key)
@@ -339,34 +340,42 @@ def ws_forward_shape(dp: int) -> WsForwardTiles:
     product at a time, at 64; one consumer, two CTAs an SM, a CTA per work tile, at 128."""
     if dp == 64:
         return WsForwardTiles(consumers=3, pingpong=False)
+    if dp > numerics.WIDE_HEAD_DIM:  # (O's 128 registers: two consumers at 240; three stages measured 0.88-0.96x)
+        return WsForwardTiles(consumers=2, stages=2, pingpong=True, persistent=False)
     return WsForwardTiles(consumers=1, pingpong=False, persistent=False)
 
 
 def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varlen: bool = False,
-                     len_k: int = 0) -> WsForwardTiles | None:
+                     len_k: int = 0, value_dim: int | None = None) -> WsForwardTiles | None:
     """The warp-specialized forward's tiles, or None for the one-warpgroup kernel (forward.cu). sm_90, no
-    Q-smoothing, sliding window or soft cap. By default where it measured faster than that kernel: head
-    dim 128 without a mask, dense batches, up to WS_FORWARD_MAX_KEYS keys (H100, bf16 and fp16, MHA and
+    Q-smoothing, sliding window or soft cap. By default where it measured faster than that kernel, in dense
+    batches: head dim 128 without a mask up to WS_FORWARD_MAX_KEYS keys (H100, bf16 and fp16, MHA and
     GQA: 1.02-1.07x at 2K-8K in three runs; H200 1.00-1.06x; at 16K 0.96-1.22x between runs, causal
-    0.94-1.07x and head dim 64 0.95-0.99x: forward.cu stays there; docs/PERFORMANCE.md).
+    0.94-1.07x and head dim 64 0.95-0.99x: forward.cu stays there), and head dim 256 with or without the
+    causal mask (H200: 1.05-1.18x its two-warpgroup forward.cu kernel at 2K-8K; docs/PERFORMANCE.md).
     SAGEBWD_FORWARD_WS=0 keeps forward.cu everywhere (as SAGEBWD_FORWARD_KEY_TILE does), =1 takes this
     kernel wherever it is built. Its shape is ws_forward_shape's, which SAGEBWD_FORWARD_CONSUMERS (1-3),
     SAGEBWD_FORWARD_STAGES (2-4), SAGEBWD_FORWARD_PINGPONG and SAGEBWD_FORWARD_PERSISTENT (0, 1) and
-    SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override."""
-    if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap or dp > numerics.WIDE_HEAD_DIM:
+    SAGEBWD_FORWARD_WS_KEYS (128, 192; packed batches keep 128) override. Above head dim 128 (V wider than 192
+    columns: the narrower take forward.cu's narrow kernels) the shape is two consumers and 128-key tiles, which
+    O's registers leave, and two or three stages (shared memory); ping-pong and persistence may be switched."""
+    if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap:
         return None
+    if dp > numerics.WIDE_HEAD_DIM and (value_dim or dp) <= max(NARROW_VALUE_COLS):
+        return None  # (O for V's head dim: forward.cu's narrow kernels)
     asked = env_choice("SAGEBWD_FORWARD_WS", (0, 1))
     # (SAGEBWD_FORWARD_KEY_TILE forces forward.cu's key tile: that kernel, then, unless this one is asked for.)
-    measured_faster = (dp == 128 and not options.causal and not varlen and len_k <= WS_FORWARD_MAX_KEYS
-                       and env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128)) is None)
+    measured_faster = ((dp == 128 and not options.causal and len_k <= WS_FORWARD_MAX_KEYS
+                        and env_choice("SAGEBWD_FORWARD_KEY_TILE", (64, 128)) is None)
+                       or dp > numerics.WIDE_HEAD_DIM) and not varlen
     if asked == 0 or (asked is None and not measured_faster):
         return None
-    tiles = ws_forward_shape(dp)
-    overrides = {"consumers": env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
-                 "stages": env_choice("SAGEBWD_FORWARD_STAGES", (2, 3, 4)),
+    tiles, fixed = ws_forward_shape(dp), dp > numerics.WIDE_HEAD_DIM
+    overrides = {"consumers": None if fixed else env_choice("SAGEBWD_FORWARD_CONSUMERS", (1, 2, 3)),
+                 "stages": env_choice("SAGEBWD_FORWARD_STAGES", (2, 3) if fixed else (2, 3, 4)),
                  "pingpong": env_choice("SAGEBWD_FORWARD_PINGPONG", (0, 1)),
                  "persistent": env_choice("SAGEBWD_FORWARD_PERSISTENT", (0, 1)),
-                 "key_tile": None if varlen else env_choice("SAGEBWD_FORWARD_WS_KEYS", (128, 192))}
+                 "key_tile": None if varlen or fixed else env_choice("SAGEBWD_FORWARD_WS_KEYS", (128, 192))}
     return dataclasses.replace(tiles, **{k: type(getattr(tiles, k))(v) for k, v in overrides.items() if v is not None})
 
 
@@ -673,6 +682,8 @@ def all_specs(arch: str | None = None) -> list:
                             specs.append(backward_kernel(dp, dt, fwd, BackwardTiles(2), arch, limit, varlen)[1])
                         if arch in WGMMA_ARCHS:
                             specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(narrow_value_dim(fwd, dp)), varlen))
+                            if window < 0 and not cap and not varlen:  # (V wider than 192 columns: forward_ws_tiles)
+                                specs.append(forward_ws_spec(dp, dt, fwd, ws_forward_shape(dp), varlen))
                             for cols in NARROW_VALUE_COLS:  # (the plain masks only: narrow_value_dim)
                                 if narrow_value_dim(fwd, cols):
                                     specs.append(forward_spec(dp, dt, fwd, wide_forward_tiles(cols), varlen))
