@@ -8,17 +8,24 @@ knows for the chip).
 
     python tools/ncu_table.py --variants default: ws:SAGEBWD_BACKWARD_WS=1 cudnn \\
         --passes bwd --head-dims 64 128 --seqlens 2048 16384 --json out.json
+
+With ``--base DIR`` (another version's ``kernels/`` and ``ptx/``, and its ``sagebwd_cp/`` if there, as for
+``tools/ab_kernels.py``) each of our variants is profiled with those sources too, labelled ``LABEL@base``: the old,
+new and cuDNN lines of a kernel change from one command.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASE_METRICS = {
@@ -63,6 +70,25 @@ def profile(ncu, metrics, impl, env, which, d, n, args) -> dict:
     return {"kernel": name, **values}
 
 
+@contextlib.contextmanager
+def base_sources(base: str):
+    """The checkout's kernel sources replaced by ``base``'s (ab_kernels.py's folders) inside the block, restored after."""
+    from ab_kernels import PYTHON_DIR, ROOT, SOURCE_DIRS, _copy_sources
+
+    for d in SOURCE_DIRS:
+        if not os.path.isdir(os.path.join(base, d)):
+            raise SystemExit(f"--base: expected {os.path.join(base, d)} (git archive <commit> kernels ptx)")
+    dirs = {**SOURCE_DIRS, **(PYTHON_DIR if all(os.path.isdir(os.path.join(base, d)) for d in PYTHON_DIR) else {})}
+    saved = tempfile.mkdtemp()
+    _copy_sources(ROOT, saved, dirs)
+    try:
+        _copy_sources(base, ROOT, dirs)
+        yield
+    finally:
+        _copy_sources(saved, ROOT, dirs)
+        shutil.rmtree(saved, ignore_errors=True)
+
+
 def _num(s):
     try:
         return float(s)
@@ -85,6 +111,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true", help="our backward's deterministic dQ order")
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--json", help="also write the raw values here")
+    ap.add_argument("--base", help="also profile our variants with this folder's kernel sources (ab_kernels.py's)")
     args = ap.parse_args()
     tensor = tensor_pipe_metrics(args.ncu)
     metrics = list(BASE_METRICS.values()) + tensor
@@ -94,23 +121,35 @@ def main():
     print("| pass | d | N | variant | time µs | issue busy % | no eligible % | warps active / eligible "
           "| instructions (M) | registers | grid × block | tensor pipe % |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for which in args.passes:
-        for d in args.head_dims:
-            for n in args.seqlens:
-                for variant in args.variants:
-                    label, _, settings = variant.partition(":")
-                    impl = "cudnn" if label == "cudnn" else "ours"
-                    env = dict(s.split("=") for s in filter(None, settings.split(",")))
-                    v = profile(args.ncu, metrics, impl, env, which, d, n, args)
-                    results.append({"pass": which, "d": d, "N": n, "variant": label, **v})
-                    busiest = max((_num(v.get(m)) for m in tensor), default=float("nan"))
-                    print(f"| {which} | {d} | {n} | {label} | {_num(v[BASE_METRICS['time_us']]):.1f} "
-                          f"| {_num(v[BASE_METRICS['issue_busy_pct']]):.1f} "
-                          f"| {100 - _num(v[BASE_METRICS['issue_active_pct']]):.1f} "
-                          f"| {_num(v[BASE_METRICS['warps_active']]):.2f} / {_num(v[BASE_METRICS['warps_eligible']]):.2f} "
-                          f"| {_num(v[BASE_METRICS['instructions']]) / 1e6:.1f} "
-                          f"| {v[BASE_METRICS['registers']]} | {v[BASE_METRICS['grid']]} × {v[BASE_METRICS['block']]} "
-                          f"| {busiest:.1f} |", flush=True)
+
+    def table(variants, suffix=""):
+        for which in args.passes:
+            for d in args.head_dims:
+                for n in args.seqlens:
+                    for variant in variants:
+                        row(which, d, n, variant, suffix)
+
+    def row(which, d, n, variant, suffix):
+        label, _, settings = variant.partition(":")
+        impl = "cudnn" if label == "cudnn" else "ours"
+        label += suffix
+        env = dict(s.split("=") for s in filter(None, settings.split(",")))
+        v = profile(args.ncu, metrics, impl, env, which, d, n, args)
+        results.append({"pass": which, "d": d, "N": n, "variant": label, **v})
+        busiest = max((_num(v.get(m)) for m in tensor), default=float("nan"))
+        print(f"| {which} | {d} | {n} | {label} | {_num(v[BASE_METRICS['time_us']]):.1f} "
+              f"| {_num(v[BASE_METRICS['issue_busy_pct']]):.1f} "
+              f"| {100 - _num(v[BASE_METRICS['issue_active_pct']]):.1f} "
+              f"| {_num(v[BASE_METRICS['warps_active']]):.2f} / {_num(v[BASE_METRICS['warps_eligible']]):.2f} "
+              f"| {_num(v[BASE_METRICS['instructions']]) / 1e6:.1f} "
+              f"| {v[BASE_METRICS['registers']]} | {v[BASE_METRICS['grid']]} × {v[BASE_METRICS['block']]} "
+              f"| {busiest:.1f} |", flush=True)
+
+    table(args.variants)
+    if args.base:
+        ours = [v for v in args.variants if v.partition(":")[0] != "cudnn"]
+        with base_sources(args.base):
+            table(ours, "@base")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
