@@ -52,3 +52,23 @@ def test_tensor_pipes_are_the_ones_ncu_lists(monkeypatch):
     assert ncu_table.tensor_pipe_metrics("ncu") == [
         "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
         "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"]
+
+
+def test_base_sources_swap_the_kernels_in_and_restore_them(tmp_path):
+    """--base: inside the block the checkout's kernel sources are the base's; after it (an error included), its own."""
+    root, base = tmp_path / "checkout", tmp_path / "base"
+    for tree, text in ((root, "new"), (base, "old")):
+        for d in ("kernels", "ptx"):
+            (tree / d).mkdir(parents=True)
+            (tree / d / "a.cu").write_text(f"{text} {d}")
+    (root / "kernels" / "only_new.cuh").write_text("new only")
+    with pytest.raises(KeyError):
+        with ncu_table.base_sources(str(base), str(root)):
+            assert (root / "kernels" / "a.cu").read_text() == "old kernels"
+            assert (root / "ptx" / "a.cu").read_text() == "old ptx"
+            raise KeyError("a failed profile")
+    assert (root / "kernels" / "a.cu").read_text() == "new kernels" and (root / "ptx" / "a.cu").read_text() == "new ptx"
+    assert (root / "kernels" / "only_new.cuh").read_text() == "new only"
+    with pytest.raises(SystemExit, match="--base: expected"):
+        with ncu_table.base_sources(str(tmp_path / "missing"), str(root)):
+            pass

@@ -28,6 +28,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+try:  # (run as a script from tools/, or imported as tools.ncu_table)
+    from ab_kernels import PYTHON_DIR, SOURCE_DIRS, _copy_sources
+except ImportError:
+    from tools.ab_kernels import PYTHON_DIR, SOURCE_DIRS, _copy_sources
 BASE_METRICS = {
     "time_us": "gpu__time_duration.sum",  # read back in µs
     "issue_busy_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
@@ -71,21 +75,20 @@ def profile(ncu, metrics, impl, env, which, d, n, args) -> dict:
 
 
 @contextlib.contextmanager
-def base_sources(base: str):
-    """The checkout's kernel sources replaced by ``base``'s (ab_kernels.py's folders) inside the block, restored after."""
-    from ab_kernels import PYTHON_DIR, ROOT, SOURCE_DIRS, _copy_sources
-
+def base_sources(base: str, root: str = os.path.dirname(HERE)):
+    """The checkout's (``root``'s) kernel sources replaced by ``base``'s (ab_kernels.py's folders) inside the block,
+    restored after."""
     for d in SOURCE_DIRS:
         if not os.path.isdir(os.path.join(base, d)):
             raise SystemExit(f"--base: expected {os.path.join(base, d)} (git archive <commit> kernels ptx)")
     dirs = {**SOURCE_DIRS, **(PYTHON_DIR if all(os.path.isdir(os.path.join(base, d)) for d in PYTHON_DIR) else {})}
     saved = tempfile.mkdtemp()
-    _copy_sources(ROOT, saved, dirs)
+    _copy_sources(root, saved, dirs)
     try:
-        _copy_sources(base, ROOT, dirs)
+        _copy_sources(base, root, dirs)
         yield
     finally:
-        _copy_sources(saved, ROOT, dirs)
+        _copy_sources(saved, root, dirs)
         shutil.rmtree(saved, ignore_errors=True)
 
 
