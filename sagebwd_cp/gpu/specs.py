@@ -223,7 +223,8 @@ def forward_key_tile(options: AttentionOptions | None = None) -> int:
 WIDE_WGMMA_FORWARD_TILES = ForwardTiles(warps=4, m_tiles=1, wgmma=True, key_tile=numerics.BLOCK_KV)
 # The plain masks (none, causal) with V's whole padded head dim: two warpgroups sharing 128-key tiles, one CTA an SM
 # (one row maximum, P̂ scale and O update per 128 keys): forward 1.08-1.19x the 64-key kernel at d=256; 0.94x with a
-# window and a soft cap, 0.89-0.96x for 128 columns of V on three warpgroups (H200, docs/PERFORMANCE.md).
+# window and a soft cap, 0.89-0.96x for 128 columns of V on three warpgroups (H200, docs/PERFORMANCE.md). Dense batches
+# take the warp-specialized forward there (forward_ws_tiles: the same results), packed ones and SAGEBWD_FORWARD_WS=0 this.
 WIDE_PLAIN_FORWARD_TILES = ForwardTiles(warps=8, m_tiles=1, wgmma=True, key_tile=2 * numerics.BLOCK_KV)
 # V head dims that the wide wgmma forward holds O for when V is narrower than the padded head dim (SB_DPV: MLA's 128
 # under a Q·K head dim of 192, and d=192 itself): three CTAs an SM instead of two. Built for the plain masks (none,
