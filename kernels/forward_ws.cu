@@ -18,8 +18,8 @@
 // schedules start with every (head, batch entry)'s last query block (the longest), heads fastest;
 // others go query block fastest, so that CTAs running together read one key head.
 //
-// Compile-time parameters: SB_DP (64, 128 or 256: two consumers, one product at a time), SB_BF16, SB_CAUSAL, SB_VARLEN as in forward.cu (no
-// Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG; and from specs.WsForwardTiles:
+// Compile-time parameters: SB_DP (64, 128 or 256: two consumers, one product at a time), SB_BF16, SB_CAUSAL,
+// SB_VARLEN as in forward.cu (no Q-smoothing); SB_CONSUMERS (1-3), SB_KV_STAGES (2-4), SB_PINGPONG; and from specs.WsForwardTiles:
 // SB_TILE_KEYS (128, or 192: three V scale blocks a tile, P̂'s row scale and O's rescale once per 192
 // keys, numerics.py's forward with key_tile 192), SB_THREADS, SB_CTA_Q, SB_MIN_BLOCKS (CTAs an SM), and
 // the key tiles' TMA swizzles SB_TMA_SWIZZLE_K and SB_TMA_SWIZZLE_VT (WsForwardTiles.key_maps).
@@ -59,7 +59,7 @@ static_assert(TILE == 128 || (TILE == 192 && !SB_VARLEN), "128-key tiles, or 192
 constexpr int K_BOX = SB_TMA_SWIZZLE_K, K_BOXES = DP / K_BOX;
 constexpr int VT_BOX = SB_TMA_SWIZZLE_VT, VT_BOXES = TILE / VT_BOX;
 static_assert(K_BOX == (DP > 128 ? 128 : DP) && VT_BOX == (TILE == 128 ? 128 : 64), "each box in the swizzle of its rows");
-static_assert(DP <= 128 || (TILE == 128 && SB_CONSUMERS == 2), "d=256: 128-key tiles, two consumers");
+static_assert(DP <= 128 || (TILE == 128 && CONSUMERS == 2), "d=256: 128-key tiles, two consumers");
 constexpr int KSTEPS_D = DP / 32;            // k-steps of S over the head dim
 constexpr int NT_KV = TILE / 8;              // n-tiles of S over the key tile
 constexpr int KSTEPS_P = TILE / 32;          // k-steps of P̂V̂ over the key tile

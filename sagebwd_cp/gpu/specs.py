@@ -362,8 +362,8 @@ def forward_ws_tiles(dp: int, arch: str | None, options: AttentionOptions, varle
     O's registers leave, and two or three stages (shared memory); ping-pong and persistence may be switched."""
     if not use_wgmma(arch) or options.smooth_q or options.windowed or options.softcap:
         return None
-    if dp > numerics.WIDE_HEAD_DIM and (value_dim or dp) <= max(NARROW_VALUE_COLS):
-        return None  # (O for V's head dim: forward.cu's narrow kernels)
+    if dp > numerics.WIDE_HEAD_DIM and wide_forward_tiles(value_dim or dp) != WIDE_PLAIN_FORWARD_TILES:
+        return None  # (O for V's head dim: forward.cu's narrow kernels; this kernel takes the two-warpgroup one's calls)
     asked = env_choice("SAGEBWD_FORWARD_WS", (0, 1))
     # (SAGEBWD_FORWARD_KEY_TILE forces forward.cu's key tile: that kernel, then, unless this one is asked for.)
     measured_faster = ((dp == 128 and not options.causal and len_k <= WS_FORWARD_MAX_KEYS
