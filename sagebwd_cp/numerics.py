@@ -19,8 +19,9 @@ Conventions
   K - μ_K.
 * ψ(x) (``quantize_block``): amax = max|x| over the valid entries; scale = amax / 127 and
   inv = 127 / amax (both IEEE float32 divisions); x̂ = rint(x * inv) (the exact product rounded once
-  to the nearest integer, ties to even: one FMA in the kernels), clamped to [-127, 127].  A block whose amax is below TINY_AMAX = 2^-120 (all
-  zero, or so small that 127/amax would overflow float32) counts as zero: scale 0 and x̂ = 0.
+  to the nearest integer, ties to even: one FMA in the kernels), clamped to [-127, 127].  A block
+  whose amax is below TINY_AMAX = 2^-120 (all zero, or so small that 127/amax would overflow float32)
+  counts as zero: scale 0 and x̂ = 0.
   Scales feed other quantizations, where a zero block at scale 1 would coarsen the rest: the
   forward's 128-key tile scales P̂ by s_V/s_max (a zero V block's 1 as s_max).  At scale 0 such a
   block contributes 0, as its codes do.  (The backward's tile quantizers, ``quantize_tile``, keep

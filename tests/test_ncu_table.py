@@ -55,7 +55,8 @@ def test_tensor_pipes_are_the_ones_ncu_lists(monkeypatch):
 
 
 def test_base_sources_swap_the_kernels_in_and_restore_them(tmp_path):
-    """--base: inside the block the checkout's kernel sources are the base's; after it (an error included), its own."""
+    """--base (ab_kernels.swapped_sources): inside the block the checkout's kernel sources are the base's; after it
+    (an error included), its own."""
     root, base = tmp_path / "checkout", tmp_path / "base"
     for tree, text in ((root, "new"), (base, "old")):
         for d in ("kernels", "ptx"):
@@ -63,12 +64,12 @@ def test_base_sources_swap_the_kernels_in_and_restore_them(tmp_path):
             (tree / d / "a.cu").write_text(f"{text} {d}")
     (root / "kernels" / "only_new.cuh").write_text("new only")
     with pytest.raises(KeyError):
-        with ncu_table.base_sources(str(base), str(root)):
+        with ncu_table.swapped_sources(str(base), str(root)):
             assert (root / "kernels" / "a.cu").read_text() == "old kernels"
             assert (root / "ptx" / "a.cu").read_text() == "old ptx"
             raise KeyError("a failed profile")
     assert (root / "kernels" / "a.cu").read_text() == "new kernels" and (root / "ptx" / "a.cu").read_text() == "new ptx"
     assert (root / "kernels" / "only_new.cuh").read_text() == "new only"
     with pytest.raises(SystemExit, match="--base: expected"):
-        with ncu_table.base_sources(str(tmp_path / "missing"), str(root)):
+        with ncu_table.swapped_sources(str(tmp_path / "missing"), str(root)):
             pass

@@ -21,6 +21,7 @@ Python modules are swapped in too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -42,6 +43,25 @@ def _copy_sources(src_root: str, dst_root: str, dirs: dict) -> None:
             for name in names:
                 if name.endswith(suffixes):
                     shutil.copy2(os.path.join(folder, name), os.path.join(dst_root, rel, name))
+
+
+@contextlib.contextmanager
+def swapped_sources(base: str, root: str | None = None):
+    """``root``'s (default: this checkout's) kernel sources (and Python modules, where ``base`` holds them) replaced
+    by ``base``'s inside the block, and its own put back after, whatever happened."""
+    root = root or ROOT
+    for d in SOURCE_DIRS:
+        if not os.path.isdir(os.path.join(base, d)):
+            raise SystemExit(f"--base: expected {os.path.join(base, d)} (git archive <commit> kernels ptx)")
+    dirs = {**SOURCE_DIRS, **(PYTHON_DIR if all(os.path.isdir(os.path.join(base, d)) for d in PYTHON_DIR) else {})}
+    saved = tempfile.mkdtemp()
+    _copy_sources(root, saved, dirs)
+    try:
+        _copy_sources(base, root, dirs)
+        yield
+    finally:
+        _copy_sources(saved, root, dirs)
+        shutil.rmtree(saved, ignore_errors=True)
 
 
 def _bench(bench_args, env=None, script="attention") -> dict:
@@ -89,21 +109,9 @@ def main(argv=None) -> int:
         first, base, again = run(), run(env), run()
         _print(first, base, again)
         return 0
-    for d in SOURCE_DIRS:
-        if not os.path.isdir(os.path.join(args.base, d)):
-            raise SystemExit(f"--base: expected {os.path.join(args.base, d)} (git archive <commit> kernels ptx)")
-    dirs = dict(SOURCE_DIRS)
-    if all(os.path.isdir(os.path.join(args.base, d)) for d in PYTHON_DIR):
-        dirs.update(PYTHON_DIR)
-    saved = tempfile.mkdtemp()
-    _copy_sources(ROOT, saved, dirs)
-    try:
-        first = run()
-        _copy_sources(args.base, ROOT, dirs)
+    first = run()
+    with swapped_sources(args.base):
         base = run()
-    finally:
-        _copy_sources(saved, ROOT, dirs)  # the checkout's own sources back, whatever happened
-        shutil.rmtree(saved, ignore_errors=True)
     again = run()
     _print(first, base, again)
     return 0

@@ -16,22 +16,19 @@ new and cuDNN lines of a kernel change from one command.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:  # (run as a script from tools/, or imported as tools.ncu_table)
-    from ab_kernels import PYTHON_DIR, SOURCE_DIRS, _copy_sources
+    from ab_kernels import swapped_sources
 except ImportError:
-    from tools.ab_kernels import PYTHON_DIR, SOURCE_DIRS, _copy_sources
+    from tools.ab_kernels import swapped_sources
 BASE_METRICS = {
     "time_us": "gpu__time_duration.sum",  # read back in µs
     "issue_busy_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
@@ -72,24 +69,6 @@ def profile(ncu, metrics, impl, env, which, d, n, args) -> dict:
         scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(row.get("Metric Unit", ""))
         values[row["Metric Name"]] = str(_num(value) * scale) if scale else value
     return {"kernel": name, **values}
-
-
-@contextlib.contextmanager
-def base_sources(base: str, root: str = os.path.dirname(HERE)):
-    """The checkout's (``root``'s) kernel sources replaced by ``base``'s (ab_kernels.py's folders) inside the block,
-    restored after."""
-    for d in SOURCE_DIRS:
-        if not os.path.isdir(os.path.join(base, d)):
-            raise SystemExit(f"--base: expected {os.path.join(base, d)} (git archive <commit> kernels ptx)")
-    dirs = {**SOURCE_DIRS, **(PYTHON_DIR if all(os.path.isdir(os.path.join(base, d)) for d in PYTHON_DIR) else {})}
-    saved = tempfile.mkdtemp()
-    _copy_sources(root, saved, dirs)
-    try:
-        _copy_sources(base, root, dirs)
-        yield
-    finally:
-        _copy_sources(saved, root, dirs)
-        shutil.rmtree(saved, ignore_errors=True)
 
 
 def _num(s):
@@ -151,7 +130,7 @@ def main():
     table(args.variants)
     if args.base:
         ours = [v for v in args.variants if v.partition(":")[0] != "cudnn"]
-        with base_sources(args.base):
+        with swapped_sources(args.base):
             table(ours, "@base")
     if args.json:
         with open(args.json, "w") as f:
