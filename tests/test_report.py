@@ -347,6 +347,29 @@ def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch
     assert "--window" in seen[0]
 
 
+def test_ab_kernels_reads_each_kernels_time_as_calls_a_second(monkeypatch):
+    """tools/ab_kernels.py --bench kernels: tools/experiments/kernel_times.py's "<shape> <kernel> <µs>" lines read as
+    1000 / µs by (shape, kernel), so that this / base stays above 1 where this kernel is faster."""
+    sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tools"))
+    import ab_kernels
+
+    out = "8x16x16x2048x128 quantize_tensors 100.00\n8x16x16x2048x128 attention_backward 2000.00\nnoise line\n"
+    seen = []
+
+    class Result:
+        returncode, stdout, stderr = 0, out, ""
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return Result()
+
+    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    rows = ab_kernels._bench(["8x16x16x2048x128"], script="kernels")
+    assert rows == {("8x16x16x2048x128", "-", "-", "quantize_tensors", "ours"): 10.0,
+                    ("8x16x16x2048x128", "-", "-", "attention_backward", "ours"): 0.5}
+    assert seen[0][1].endswith(os.path.join("experiments", "kernel_times.py")) and seen[0][2:] == ["8x16x16x2048x128"]
+
+
 def test_json_text_writes_a_record_a_line_and_loads_back_the_same():
     data = {"metadata": {"device": "Test GPU", "versions": {"torch": "2.4", "cupy": None}, 1024: {"reps": 3}},
             "records": [dict(impl="sagebwd", seqlen=n, ms=1.0 / 3, tflops=float(n), curve=list(range(50)),

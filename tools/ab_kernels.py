@@ -66,13 +66,22 @@ def swapped_sources(base: str, root: str | None = None):
 
 def _bench(bench_args, env=None, script="attention") -> dict:
     """{(d, causal, N, pass, impl): TOPS} of our rows, from bench_attention.py's table; or, script
-    "wide_head_dims", {(shape, pass): calls a second} from bench_wide_head_dims.py's lines."""
+    "wide_head_dims", {(shape, pass): calls a second} from bench_wide_head_dims.py's lines; or, script "kernels",
+    {(shape, kernel): 1000 / µs} from tools/experiments/kernel_times.py (each kernel of one fwd+bwd)."""
     extra = ["--peers", "ours"] if script == "wide_head_dims" else []
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"bench_{script}.py"), *bench_args, *extra],
+    path = (os.path.join(ROOT, "tools", "experiments", "kernel_times.py") if script == "kernels" else
+            os.path.join(ROOT, "benchmarks", f"bench_{script}.py"))
+    out = subprocess.run([sys.executable, path, *bench_args, *extra],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
-        raise SystemExit(f"bench_{script}.py failed:\n{out.stdout}\n{out.stderr}")
+        raise SystemExit(f"{os.path.basename(path)} failed:\n{out.stdout}\n{out.stderr}")
     rows = {}
+    if script == "kernels":  # "<shape> <kernel> <µs>"
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3:
+                rows[(parts[0], "-", "-", parts[1][:26], "ours")] = 1000.0 / float(parts[2])
+        return rows
     if script == "wide_head_dims":  # "<shape>: ours <fwd ms>/<fwd+bwd ms>"
         for line in out.stdout.splitlines():
             parts = line.split()
@@ -98,8 +107,9 @@ def main(argv=None) -> int:
                     help="a folder holding the other version's kernels/ and ptx/")
     ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
                     help="compare with these sources under this environment setting instead of --base")
-    ap.add_argument("--bench", choices=("attention", "wide_head_dims"), default="attention",
-                    help="the benchmark to time with (its arguments follow)")
+    ap.add_argument("--bench", choices=("attention", "wide_head_dims", "kernels"), default="attention",
+                    help="the benchmark to time with (its arguments follow; kernels: the shapes of "
+                         "tools/experiments/kernel_times.py, each kernel's 1000 / µs)")
     args, bench_args = ap.parse_known_args(argv)
     run = lambda env=None: _bench(bench_args, env, args.bench)  # noqa: E731
     if args.base_env:
