@@ -379,9 +379,28 @@ SB_DEVICE void quantize_blocks(Shared& sm, uint4* raw, const u16* __restrict__ x
 #pragma unroll
                 for (int n = 0; n < 4; ++n) col[4 * half + n][k] = t4[n];
             }
+        // Out through shared memory as whole 128-byte rows of t_out: a column's 128 tokens (the CTA's two blocks)
+        // make one line, where each thread's 16 tokens of a column went out alone before, half a sector each (the
+        // pass took 1.3-1.7x its time without those stores). The tile: [DPAD][128] bytes over raw, its 16-byte
+        // chunks swizzled by (row / 8) % 8, so that 8 lanes' chunks, written or read, fill the 32 banks.
+        __syncthreads();  // every thread has read its codes from raw
+        u8* tile = reinterpret_cast<u8*>(raw);
+        const int G = tid / L;  // the thread's token group in the CTA: tokens 16·G.. of its 128
+        // Rows c0.. (one swizzle: c0 is a multiple of 8), chunk G.
+        u8* own = tile + c0 * 128 + 16 * (G ^ ((c0 >> 3) & 7));
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-            *reinterpret_cast<uint4*>(t_out + t0 + static_cast<i64>(c0 + e) * N_pad + tok0) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
+        for (int e = 0; e < 8; ++e) *reinterpret_cast<uint4*>(own + e * 128) = make_uint4(col[e][0], col[e][1], col[e][2], col[e][3]);
+        __syncthreads();
+        // Thread t copies chunk t % 8 of rows t / 8 + k·DPAD / 8.
+        static_assert(2 * TPB == DPAD, "a thread a head-dim column: the tile's 8·DPAD chunks, 8 each");
+        const int j = tid & 7;
+        i8* out = t_out + t0 + static_cast<i64>(tid >> 3) * N_pad + (tok0 - 16 * G) + 16 * j;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int row = (tid >> 3) + k * (DPAD / 8);
+            *reinterpret_cast<uint4*>(out + static_cast<i64>(k * (DPAD / 8)) * N_pad) =
+                *reinterpret_cast<const uint4*>(tile + row * 128 + 16 * (j ^ ((row >> 3) & 7)));
+        }
     }
 }
 
@@ -391,20 +410,18 @@ SB_DEVICE void quantize_blocks(Shared& sm, uint4* raw, const u16* __restrict__ x
 // runs over a's CTAs, then b's, then c's; blockIdx.z is the batch; D_pad threads a CTA; sum_parts: the
 // parts of the job with mean_sum (token_sum's grid.x). Several CTAs
 // per SM (256 bytes of shared memory a thread): one CTA's loads are in flight while the others round and store.
-// d=64: a floor of five CTAs an SM (96 registers): without one ptxas takes 72 and spills 24 bytes in the bf16 packed
-// kernel on sm_90 (NVRTC 13.5), and at six (80) 8-16 bytes in the fp16 packed kernels on sm_80-90 (13.0). Blackwell
-// spills the packed kernels at five too (sm_100, 13.5), and at d=128 without a floor (72 registers, 13.0): four there
-// (128 registers) at both. d=256: a floor of three (85 registers, shared memory's limit for quantize_tensors): without
-// one NVRTC 13.0 took 64 and spilled 12 bytes on sm_90 (Blackwell, which spilled at three, keeps its own choice). d=128
-// elsewhere (64) chooses its own.
+// Floors of CTAs an SM, each where ptxas spilled without it (NVRTC 13.0 or 13.5): five at d=64 and d=128 (96
+// registers; at d=128 it took 80 and spilled 4-8 bytes once t_out went through shared memory), three at d=256 (85,
+// shared memory's limit for quantize_tensors; it took 64 and spilled 12 bytes). Blackwell: four at d <= 128 (128
+// registers), two at d=256 (its packed kernels spilled 12-48 bytes at three and without a floor).
 #if SB_DP <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 4)
-#elif SB_DP == 64
+#elif SB_DP <= 128
 #define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 5)
-#elif SB_DP == 256 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 1000
-#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 3)
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 2)
 #else
-#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX)
+#define SB_QUANT_BOUNDS __launch_bounds__(QTHREADS_MAX, 3)
 #endif
 // FUSED: the entry quantize_tensors_fused, for the forward's K (QUANT_FUSED_SUM) and V jobs alone, dense batches:
 // an entry of its own, so that the fused sums' registers leave quantize_tensors' alone.

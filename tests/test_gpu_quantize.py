@@ -27,6 +27,8 @@ CASES = [
     (1, 4, 2, 1000, 1000, 128, "float16", "HND", False, True),
     (1, 2, 2, 4097, 4097, 64, "bfloat16", "NHD", True, True),
     (1, 2, 1, 100, 4097, 80, "bfloat16", "HND", False, False),
+    (1, 2, 1, 300, 300, 256, "bfloat16", "NHD", False, False),
+    (2, 2, 2, 129, 129, 192, "float16", "HND", True, False),
 ]
 
 
