@@ -4,8 +4,9 @@
 // each group of 16 stored in the register-fragment order (numerics.KEY_PERMUTATION_16).
 // Entries: quantize_tensors (up to three tensors in one launch) and token_sum (the float64 token
 // sums behind μ_K). A thread's raw chunks come by cp.async into its own slots of shared memory, and
-// it writes both layouts itself (quantize_blocks): no tile shared between threads, no barrier except
-// for per-block maxima and Q-smoothing's means at D_pad = 128.
+// it codes them itself (quantize_blocks): the row-major codes go out from its registers, the transposed ones
+// through a tile the CTA shares, as whole 128-byte rows; the other barriers are for per-block maxima and
+// Q-smoothing's means at D_pad = 128.
 //
 // Compile-time: SB_DP (the padded head dim, D_pad), SB_BF16 (input dtype), SB_BLOCK_Q / SB_BLOCK_KV (rows per block of
 // V and dO); from specs.py
@@ -70,7 +71,7 @@ constexpr int FUSED_COLSUM_ROWS = D_PAD == 256 ? D_PAD / 64 : D_PAD / 32;
 // of 16 bytes come by cp.async into its own column of a shared tile (no registers held while they
 // fly, all in flight at once) and are read twice, a row at a time, for the maxima and for the codes;
 // a row is stored as 8 bytes as it is coded, and its codes for the transposed copy take its slot,
-// whence the group's 16 rows are transposed and stored as 16-byte columns.
+// whence the group's 16 rows are transposed into 16-byte column pieces, which the CTA stores as whole rows.
 // x: 16-bit input with strides (in elements) sb, sh, sn and unit stride along d.
 // prescale multiplies every value first (c*log2(e) for Q, 1 otherwise).
 // mean_sum (optional, [B][H][sum_parts][DPAD] float64 partial token sums, token_sum's): μ = float32(sum / N)
