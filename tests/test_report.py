@@ -318,16 +318,12 @@ def test_ab_kernels_reads_our_rows_and_restores_the_sources_when_a_run_fails(tmp
     assert (root / "ptx" / "k.cu").read_text() == "root ptx"
 
 
-def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch):
-    """tools/ab_kernels.py --bench wide_head_dims: bench_wide_head_dims.py run for our kernels alone, its
-    "<shape>: ours <fwd ms>/<fwd+bwd ms>" lines read as calls a second (1000 / ms), so that this / base stays
-    above 1 where this is faster."""
+def _ab_kernels_printing(monkeypatch, out):
+    """tools/ab_kernels.py with its benchmark's subprocess faked to print ``out``; the commands it ran go in the list
+    returned beside the module."""
     sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tools"))
     import ab_kernels
 
-    out = ("device: Test GPU  torch 2.11  (bf16, causal; ms fwd / fwd+bwd)\n"
-           "2x16x4x4096x256: ours 0.500/2.000\n"
-           "2x16x4x4096x192x128: ours 0.250/4.000\n")
     seen = []
 
     class Result:
@@ -338,6 +334,16 @@ def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch
         return Result()
 
     monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    return ab_kernels, seen
+
+
+def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch):
+    """tools/ab_kernels.py --bench wide_head_dims: bench_wide_head_dims.py run for our kernels alone, its
+    "<shape>: ours <fwd ms>/<fwd+bwd ms>" lines read as calls a second (1000 / ms), so that this / base stays
+    above 1 where this is faster."""
+    ab_kernels, seen = _ab_kernels_printing(monkeypatch, "device: Test GPU  torch 2.11  (bf16, causal; ms fwd / fwd+bwd)\n"
+                                                         "2x16x4x4096x256: ours 0.500/2.000\n"
+                                                         "2x16x4x4096x192x128: ours 0.250/4.000\n")
     rows = ab_kernels._bench(["--shapes", "2x16x4x4096x256", "--window", "4096"], script="wide_head_dims")
     assert rows == {("2x16x4x4096x256", "-", "-", "fwd", "ours"): 2000.0,
                     ("2x16x4x4096x256", "-", "-", "fwdbwd", "ours"): 500.0,
@@ -350,20 +356,8 @@ def test_ab_kernels_reads_the_wide_head_dims_lines_as_calls_a_second(monkeypatch
 def test_ab_kernels_reads_each_kernels_time_as_calls_a_second(monkeypatch):
     """tools/ab_kernels.py --bench kernels: tools/experiments/kernel_times.py's "<shape> <kernel> <µs>" lines read as
     1000 / µs by (shape, kernel), so that this / base stays above 1 where this kernel is faster."""
-    sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tools"))
-    import ab_kernels
-
-    out = "8x16x16x2048x128 quantize_tensors 100.00\n8x16x16x2048x128 attention_backward 2000.00\nnoise line\n"
-    seen = []
-
-    class Result:
-        returncode, stdout, stderr = 0, out, ""
-
-    def fake_run(cmd, **kw):
-        seen.append(cmd)
-        return Result()
-
-    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    ab_kernels, seen = _ab_kernels_printing(
+        monkeypatch, "8x16x16x2048x128 quantize_tensors 100.00\n8x16x16x2048x128 attention_backward 2000.00\nnoise\n")
     rows = ab_kernels._bench(["8x16x16x2048x128"], script="kernels")
     assert rows == {("8x16x16x2048x128", "-", "-", "quantize_tensors", "ours"): 10.0,
                     ("8x16x16x2048x128", "-", "-", "attention_backward", "ours"): 0.5}
