@@ -80,7 +80,7 @@ def _bench(bench_args, env=None, script="attention") -> dict:
         for line in out.stdout.splitlines():
             parts = line.split()
             if len(parts) == 3:
-                rows[(parts[0], "-", "-", parts[1][:26], "ours")] = 1000.0 / float(parts[2])
+                rows[(parts[0], "-", "-", parts[1], "ours")] = 1000.0 / float(parts[2])
         return rows
     if script == "wide_head_dims":  # "<shape>: ours <fwd ms>/<fwd+bwd ms>"
         for line in out.stdout.splitlines():
